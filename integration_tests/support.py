@@ -1,0 +1,36 @@
+"""Helpers shared by the integration tests: the repo root, and running commands with checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(cmd, *, env=None, cwd=None, timeout=300, check=True):
+    """Run a command; on failure show its output in the assertion message."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
+    return proc
+
+
+def torchrun(script, *args, nproc, env=None, timeout=300):
+    """Run a script under torchrun on this machine (gloo on CPU), with a free rendezvous port."""
+    return run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(script),
+            *map(str, args),
+        ],
+        env=env,
+        timeout=timeout,
+    )

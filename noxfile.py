@@ -1,0 +1,109 @@
+"""Test sessions. `nox -s tests` is what CI runs: lint, every package alone, then integration.
+
+Each package session installs only that package (and core-mesh, and whatever the package itself
+depends on) into a fresh venv, so a missing dependency declaration fails here, not for users.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
+PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop"]
+SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint"]}
+
+nox.options.default_venv_backend = "uv|virtualenv"
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = False
+
+# uv does not read pip's settings; carry pip's local wheel folder over so the pinned torch
+# resolves to the local CPU build where the machine has one.
+if "UV_FIND_LINKS" not in os.environ and os.environ.get("PIP_FIND_LINKS"):
+    os.environ["UV_FIND_LINKS"] = os.environ["PIP_FIND_LINKS"]
+
+
+def group(name: str) -> list[str]:
+    return nox.project.dependency_groups(PYPROJECT, name)
+
+
+def package_paths(*names: str) -> list[str]:
+    return [str(ROOT / "packages" / name) for name in names]
+
+
+def plugin_paths() -> list[str]:
+    return sorted(str(p.parent) for p in (ROOT / "plugins").glob("*/pyproject.toml"))
+
+
+def install_everything(session: nox.Session) -> None:
+    session.install(
+        *CONSTRAINTS,
+        *package_paths(*PACKAGES),
+        str(ROOT),
+        *plugin_paths(),
+        *group("test"),
+        *group("integration"),
+    )
+
+
+def pytest(session: nox.Session, *paths: str) -> None:
+    session.run("pytest", *paths, *session.posargs)
+
+
+def make_package_session(package: str) -> None:
+    @nox.session(name=package)
+    def run(session: nox.Session) -> None:
+        deps = ["core-mesh", *SIBLINGS.get(package, []), package]
+        session.install(*CONSTRAINTS, *package_paths(*dict.fromkeys(deps)), *group("test"))
+        if package in ("core-mesh", "data-pack"):
+            # the promise of these two packages: they install and import without torch
+            session.run(
+                "python",
+                "-c",
+                "import importlib.util, sys; "
+                "sys.exit('torch is installed, it must not be' "
+                "if importlib.util.find_spec('torch') else 0)",
+            )
+        pytest(session, str(ROOT / "packages" / package / "tests"))
+
+
+for _package in PACKAGES:
+    make_package_session(_package)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install(*group("lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def integration(session: nox.Session) -> None:
+    """All packages and plugins together: multi-process gloo, object storage, CLI end to end."""
+    install_everything(session)
+    pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu")
+
+
+@nox.session
+def gpu(session: nox.Session) -> None:
+    """The CUDA checks (nccl, bf16, compile); they skip cleanly on a machine without a GPU."""
+    install_everything(session)
+    pytest(session, str(ROOT / "integration_tests"), "-m", "gpu")
+
+
+@nox.session(python=False, requires=["lint", *PACKAGES, "integration"])
+def tests(session: nox.Session) -> None:
+    """What CI runs: lint, each package alone, then integration."""
+    session.log("lint, every package session and integration passed")
+
+
+@nox.session
+def quickstart(session: nox.Session) -> None:
+    """The main job on a fresh machine (see README)."""
+    install_everything(session)
+    session.run("llmtrain", "plugins", "--check")

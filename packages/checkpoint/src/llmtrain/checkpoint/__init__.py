@@ -1,0 +1,1 @@
+"""llmtrain.checkpoint: distributed checkpoints (torch DCP) through fsspec, committed atomically."""

@@ -1,0 +1,477 @@
+"""Strict config: YAML -> attrs classes through cattrs, every problem reported at once with its path.
+
+- Unknown keys, wrong scalar types ("false" for a bool, 1.7 for an int), missing keys and failed
+  validators are all collected and raised as one `ConfigError`, each with its dotted path
+  (`model.n_heads`) and, where the YAML says, `file:line`.
+- A component is chosen by `kind:`. A field typed `Choice.of("model")` looks the kind up in the
+  plugin registry and structures the remaining keys into that entry's own attrs options class.
+- Overrides `a.b.c=value` (values parsed as YAML scalars) are applied before structuring.
+- `dump_config` writes YAML that loads back to an equal config.
+
+Options classes raise `ConfigValueError(field, message)` from `__attrs_post_init__` for checks
+that span fields, so the error names the right path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+import cattrs
+import yaml
+from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
+from cattrs.gen import make_dict_structure_fn
+
+from llmtrain.core_mesh.errors import UserError, did_you_mean
+from llmtrain.core_mesh.plugins import PluginManager
+
+T = TypeVar("T")
+PathParts = tuple[str | int, ...]
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Problem:
+    path: PathParts
+    message: str
+    where: str | None = None  # "file:line" or "override a.b=1"
+
+    @property
+    def dotted(self) -> str:
+        return format_path(self.path)
+
+    def __str__(self) -> str:
+        prefix = f"{self.where}: " if self.where else ""
+        return f"{prefix}{self.dotted or '<top>'}: {self.message}"
+
+
+class ConfigError(UserError):
+    """One or more config problems; `str()` lists them all."""
+
+    def __init__(self, problems: Sequence[Problem], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        head = f"{source}: " if source else ""
+        n = len(self.problems)
+        lines = [f"{head}{n} config problem{'s' if n != 1 else ''}:"]
+        lines += [f"  {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+class ConfigValueError(ValueError):
+    """Raised by options classes for a bad value; `field` names the offending key."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        super().__init__(message)
+
+
+def format_path(path: PathParts) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+# -- YAML with line numbers --------------------------------------------------------------------
+
+
+class _Lined(dict):
+    """A mapping that remembers the line of each key (1-based)."""
+
+    lines: dict[Any, int]
+
+
+class _LinedList(list):
+    lines: list[int]
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+# PyYAML follows YAML 1.1, where `3e-4` is a string; people mean a float.
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+][0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Lined:
+    loader.flatten_mapping(node)
+    out = _Lined()
+    out.lines = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in out:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        out[key] = loader.construct_object(value_node, deep=True)
+        out.lines[key] = key_node.start_mark.line + 1
+    return out
+
+
+def _construct_sequence(loader: _Loader, node: yaml.SequenceNode) -> _LinedList:
+    out = _LinedList(loader.construct_object(child, deep=True) for child in node.value)
+    out.lines = [child.start_mark.line + 1 for child in node.value]
+    return out
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
+
+
+def parse_yaml(text: str, source: str = "<string>") -> Any:
+    """Parse YAML (safe subset) keeping line numbers; syntax errors become a ConfigError."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark is not None else source
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([Problem((), f"invalid YAML: {problem}", where)], source) from None
+
+
+def _line_of(raw: Any, path: PathParts) -> int | None:
+    line = None
+    node = raw
+    for part in path:
+        if isinstance(node, _Lined) and part in node.lines:
+            line = node.lines[part]
+        elif isinstance(node, _LinedList) and isinstance(part, int) and part < len(node.lines):
+            line = node.lines[part]
+        else:
+            break
+        node = node[part]
+    return line
+
+
+# -- overrides ---------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[PathParts, Any]:
+    """`a.b.0.c=value` -> (("a", "b", 0, "c"), parsed value)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(
+            [Problem((), "an override looks like key.path=value", f"override {text!r}")]
+        )
+    path = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
+    if any(p == "" for p in path):
+        raise ConfigError([Problem((), "empty key in the dotted path", f"override {text!r}")])
+    parsed = parse_yaml(value, f"override {text!r}") if value.strip() else None
+    parsed = "" if parsed is None and value.strip() == "" else parsed
+    return path, parsed
+
+
+def apply_overrides(raw: Any, overrides: Iterable[str]) -> tuple[Any, dict[PathParts, str]]:
+    """Apply dotted overrides to parsed YAML; returns the new data and the overridden paths."""
+    raw = {} if raw is None else raw
+    applied: dict[PathParts, str] = {}
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for i, part in enumerate(path[:-1]):
+            if isinstance(node, list) and isinstance(part, int) and part < len(node):
+                node = node[part]
+            elif isinstance(node, dict):
+                nxt = node.get(part)
+                if nxt is None:
+                    nxt = node[part] = {}
+                node = nxt
+            else:
+                raise ConfigError(
+                    [
+                        Problem(
+                            path[: i + 1],
+                            "cannot set a key inside this value",
+                            f"override {text!r}",
+                        )
+                    ]
+                )
+            if not isinstance(node, (dict, list)):
+                raise ConfigError(
+                    [
+                        Problem(
+                            path[: i + 1],
+                            "is not a mapping; cannot set a key inside it",
+                            f"override {text!r}",
+                        )
+                    ]
+                )
+        last = path[-1]
+        if isinstance(node, list):
+            if not isinstance(last, int) or last >= len(node):
+                raise ConfigError([Problem(path, "list index out of range", f"override {text!r}")])
+        node[last] = value
+        applied[path] = text
+    return raw, applied
+
+
+# -- the kind-selected component ---------------------------------------------------------------
+
+
+@attrs.frozen
+class Choice:
+    """A component chosen by `kind:`, with that entry's structured options (or None)."""
+
+    kind: str
+    options: Any = None
+
+    plugin_kind: ClassVar[str] = ""
+    _types: ClassVar[dict[str, type[Choice]]] = {}
+
+    @classmethod
+    def of(cls, plugin_kind: str) -> type[Choice]:
+        """The Choice type for one plugin kind, e.g. `model: Choice.of("model")`."""
+        if plugin_kind not in cls._types:
+            name = "".join(p.title() for p in plugin_kind.split("_")) + "Choice"
+            cls._types[plugin_kind] = type(name, (cls,), {"plugin_kind": plugin_kind})
+        return cls._types[plugin_kind]
+
+
+# -- the strict converter ----------------------------------------------------------------------
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {dict: "mapping", _Lined: "mapping", list: "list", _LinedList: "list"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _expect(kind: str, value: Any) -> TypeError:
+    return TypeError(f"expected {kind}, got {_type_name(value)} {_shown(value)}")
+
+
+def _strict_int(value: Any, _: type) -> int:
+    if type(value) is not int:
+        raise _expect("int", value)
+    return value
+
+
+def _strict_float(value: Any, _: type) -> float:
+    if type(value) not in (int, float):
+        raise _expect("float", value)
+    return float(value)
+
+
+def _strict_bool(value: Any, _: type) -> bool:
+    if type(value) is not bool:
+        raise _expect("bool (true or false)", value)
+    return value
+
+
+def _strict_str(value: Any, _: type) -> str:
+    if type(value) is not str:
+        raise _expect("str", value)
+    return value
+
+
+class _NestedProblems(Exception):
+    """Problems found below a path that cattrs does not know about (kind-selected options)."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = problems
+        super().__init__("; ".join(map(str, problems)))
+
+
+def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
+    """A converter that structures strictly; `Choice` fields look kinds up in `plugins`."""
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(int, _strict_int)
+    conv.register_structure_hook(float, _strict_float)
+    conv.register_structure_hook(bool, _strict_bool)
+    conv.register_structure_hook(str, _strict_str)
+
+    def is_attrs(cls: Any) -> bool:
+        return isinstance(cls, type) and attrs.has(cls) and not issubclass(cls, Choice)
+
+    def attrs_hook(cls: type) -> Any:
+        base = make_dict_structure_fn(cls, conv)
+        validated = [a for a in attrs.fields(cls) if a.validator is not None]
+
+        def structure(value: Any, _: type) -> Any:
+            if not isinstance(value, Mapping):
+                raise _expect("a mapping", value)
+            with attrs.validators.disabled():
+                try:
+                    obj = base(value, cls)
+                except BaseValidationError:
+                    raise
+                except ConfigValueError as exc:  # a cross-field check in __attrs_post_init__
+                    raise _NestedProblems([Problem((exc.field,), str(exc))]) from None
+            problems = []
+            for a in validated:
+                try:
+                    a.validator(obj, a, getattr(obj, a.name))
+                except (ValueError, TypeError) as exc:
+                    problems.append(Problem((a.alias or a.name,), _validator_message(exc)))
+            if problems:
+                raise _NestedProblems(problems)
+            return obj
+
+        return structure
+
+    def choice_hook(cls: type[Choice]) -> Any:
+        def structure(value: Any, _: type) -> Choice:
+            if plugins is None:
+                raise TypeError(f"no plugin registry to choose a {cls.plugin_kind} kind from")
+            if not isinstance(value, Mapping):
+                raise _expect(f"a mapping with a 'kind' key naming a {cls.plugin_kind}", value)
+            kind = value.get("kind")
+            if kind is None:
+                known = ", ".join(plugins.registry(cls.plugin_kind).names()) or "none installed"
+                raise _NestedProblems(
+                    [Problem(("kind",), f"missing; known {cls.plugin_kind} kinds: {known}")]
+                )
+            if type(kind) is not str:
+                raise _NestedProblems([Problem(("kind",), str(_expect("str", kind)))])
+            try:
+                entry = plugins.registry(cls.plugin_kind).get(kind)
+            except UserError as exc:
+                raise _NestedProblems([Problem(("kind",), str(exc))]) from None
+            rest = {k: v for k, v in value.items() if k != "kind"}
+            if entry.options is None:
+                if rest:
+                    extra = ", ".join(map(str, rest))
+                    raise _NestedProblems(
+                        [
+                            Problem((k,), f"{cls.plugin_kind} {kind!r} takes no options ({extra})")
+                            for k in rest
+                        ]
+                    )
+                return cls(kind, None)
+            if isinstance(value, _Lined):
+                rest = _Lined(rest)
+                rest.lines = value.lines
+            return cls(kind, conv.structure(rest, entry.options))
+
+        return structure
+
+    conv.register_structure_hook_factory(is_attrs, attrs_hook)
+    conv.register_structure_hook_factory(
+        lambda cls: isinstance(cls, type) and issubclass(cls, Choice), choice_hook
+    )
+    conv.register_unstructure_hook_factory(
+        lambda cls: isinstance(cls, type) and issubclass(cls, Choice),
+        lambda cls: lambda c: {"kind": c.kind, **(conv.unstructure(c.options) or {})},
+    )
+    return conv
+
+
+def _validator_message(exc: Exception) -> str:
+    # attrs' own validators put a tuple in args; their first element is the readable sentence
+    first = exc.args[0] if exc.args else str(exc)
+    return first if isinstance(first, str) else str(exc)
+
+
+def _problems_from(
+    exc: BaseException, path: PathParts, schema_fields: type | None
+) -> Iterator[Problem]:
+    if isinstance(exc, _NestedProblems):
+        for p in exc.problems:
+            yield attrs.evolve(p, path=path + p.path)
+    elif isinstance(exc, ForbiddenExtraKeysError):
+        known = [a.alias or a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        for key in sorted(exc.extra_fields, key=str):
+            hint = did_you_mean(str(key), known)
+            yield Problem((*path, key), f"unknown key{hint}; allowed: {', '.join(known)}")
+    elif isinstance(exc, BaseValidationError):
+        with_notes, without = exc.group_exceptions()
+        for sub, note in with_notes:
+            step = getattr(note, "name", None)
+            if step is None:
+                step = getattr(note, "index", None)
+            yield from _problems_from(sub, (*path, step) if step is not None else path, None)
+        for sub in without:
+            yield from _problems_from(sub, path, None)
+    elif isinstance(exc, ConfigValueError):
+        yield Problem((*path, exc.field), str(exc))
+    elif isinstance(exc, KeyError):
+        yield Problem(path, "required key is missing")
+    else:
+        yield Problem(path, str(exc) or type(exc).__name__)
+
+
+# -- load / dump -------------------------------------------------------------------------------
+
+
+def structure(
+    raw: Any,
+    schema: type[T],
+    *,
+    plugins: PluginManager | None = None,
+    source: str | None = None,
+    overridden: Mapping[PathParts, str] | None = None,
+    converter: cattrs.Converter | None = None,
+) -> T:
+    """Structure parsed YAML into `schema`, raising one ConfigError with every problem."""
+    conv = converter or make_converter(plugins)
+    try:
+        return conv.structure({} if raw is None else raw, schema)
+    except (BaseValidationError, _NestedProblems, TypeError) as exc:
+        problems = list(_problems_from(exc, (), schema))
+    located = [_locate(p, raw, source, overridden or {}) for p in problems]
+    raise ConfigError(located, source) from None
+
+
+def _locate(
+    problem: Problem, raw: Any, source: str | None, overridden: Mapping[PathParts, str]
+) -> Problem:
+    for path, text in overridden.items():
+        if problem.path[: len(path)] == path:
+            return attrs.evolve(problem, where=f"override {text!r}")
+    line = _line_of(raw, problem.path)
+    if source is None:
+        return problem
+    return attrs.evolve(problem, where=f"{source}:{line}" if line else source)
+
+
+def load_config(
+    path: str | Path,
+    schema: type[T],
+    *,
+    plugins: PluginManager | None = None,
+    overrides: Sequence[str] = (),
+) -> T:
+    """Read a YAML file, apply overrides, and structure it strictly into `schema`."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(
+            [Problem((), f"cannot read the config file: {exc.strerror or exc}")], source
+        ) from None
+    raw = parse_yaml(text, source)
+    raw, overridden = apply_overrides(raw, overrides)
+    return structure(raw, schema, plugins=plugins, source=source, overridden=overridden)
+
+
+def unstructure(config: Any, *, converter: cattrs.Converter | None = None) -> Any:
+    return (converter or make_converter()).unstructure(config)
+
+
+def dump_config(config: Any, *, converter: cattrs.Converter | None = None) -> str:
+    """YAML that `load_config` reads back into an equal config."""
+    return yaml.safe_dump(unstructure(config, converter=converter), sort_keys=False)

@@ -1,0 +1,76 @@
+"""The vocabulary packages share: small frozen attrs classes and Protocols, nothing else.
+
+No package imports a sibling; they meet here. Nothing in this module needs torch or numpy:
+tensors, modules and arrays appear as `Any`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text to token ids and back. `fingerprint` is a hash of everything that decides the ids."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eod_id(self) -> int: ...
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@runtime_checkable
+class WindowSource(Protocol):
+    """A random-access sequence of token windows of `seq_len + 1` tokens (numpy int arrays)."""
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def window(self, index: int) -> Any: ...
+
+
+@attrs.frozen
+class ModelDescription:
+    """What a model tells the parallel and training code about itself.
+
+    - `blocks`: the repeated transformer blocks, the units of FSDP sharding, activation
+      checkpointing and per-block compile.
+    - `tp_plan`: module path (relative to `module`, globs allowed) -> a tensor-parallel style
+      name ("colwise", "rowwise", "sequence_parallel", ...); the parallel package maps names to
+      torch styles.
+    - `flops_per_token(seq_len)`: training FLOPs per token (6N + 12·L·H·Q·T), for MFU.
+    """
+
+    module: Any
+    blocks: Sequence[Any]
+    tp_plan: Mapping[str, str]
+    n_params: int
+    n_non_embedding_params: int
+    flops_per_token: Callable[[int], float]
+    n_heads: int
+    n_kv_heads: int
+
+
+@runtime_checkable
+class MetricsSink(Protocol):
+    """Receives one dict of numbers per logged step (console, jsonl, tensorboard, wandb ...)."""
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+
+    def close(self) -> None: ...

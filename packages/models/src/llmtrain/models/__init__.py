@@ -1,0 +1,1 @@
+"""llmtrain.models: the decoder-only transformer family, described through core-mesh interfaces."""
