@@ -107,7 +107,12 @@ def init_distributed(
     if not world.distributed:
         # a group of one (in-memory store), so mesh and sharding code runs unchanged
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id
+            backend,
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            timeout=timeout,
+            device_id=device_id,
         )
         return device
     missing = [n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in os.environ]
