@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 import pytest
 import yaml
@@ -408,3 +410,35 @@ def test_generated_bad_configs_give_messages_with_paths(plugins, mutations):
                 "training",
                 "unknown_top",
             }
+
+
+def test_entry_defaults_act_as_a_preset_under_the_given_keys():
+    class Presets:
+        @hookimpl
+        def llmtrain_models(self, register):
+            register(
+                "gpt-deep", object(), options=GptOptions, defaults={"n_layers": 48, "d_model": 128}
+            )
+
+    pm = PluginManager(blocked=())
+    pm.register(Presets(), "presets")
+    cfg = structure({"kind": "gpt-deep", "n_heads": 8}, Choice.of("model"), plugins=pm)
+    assert cfg.options == GptOptions(n_layers=48, d_model=128, n_heads=8)
+    cfg = structure({"kind": "gpt-deep", "n_layers": 2}, Choice.of("model"), plugins=pm)
+    assert (cfg.options.n_layers, cfg.options.d_model) == (2, 128)
+    with pytest.raises(ConfigError) as info:
+        structure({"kind": "gpt-deep", "n_heads": 3}, Choice.of("model"), plugins=pm)
+    assert [p.dotted for p in info.value.problems] == ["n_heads"]
+
+
+def test_literal_choices_are_listed():
+    @attrs.frozen
+    class Norm:
+        norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+
+    assert structure({"norm": "rmsnorm"}, Norm) == Norm("rmsnorm")
+    with pytest.raises(ConfigError) as info:
+        structure({"norm": "batchnorm"}, Norm)
+    assert [p.message for p in info.value.problems] == [
+        "expected one of 'layernorm', 'rmsnorm', got 'batchnorm'"
+    ]

@@ -24,7 +24,7 @@ class Sgd:
 class Components:
     @hookimpl
     def llmtrain_models(self, register):
-        register("tiny", object(), options=TinyModel)
+        register("toy", object(), options=TinyModel)
 
     @hookimpl
     def llmtrain_optimizers(self, register):
@@ -37,7 +37,7 @@ class Components:
 
 CONFIG = """\
 name: smoke
-model: {kind: tiny, n_layers: 3}
+model: {kind: toy, n_layers: 3}
 optimizer: {kind: sgd}
 loggers: [{kind: jsonl}]
 mesh: {tp: 2}
@@ -67,7 +67,7 @@ def test_validate_ok(plugins, config, capsys):
 def test_show_fills_defaults_and_applies_overrides(plugins, config, capsys):
     assert main(["config", "show", str(config), "model.d_model=64", "seed=7"], plugins=plugins) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
-    assert shown["model"] == {"kind": "tiny", "n_layers": 3, "d_model": 64}
+    assert shown["model"] == {"kind": "toy", "n_layers": 3, "d_model": 64}
     assert shown["seed"] == 7
     assert shown["mesh"] == {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 2, "pp": 1}
     assert shown["training"] == {"steps": 5, "log_every": 10}
@@ -88,9 +88,11 @@ def test_errors_are_listed_together_without_traceback(plugins, config, capsys):
 
 
 def test_unknown_kind(plugins, config, capsys):
-    config.write_text(CONFIG.replace("kind: tiny", "kind: llama"))
+    config.write_text(CONFIG.replace("kind: toy", "kind: mamba"))
     assert main(["config", "validate", str(config)], plugins=plugins) == 2
-    assert "model.kind: unknown model 'llama'; known: tiny" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "model.kind: unknown model 'mamba'; known: " in err
+    assert "toy" in err.split("known: ")[1].split(", ")
 
 
 def test_mesh_checked_against_world_size(plugins, config, capsys):

@@ -15,9 +15,10 @@ that span fields, so the error names the right path.
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 import cattrs
@@ -351,7 +352,8 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
                 entry = plugins.registry(cls.plugin_kind).get(kind)
             except UserError as exc:
                 raise _NestedProblems([Problem(("kind",), str(exc))]) from None
-            rest = {k: v for k, v in value.items() if k != "kind"}
+            given = {k: v for k, v in value.items() if k != "kind"}
+            rest = {**entry.defaults, **given}
             if entry.options is None:
                 if rest:
                     extra = ", ".join(map(str, rest))
@@ -369,6 +371,18 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
 
         return structure
 
+    def literal_hook(cls: Any) -> Any:
+        allowed = typing.get_args(cls)
+
+        def structure(value: Any, _: type) -> Any:
+            if not any(type(value) is type(a) and value == a for a in allowed):
+                choices = ", ".join(repr(a) for a in allowed)
+                raise ValueError(f"expected one of {choices}, got {_shown(value)}")
+            return value
+
+        return structure
+
+    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is Literal, literal_hook)
     conv.register_structure_hook_factory(is_attrs, attrs_hook)
     conv.register_structure_hook_factory(
         lambda cls: isinstance(cls, type) and issubclass(cls, Choice), choice_hook

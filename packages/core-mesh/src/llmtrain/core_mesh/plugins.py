@@ -44,7 +44,10 @@ Register = Callable[..., None]
 
 
 class Hookspecs:
-    """Every hook takes one argument, `register(name, target, *, options=None, help="")`."""
+    """Every hook takes one argument, `register(name, target, *, options=None, help="", defaults=None)`.
+
+    `defaults` (with `options`) are option values used where the config gives none: a preset.
+    """
 
     @hookspec
     def llmtrain_models(self, register: Register) -> None:
@@ -99,6 +102,7 @@ class Entry:
     options: type | None
     help: str
     origin: Origin
+    defaults: Mapping[str, Any] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -277,7 +281,12 @@ class PluginManager:
         found: list[Entry] = []
 
         def register(
-            name: str, target: Any, *, options: type | None = None, help: str = ""
+            name: str,
+            target: Any,
+            *,
+            options: type | None = None,
+            help: str = "",
+            defaults: Mapping[str, Any] | None = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"a {kind} name must be a non-empty string, got {name!r}")
@@ -285,7 +294,9 @@ class PluginManager:
                 raise TypeError(
                     f"options of {kind} {name!r} must be an attrs class, got {options!r}"
                 )
-            found.append(Entry(kind, name, target, options, help, origin))
+            if defaults and options is None:
+                raise TypeError(f"{kind} {name!r} has defaults but no options class")
+            found.append(Entry(kind, name, target, options, help, origin, dict(defaults or {})))
 
         try:
             impl.function(**{arg: register for arg in impl.argnames})

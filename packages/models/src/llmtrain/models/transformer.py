@@ -1,0 +1,276 @@
+"""A decoder-only transformer whose options cover the GPT-2 and Llama families.
+
+Read top to bottom: norms and rotary positions, attention, MLP, block, the model. Attention goes
+through torch's scaled_dot_product_attention (the flash kernel on GPU). Shapes are written with
+`-1` for head counts so the same code runs when tensor parallelism shards the heads. Blocks sit
+in a ModuleDict keyed by layer index, so a pipeline stage can drop blocks and keep the names
+checkpoints use; a stage without `tok_emb` takes hidden states, one without `norm` returns them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.models.config import TransformerConfig
+
+
+def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(
+    cfg: TransformerConfig, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (max_seq_len, head_dim / 2)."""
+    half = cfg.head_dim // 2
+    freqs = cfg.rope_base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + half]) of x (B, T, heads, head_dim) by their position's angle."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class LayerCache:
+    """Keys and values of one layer for incremental decoding, preallocated to a maximum length."""
+
+    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, *, device, dtype):
+        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.size(2)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, rope, mask, cache: LayerCache | None, start_pos: int) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, start_pos)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=mask is None and cache is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=q.size(1) != k.size(1),
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_dropout(self.wo(y))
+
+
+class MLP(nn.Module):
+    """GELU: w2(gelu(w1 x)). SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        hidden = cfg.hidden_size
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            h = F.gelu(self.w1(x), approximate="tanh")
+        else:
+            h = F.silu(self.w1(x)) * self.w3(x)
+        return self.dropout(self.w2(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg, cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, mask=None, cache=None, start_pos=0) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        self.pos_emb = (
+            nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
+        )
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.head = (
+            None
+            if cfg.tied_embeddings
+            else nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
+        )
+        if cfg.positions == "rope":
+            cos, sin = rope_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        doc_starts: torch.Tensor | None = None,
+        *,
+        cache: list[LayerCache] | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages."""
+        B, T = tokens.shape[:2]
+        if start_pos + T > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {start_pos + T} tokens is longer than the model's max_seq_len "
+                f"({self.cfg.max_seq_len}); raise model.max_seq_len or shorten the input"
+            )
+        positions, mask = self._positions_and_mask(
+            B, T, tokens.device, doc_starts, cache, start_pos
+        )
+        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
+        if self.pos_emb is not None:
+            h = h + self.pos_emb(positions)
+        h = self.drop(h)
+        rope = None
+        if self.cfg.positions == "rope":
+            rope = (self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))
+        for i, block in enumerate(self.blocks.values()):
+            h = block(h, rope, mask, cache[i] if cache is not None else None, start_pos)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
+
+    def _positions_and_mask(self, B, T, device, doc_starts, cache, start_pos):
+        """Positions (1 or B, T) and an attention mask, or None for plain causal attention."""
+        index = torch.arange(start_pos, start_pos + T, device=device)
+        if doc_starts is not None and self.cfg.doc_masking:
+            if cache is not None:
+                raise ValueError("document masking is for training; decode one document at a time")
+            starts = doc_starts.to(torch.bool).clone()
+            starts[:, 0] = True
+            last_start = torch.where(starts, index, 0).cummax(dim=1).values
+            segment = starts.cumsum(dim=1)
+            same_doc = segment.unsqueeze(2) == segment.unsqueeze(1)
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+            return index - last_start, (same_doc & causal).unsqueeze(1)
+        mask = None
+        if cache is not None and T > 1:
+            mask = index.unsqueeze(1) >= torch.arange(start_pos + T, device=device).unsqueeze(0)
+        return index.unsqueeze(0), mask
+
+    def new_cache(self, batch: int, max_len: int) -> list[LayerCache]:
+        ref = self.blocks["0"].attn.wk.weight
+        kv_heads = ref.size(0) // self.cfg.head_dim
+        return [
+            LayerCache(
+                batch, kv_heads, max_len, self.cfg.head_dim, device=ref.device, dtype=ref.dtype
+            )
+            for _ in self.blocks
+        ]
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Initialise every parameter and buffer; also right after `to_empty` from the meta device."""
+        cfg = self.cfg
+        residual_std = (
+            cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.scale_residual_init else cfg.init_std
+        )
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                is_residual_out = name.endswith(("attn.wo", "mlp.w2"))
+                std = residual_std if is_residual_out else cfg.init_std
+                nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if cfg.positions == "rope":
+            cos, sin = rope_tables(cfg, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def describe(self) -> ModelDescription:
+        cfg = self.cfg
+        n_params = sum(p.numel() for p in self.parameters())
+        embedding = sum(m.weight.numel() for m in (self.tok_emb, self.pos_emb) if m is not None)
+        non_embedding = n_params - embedding
+        attention_flops = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+
+        def flops_per_token(seq_len: int) -> float:
+            return float(6 * non_embedding + attention_flops * seq_len)
+
+        return ModelDescription(
+            module=self,
+            blocks=list(self.blocks.values()),
+            tp_plan=self.tp_plan(),
+            n_params=n_params,
+            n_non_embedding_params=non_embedding,
+            flops_per_token=flops_per_token,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.kv_heads,
+        )
+
+    def tp_plan(self) -> dict[str, str]:
+        plan = {
+            "tok_emb": "embedding",
+            "norm": "sequence_parallel",
+            "blocks.*.attn_norm": "sequence_parallel",
+            "blocks.*.attn.wq": "colwise",
+            "blocks.*.attn.wk": "colwise",
+            "blocks.*.attn.wv": "colwise",
+            "blocks.*.attn.wo": "rowwise",
+            "blocks.*.mlp_norm": "sequence_parallel",
+            "blocks.*.mlp.w1": "colwise",
+            "blocks.*.mlp.w2": "rowwise",
+        }
+        if self.cfg.mlp == "swiglu":
+            plan["blocks.*.mlp.w3"] = "colwise"
+        if self.head is not None:
+            plan["head"] = "colwise_output"
+        return plan
+
+
+def build_model(cfg: TransformerConfig) -> Transformer:
+    """The model on the current default device (use `torch.device("meta")` for large ones)."""
+    return Transformer(cfg)

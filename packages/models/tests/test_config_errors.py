@@ -1,0 +1,179 @@
+"""TransformerConfig validation, the presets' published shapes, and presets as config `kind:`s."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from llmtrain.core_mesh.config import Choice, ConfigError, ConfigValueError, structure
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.models.config import TransformerConfig
+from llmtrain.models.presets import PRESETS, preset_config
+from llmtrain.models.transformer import Transformer, build_model
+
+
+@attrs.frozen(kw_only=True)
+class Schema:
+    model: Choice.of("model")
+
+
+@pytest.fixture(scope="module")
+def plugins() -> PluginManager:
+    return PluginManager(blocked=()).load_entry_points()
+
+
+# -- TransformerConfig ---------------------------------------------------------------------------
+
+
+def test_d_model_not_divisible_by_n_heads_names_n_heads():
+    with pytest.raises(ConfigValueError) as info:
+        TransformerConfig(d_model=65, n_heads=4)
+    assert info.value.field == "n_heads"
+
+
+def test_n_heads_not_divisible_by_n_kv_heads_names_n_kv_heads():
+    with pytest.raises(ConfigValueError) as info:
+        TransformerConfig(d_model=48, n_heads=6, n_kv_heads=4)
+    assert info.value.field == "n_kv_heads"
+
+
+def test_odd_head_dim_with_rope_names_d_model():
+    with pytest.raises(ConfigValueError) as info:
+        TransformerConfig(d_model=12, n_heads=4, positions="rope")
+    assert info.value.field == "d_model"
+    # the same shape is fine with learned positions: only rotary pairs need an even head_dim
+    assert TransformerConfig(d_model=12, n_heads=4, positions="learned").head_dim == 3
+
+
+def test_derived_properties():
+    cfg = TransformerConfig(vocab_size=100, d_model=64, n_heads=4)
+    assert cfg.padded_vocab_size == 128  # rounded up to a multiple of pad_vocab_to=64
+    assert cfg.kv_heads == 4  # None means n_heads
+    assert cfg.head_dim == 16
+    assert cfg.hidden_size == 256  # gelu: 4 * d_model
+    assert TransformerConfig(vocab_size=128, d_model=64, n_heads=4).padded_vocab_size == 128
+    assert TransformerConfig(vocab_size=129, pad_vocab_to=1).padded_vocab_size == 129
+    assert TransformerConfig(vocab_size=50257).padded_vocab_size == 50304
+    assert TransformerConfig(n_heads=12, n_kv_heads=4).kv_heads == 4
+    # swiglu: int(8 * d / 3) rounded up to a multiple of mlp_multiple_of
+    swiglu = dict(d_model=64, n_heads=4, mlp="swiglu")
+    assert TransformerConfig(**swiglu).hidden_size == 256  # int(170.67) = 170 -> 256
+    assert TransformerConfig(**swiglu, mlp_multiple_of=32).hidden_size == 192  # 170 -> 192
+    assert TransformerConfig(d_model=768, n_heads=12, mlp="swiglu").hidden_size == 2048
+    assert TransformerConfig(**swiglu, mlp_hidden=100).hidden_size == 100
+
+
+def test_sequence_longer_than_max_seq_len_raises_value_error():
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=64, max_seq_len=16, d_model=32, n_layers=1, n_heads=2)
+    model = Transformer(cfg)
+    assert model(torch.randint(0, 64, (1, 16))).shape == (1, 16, 64)  # exactly max is fine
+    with pytest.raises(ValueError):
+        model(torch.randint(0, 64, (1, 17)))
+
+
+# -- presets --------------------------------------------------------------------------------------
+
+
+def test_preset_names():
+    assert {"tiny", "gpt2-124m", "gpt2-350m", "llama-1b", "llama-3b", "llama-8b"} <= set(PRESETS)
+
+
+def test_tiny_preset_shape():
+    cfg = preset_config("tiny")
+    assert (cfg.max_seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.kv_heads) == (
+        256,
+        64,
+        2,
+        4,
+        2,
+    )
+    assert (cfg.positions, cfg.norm, cfg.mlp, cfg.bias) == ("rope", "rmsnorm", "swiglu", False)
+    small = preset_config("tiny", vocab_size=64, max_seq_len=64)
+    assert (small.vocab_size, small.max_seq_len, small.d_model) == (64, 64, 64)
+
+
+def test_gpt2_124m_preset_has_124m_params():
+    cfg = preset_config("gpt2-124m")
+    assert (cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len) == (50257, 50304, 1024)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.kv_heads) == (768, 12, 12, 12)
+    assert (cfg.positions, cfg.norm, cfg.mlp, cfg.bias) == ("learned", "layernorm", "gelu", True)
+    assert cfg.tied_embeddings
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n_params = model.describe().n_params
+    # tok 50304*768 + pos 1024*768 + 12 blocks * 7,087,872 + final layernorm 2*768
+    assert n_params == 124_475_904
+    assert 123e6 < n_params < 125e6
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"),
+    [
+        ("llama-1b", (2048, 16, 32, 8, 8192)),
+        ("llama-3b", (3072, 28, 24, 8, 8192)),
+        ("llama-8b", (4096, 32, 32, 8, 14336)),
+    ],
+)
+def test_llama_presets_shapes(name, shape):
+    cfg = preset_config(name)
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.hidden_size) == shape
+    assert cfg.rope_base == 500000.0
+    assert cfg.vocab_size == 128256
+    assert (cfg.positions, cfg.norm, cfg.mlp, cfg.bias) == ("rope", "rmsnorm", "swiglu", False)
+    # built on meta only: never materialise billions of parameters in a unit test
+    with torch.device("meta"):
+        model = build_model(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    assert len(model.blocks) == shape[1]
+    assert model.tok_emb.weight.shape == (128256, shape[0])  # 128256 is a multiple of 64
+
+
+def test_preset_overrides():
+    cfg = preset_config("llama-1b", n_layers=2, max_seq_len=128)
+    assert (cfg.d_model, cfg.n_layers, cfg.max_seq_len, cfg.n_kv_heads) == (2048, 2, 128, 8)
+    with pytest.raises(ConfigValueError):
+        preset_config("tiny", d_model=65)
+
+
+# -- presets as model kinds through the plugin manager -------------------------------------------
+
+
+def test_presets_are_model_kinds(plugins):
+    names = set(plugins.registry("model").names())
+    assert {"transformer", "tiny", "gpt2-124m", "llama-1b", "llama-3b", "llama-8b"} <= names
+
+
+def test_llama_kind_with_override_structures(plugins):
+    cfg = structure({"model": {"kind": "llama-1b", "n_layers": 2}}, Schema, plugins=plugins)
+    assert cfg.model.kind == "llama-1b"
+    assert cfg.model.options.d_model == 2048
+    assert cfg.model.options.n_layers == 2
+    assert cfg.model.options.n_kv_heads == 8
+    assert cfg.model.options.rope_base == 500000.0
+
+
+def test_transformer_kind_is_the_plain_defaults(plugins):
+    cfg = structure({"model": {"kind": "transformer"}}, Schema, plugins=plugins)
+    assert (cfg.model.options.d_model, cfg.model.options.n_layers) == (768, 12)
+
+
+def test_bad_shape_under_a_kind_is_reported_at_its_path(plugins):
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "tiny", "d_model": 65}}, Schema, plugins=plugins)
+    assert [p.path for p in info.value.problems] == [("model", "n_heads")]
+
+
+def test_unknown_key_is_reported_at_its_path(plugins):
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "tiny", "n_layer": 4}}, Schema, plugins=plugins)
+    paths = [p.path for p in info.value.problems]
+    assert paths == [("model", "n_layer")]
+    assert "n_layers" in str(info.value)  # a did-you-mean hint
+
+
+def test_wrong_type_is_reported_at_its_path(plugins):
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "tiny", "n_layers": "4"}}, Schema, plugins=plugins)
+    assert [p.path for p in info.value.problems] == [("model", "n_layers")]
