@@ -177,3 +177,21 @@ def test_wrong_type_is_reported_at_its_path(plugins):
     with pytest.raises(ConfigError) as info:
         structure({"model": {"kind": "tiny", "n_layers": "4"}}, Schema, plugins=plugins)
     assert [p.path for p in info.value.problems] == [("model", "n_layers")]
+
+
+def test_bad_choice_value_is_reported_at_its_path(plugins):
+    raw = {"model": {"kind": "tiny", "positions": "alibi", "qk_norm": "false"}}
+    with pytest.raises(ConfigError) as info:
+        structure(raw, Schema, plugins=plugins)
+    assert sorted(p.path for p in info.value.problems) == [
+        ("model", "positions"),
+        ("model", "qk_norm"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("positions", "alibi"), ("norm", "batchnorm"), ("mlp", "relu")]
+)
+def test_choice_fields_rejected_in_python_too(field, value):
+    with pytest.raises(ValueError, match=field):
+        TransformerConfig(**{field: value})

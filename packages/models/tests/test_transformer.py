@@ -232,7 +232,11 @@ def _norm_params(cfg: TransformerConfig, width: int) -> int:
 
 
 def expected_n_params(cfg: TransformerConfig) -> int:
-    """The parameter count written out from the architecture (no head bias; qk-norm per head)."""
+    """The parameter count written out from the architecture.
+
+    qk-norm: one weight of head_dim for queries and one for keys, per layer (no bias); an untied
+    head has no bias.
+    """
     d, hd, h, kv, hidden = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.kv_heads, cfg.hidden_size
     attention = d * h * hd + 2 * d * kv * hd + h * hd * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * hidden
@@ -241,7 +245,7 @@ def expected_n_params(cfg: TransformerConfig) -> int:
         mlp += (2 if cfg.mlp == "swiglu" else 1) * hidden + d
     block = attention + mlp + 2 * _norm_params(cfg, d)
     if cfg.qk_norm:
-        block += 2 * _norm_params(cfg, hd)
+        block += 2 * hd
     embedding = cfg.padded_vocab_size * d
     positions = cfg.max_seq_len * d if cfg.positions == "learned" else 0
     head = 0 if cfg.tied_embeddings else cfg.padded_vocab_size * d
@@ -321,14 +325,27 @@ def test_describe_fields():
     info = model.describe()
     assert isinstance(info, ModelDescription)
     assert info.module is model
-    assert list(info.blocks) == list(model.blocks)
     assert len(info.blocks) == cfg.n_layers
+    for i, block in enumerate(info.blocks):
+        assert block is model.get_submodule(f"blocks.{i}")  # checkpoint names blocks.<i>.*
     assert (info.n_heads, info.n_kv_heads) == (4, 2)
     assert len(info.tp_plan) > 0
     # every plan key names modules that exist (globs allowed)
     names = [n for n, _ in model.named_modules()]
     for key in info.tp_plan:
         assert any(fnmatch.fnmatchcase(n, key) for n in names), key
+
+
+def test_blocks_keyed_by_layer_index_survive_dropping_blocks():
+    """`blocks` is a ModuleDict keyed by layer index, so a pipeline stage that drops blocks keeps
+    the parameter names (`blocks.<i>.…`) that checkpoints use."""
+    model = seeded_model(small_config(**LLAMA_STYLE))
+    assert list(model.blocks) == ["0", "1"]
+    assert [type(b).__name__ for b in model.blocks.values()] == ["Block", "Block"]
+    del model.blocks["0"]
+    assert all(
+        name.startswith("blocks.1.") for name, _ in model.blocks.named_parameters(prefix="blocks")
+    )
 
 
 def test_padded_vocab_logits_shape():

@@ -33,11 +33,17 @@ class TransformerConfig:
     n_layers: int = attrs.field(default=12, validator=_positive)
     n_heads: int = attrs.field(default=12, validator=_positive)
     n_kv_heads: int | None = attrs.field(default=None, validator=_positive)
-    positions: Literal["learned", "rope"] = "learned"
+    positions: Literal["learned", "rope"] = attrs.field(
+        default="learned", validator=attrs.validators.in_(("learned", "rope"))
+    )
     rope_base: float = 10000.0
-    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm: Literal["layernorm", "rmsnorm"] = attrs.field(
+        default="layernorm", validator=attrs.validators.in_(("layernorm", "rmsnorm"))
+    )
     norm_eps: float = 1e-5
-    mlp: Literal["gelu", "swiglu"] = "gelu"
+    mlp: Literal["gelu", "swiglu"] = attrs.field(
+        default="gelu", validator=attrs.validators.in_(("gelu", "swiglu"))
+    )
     mlp_hidden: int | None = attrs.field(default=None, validator=_positive)
     mlp_multiple_of: int = attrs.field(default=256, validator=_positive)
     qk_norm: bool = False
