@@ -59,16 +59,12 @@ def make_package_session(package: str) -> None:
     def run(session: nox.Session) -> None:
         deps = ["core-mesh", *SIBLINGS.get(package, []), package]
         session.install(*CONSTRAINTS, *package_paths(*dict.fromkeys(deps)), *group("test"))
-        if package in ("core-mesh", "data-pack"):
-            # the promise of these two packages: they install and import without torch
-            session.run(
-                "python",
-                "-c",
-                "import importlib.util, sys; "
-                "sys.exit('torch is installed, it must not be' "
-                "if importlib.util.find_spec('torch') else 0)",
-            )
-        pytest(session, str(ROOT / "packages" / package / "tests"))
+        # the shared checks: installs alone, one namespace, one version, torch only where allowed
+        session.env["LLMTRAIN_PACKAGE"] = package
+        own_tests = ROOT / "packages" / package / "tests"
+        pytest(
+            session, str(ROOT / "package_tests"), *([str(own_tests)] if own_tests.is_dir() else [])
+        )
 
 
 for _package in PACKAGES:
