@@ -1,0 +1,84 @@
+"""`llmtrain data merge`: one packed dataset from several of the same tokenizer, in order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    DatasetWriter,
+    Output,
+    PackedDataset,
+)
+
+DOCS_PER_STEP = 1 << 16
+
+
+@attrs.frozen
+class MergeSummary:
+    documents: int
+    tokens: int
+
+
+def merge(
+    inputs: Sequence[str],
+    output: str,
+    *,
+    overwrite: bool = False,
+    compression: str = "zstd:1",
+    storage_options: Mapping[str, Any] | None = None,
+) -> MergeSummary:
+    datasets = [PackedDataset(url, storage_options=storage_options) for url in inputs]
+    first = datasets[0]
+    for other in datasets[1:]:
+        if other.fingerprint != first.fingerprint:
+            raise UserError(
+                f"cannot merge {other.url} (tokenizer {other.meta['tokenizer']['name']}, "
+                f"fingerprint {other.fingerprint}) with {first.url} (tokenizer "
+                f"{first.meta['tokenizer']['name']}, fingerprint {first.fingerprint}): "
+                "merged datasets must share one tokenizer"
+            )
+    dtype = max((d.dtype for d in datasets), key=lambda t: t.itemsize)
+    out = Output(output, overwrite=overwrite, storage_options=storage_options)
+    try:
+        writer = DatasetWriter(out, dtype, chunk_tokens=first.chunk_tokens, compression=compression)
+        for dataset in datasets:
+            _copy(dataset, writer)
+        writer.close()
+        counts = {
+            key: sum(int(d.meta["counts"][key]) for d in datasets) for key in first.meta["counts"]
+        }
+        out.commit(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "tokenizer": first.meta["tokenizer"],
+                "dtype": dtype.name,
+                "field": first.meta.get("field"),
+                "sources": [s for d in datasets for s in d.meta["sources"]],
+                "counts": counts,
+                "bad_lines": [b for d in datasets for b in d.meta.get("bad_lines", [])],
+                "merged_from": [d.url for d in datasets],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
+    except BaseException:
+        out.abort()
+        raise
+    return MergeSummary(writer.n_documents, writer.n_tokens)
+
+
+def _copy(dataset: PackedDataset, writer: DatasetWriter) -> None:
+    """Stream a dataset's documents across in blocks of whole documents (bounded memory)."""
+    for begin in range(0, dataset.n_documents, DOCS_PER_STEP):
+        end = min(begin + DOCS_PER_STEP, dataset.n_documents)
+        offsets = np.asarray(dataset.doc_offsets[begin : end + 1], dtype=np.int64)
+        tokens = dataset.read(int(offsets[0]), int(offsets[-1]))
+        writer.add(tokens, np.diff(offsets))

@@ -1,0 +1,448 @@
+"""`pack`: JSONL in, a packed zarr dataset out, tokenized by worker processes.
+
+The recipe: resolve the tokenizer and token dtype (errors before any work) → expand the inputs →
+choose the encoder path (the fast BPE path only if it matches on a sample) → open the output
+under a temporary name → tokenize tasks in spawn-started workers, consuming results in task order
+→ write whole chunks as they fill → commit the group metadata last. Any failure (a bad line in
+`error` mode, a worker that dies, an interrupt) removes the partial output; nothing is committed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import multiprocessing
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any, Literal
+
+import attrs
+import numpy as np
+import structlog
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.data_pack.sources import (
+    Source,
+    Task,
+    expand_inputs,
+    field_getter,
+    parse_line,
+    plan_tasks,
+    read_range,
+)
+from llmtrain.data_pack.store import FORMAT, FORMAT_VERSION, DatasetWriter, Output, token_dtype
+from llmtrain.data_pack.tokenizer import tokenizer_from_raw
+
+log = structlog.get_logger("llmtrain.data_pack")
+
+MAX_RECORDED_BAD_LINES = 100
+FAST_SAMPLE_BYTES = 4 << 20
+
+
+class PackError(UserError):
+    """A pack that cannot finish: bad input in `error` mode, or a worker process that died."""
+
+
+@attrs.frozen
+class PackSettings:
+    field: str = "text"
+    on_bad_line: Literal["error", "skip"] = "error"
+    batch_docs: int = 512
+    dtype: str = "uint16"
+    vocab_size: int = 0
+
+
+@attrs.frozen
+class TaskResult:
+    index: int
+    tokens: np.ndarray
+    doc_lengths: np.ndarray
+    n_lines: int
+    bad: list[tuple[int, str]]
+    empty_documents: int
+    blank_lines: int
+    input_bytes: int
+    text_bytes: int
+
+
+@attrs.frozen
+class PackSummary:
+    url: str
+    documents: int
+    tokens: int
+    bad_lines: int
+    empty_documents: int
+    blank_lines: int
+    input_bytes: int
+    seconds: float
+    encoder: str
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+# -- the worker side ------------------------------------------------------------------------------
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_raw: dict, storage_options: dict) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
+    _worker["tokenizer"] = tokenizer_from_raw(tokenizer_raw)
+    _worker["storage_options"] = storage_options
+
+
+def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
+    """Read a task's lines, parse them, and tokenize the documents (each ended by eod)."""
+    tokenizer = _worker["tokenizer"]
+    data = read_range(task, _worker["storage_options"])
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    get = field_getter(settings.field)
+    texts: list[str] = []
+    bad: list[tuple[int, str]] = []
+    empty = blank = 0
+    for number, line in enumerate(lines):
+        if not line.strip():
+            blank += 1
+            continue
+        text, why = parse_line(line, get)
+        if why is not None:
+            bad.append((number, why))
+            if settings.on_bad_line == "error":
+                break
+        elif not text:
+            empty += 1
+        else:
+            texts.append(text)
+    dtype = np.dtype(settings.dtype)
+    if bad and settings.on_bad_line == "error":
+        texts = []
+    pieces, lengths = [], []
+    for begin in range(0, len(texts), settings.batch_docs):
+        batch = texts[begin : begin + settings.batch_docs]
+        tokens, doc_lengths = _with_eod(
+            tokenizer.encode_batch(batch), tokenizer.eod_id, dtype, settings.vocab_size
+        )
+        pieces.append(tokens)
+        lengths.append(doc_lengths)
+    return TaskResult(
+        index=task.index,
+        tokens=np.concatenate(pieces) if pieces else np.empty(0, dtype),
+        doc_lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
+        n_lines=len(lines),
+        bad=bad,
+        empty_documents=empty,
+        blank_lines=blank,
+        input_bytes=task.input_bytes,
+        text_bytes=len(data),
+    )
+
+
+def _with_eod(
+    ids: Sequence[Sequence[int]], eod: int, dtype: np.dtype, vocab_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Flatten a batch of id lists into one array with eod after every document."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
+    flat = np.fromiter(
+        itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()) - len(ids)
+    )
+    if len(flat) and (flat.max() >= vocab_size or flat.min() < 0):
+        raise PackError(
+            f"the tokenizer produced id {int(flat.max())}, outside its vocab of {vocab_size}"
+        )
+    out = np.empty(len(flat) + len(ids), dtype=dtype)
+    ends = np.cumsum(lengths) - 1
+    keep = np.ones(len(out), dtype=bool)
+    keep[ends] = False
+    out[keep] = flat
+    out[ends] = eod
+    return out, lengths
+
+
+# -- the parent side ------------------------------------------------------------------------------
+
+
+def _run_tasks(
+    tasks: Iterable[Task],
+    settings: PackSettings,
+    workers: int,
+    tokenizer_raw: dict,
+    storage_options: dict,
+) -> Iterator[TaskResult]:
+    """Results in task order. One worker runs in this process; more are spawn-started processes."""
+    if workers <= 1:
+        _init_worker(tokenizer_raw, storage_options)
+        for task in tasks:
+            yield tokenize_task(task, settings)
+        return
+    pool = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(tokenizer_raw, storage_options),
+    )
+    pending: collections.deque = collections.deque()
+    try:
+        for task in tasks:
+            pending.append((task, pool.submit(tokenize_task, task, settings)))
+            while len(pending) >= 2 * workers:
+                yield _result(*pending.popleft())
+        while pending:
+            yield _result(*pending.popleft())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(task: Task, future: Any) -> TaskResult:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        where = (
+            f"bytes {task.start}-{task.end}" if task.payload is None else f"line {task.first_line}"
+        )
+        raise PackError(
+            f"a worker process died while tokenizing {task.url} ({where} or a task beside it); "
+            "nothing was written. Check memory limits and the worker's log, then pack again"
+        ) from None
+
+
+class _Lines:
+    """Absolute line numbers: a byte-range task starts after the lines of earlier ranges of its
+    file (known, since results arrive in order); a compressed-input task knows its own."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = collections.defaultdict(int)
+
+    def first_line(self, task: Task, result: TaskResult) -> int:
+        if task.payload is not None:
+            return task.first_line
+        first = self.seen[task.source] + 1
+        self.seen[task.source] += result.n_lines
+        return first
+
+
+def _choose_encoder(
+    tokenizer: Any,
+    raw: dict,
+    sources: Sequence[Source],
+    settings: PackSettings,
+    storage_options: dict,
+) -> tuple[dict, str]:
+    """Keep the fast BPE path only if it gives the reference ids on a sample of this corpus."""
+    if not getattr(tokenizer, "fast", False):
+        return raw, "reference"
+    if raw.get("fast") == "on":
+        return raw, "fast"
+    texts = _sample_texts(sources, settings, storage_options)
+    reference = tokenizer.encode_batch_hf(texts)
+    fast = tokenizer.encode_batch(texts)
+    if fast == reference:
+        log.info("pack.fast_encoder", checked_documents=len(texts))
+        return {**raw, "fast": "on"}, "fast"
+    first = next(i for i, (a, b) in enumerate(zip(fast, reference, strict=True)) if a != b)
+    log.warning("pack.fast_encoder_differs", document=first, using="reference")
+    return {**raw, "fast": "off"}, "reference"
+
+
+def _sample_texts(
+    sources: Sequence[Source], settings: PackSettings, storage_options: dict
+) -> list[str]:
+    if not sources:
+        return []
+    task = next(plan_tasks(sources[:1], FAST_SAMPLE_BYTES, storage_options), None)
+    if task is None:
+        return []
+    get = field_getter(settings.field)
+    texts = []
+    for line in read_range(task, storage_options).split(b"\n"):
+        text, _ = parse_line(line, get) if line.strip() else (None, None)
+        if text:
+            texts.append(text)
+    return texts
+
+
+def pack(
+    inputs: Sequence[str],
+    output: str,
+    tokenizer: Mapping[str, Any],
+    *,
+    field: str = "text",
+    workers: int | None = None,
+    on_bad_line: Literal["error", "skip"] = "error",
+    overwrite: bool = False,
+    dtype: str | None = None,
+    chunk_tokens: int = 1 << 20,
+    shard_chunks: int = 0,
+    compression: str = "zstd:1",
+    split_bytes: int = 16 << 20,
+    batch_docs: int = 512,
+    storage_options: Mapping[str, Any] | None = None,
+    plugins: PluginManager | None = None,
+    progress: bool = False,
+) -> PackSummary:
+    """Pack JSONL files into a zarr token dataset; returns the counts. See the module docstring."""
+    started = time.perf_counter()
+    storage_options = dict(storage_options or {})
+    plugins = plugins or PluginManager().load_entry_points()
+    workers = workers or len(os.sched_getaffinity(0))
+    raw = dict(tokenizer)
+    tok = tokenizer_from_raw(raw, plugins)
+    token_type = token_dtype(tok.vocab_size, dtype)
+    if on_bad_line not in ("error", "skip"):
+        raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
+    settings = PackSettings(field, on_bad_line, batch_docs, token_type.name, tok.vocab_size)
+    sources = expand_inputs(inputs, storage_options)
+    raw, encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
+    out = Output(output, overwrite=overwrite, storage_options=storage_options)
+    total_bytes = sum(s.size for s in sources)
+    log.info(
+        "pack.start",
+        inputs=len(sources),
+        bytes=total_bytes,
+        workers=workers,
+        tokenizer=tok.name,
+        encoder=encoder,
+        output=output,
+    )
+    bar = _progress_bar(total_bytes, progress)
+    try:
+        writer = DatasetWriter(
+            out,
+            token_type,
+            chunk_tokens=chunk_tokens,
+            shard_chunks=shard_chunks,
+            compression=compression,
+        )
+        counts = _write(
+            out, sources, settings, workers, raw, storage_options, writer, split_bytes, bar
+        )
+        out.commit(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "tokenizer": {
+                    "name": tok.name,
+                    "fingerprint": tok.fingerprint,
+                    "vocab_size": tok.vocab_size,
+                    "eod_id": tok.eod_id,
+                    "spec": {k: v for k, v in raw.items() if k != "fast"},
+                },
+                "dtype": token_type.name,
+                "field": field,
+                "sources": [{"url": s.url, "bytes": s.size} for s in sources],
+                "counts": counts["counts"],
+                "bad_lines": counts["bad_lines"],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+        )
+    except BaseException:
+        out.abort()
+        raise
+    finally:
+        bar.close()
+    c = counts["counts"]
+    summary = PackSummary(
+        output,
+        c["documents"],
+        c["tokens"],
+        c["bad_lines"],
+        c["empty_documents"],
+        c["blank_lines"],
+        total_bytes,
+        time.perf_counter() - started,
+        encoder,
+    )
+    log.info(
+        "pack.done",
+        documents=summary.documents,
+        tokens=summary.tokens,
+        bad_lines=summary.bad_lines,
+        empty_documents=summary.empty_documents,
+        seconds=round(summary.seconds, 3),
+        tokens_per_s=round(summary.tokens_per_second),
+    )
+    return summary
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not enabled,
+        desc="packing",
+        dynamic_ncols=True,
+    )
+
+
+def _write(
+    out: Output,
+    sources: Sequence[Source],
+    settings: PackSettings,
+    workers: int,
+    raw: dict,
+    storage_options: dict,
+    writer: DatasetWriter,
+    split_bytes: int,
+    bar: Any,
+) -> dict[str, Any]:
+    """Run the tasks and append their documents in task order; returns counts and bad lines."""
+    tasks_by_index: dict[int, Task] = {}
+    lines = _Lines()
+    empty = blank = n_bad = 0
+    bad_lines: list[dict[str, Any]] = []
+    last_log = time.monotonic()
+
+    def remember(stream: Iterable[Task]) -> Iterator[Task]:
+        for task in stream:
+            tasks_by_index[task.index] = task
+            yield task
+
+    tasks = remember(plan_tasks(sources, split_bytes, storage_options))
+    for result in _run_tasks(tasks, settings, workers, raw, storage_options):
+        task = tasks_by_index.pop(result.index)
+        first = lines.first_line(task, result)
+        for relative, why in result.bad:
+            n_bad += 1
+            where = f"{task.url}:{first + relative}"
+            if settings.on_bad_line == "error":
+                raise PackError(
+                    f"{where}: {why}; fix the line, or pass --on-bad-line skip to skip and count "
+                    "such lines"
+                )
+            if len(bad_lines) < MAX_RECORDED_BAD_LINES:
+                bad_lines.append({"file": task.url, "line": first + relative, "reason": why})
+        writer.add(result.tokens, result.doc_lengths)
+        empty += result.empty_documents
+        blank += result.blank_lines
+        bar.update(result.input_bytes)
+        bar.set_postfix(docs=writer.n_documents, tokens=writer.n_tokens, refresh=False)
+        if time.monotonic() - last_log > 30:
+            last_log = time.monotonic()
+            log.info(
+                "pack.progress",
+                documents=writer.n_documents,
+                tokens=writer.n_tokens,
+                bytes_done=bar.n,
+            )
+    writer.close()
+    return {
+        "counts": {
+            "documents": writer.n_documents,
+            "tokens": writer.n_tokens,
+            "empty_documents": empty,
+            "blank_lines": blank,
+            "bad_lines": n_bad,
+        },
+        "bad_lines": bad_lines,
+    }

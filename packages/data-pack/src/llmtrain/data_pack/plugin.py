@@ -1,0 +1,249 @@
+"""data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers and
+the `llmtrain data ...` commands (pack, train-tokenizer, inspect, merge). Importing it is cheap:
+the commands import their machinery when they run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.data_pack.tokenizer import (
+    BytesOptions,
+    BytesTokenizer,
+    HFOptions,
+    HFTokenizer,
+    TiktokenOptions,
+    TiktokenTokenizer,
+)
+
+
+@hookimpl
+def llmtrain_tokenizers(register):
+    register(
+        "bytes",
+        BytesTokenizer,
+        options=BytesOptions,
+        help="UTF-8 bytes (ids 0-255) + special tokens; no file needed",
+    )
+    register(
+        "hf",
+        HFTokenizer,
+        options=HFOptions,
+        help="a Hugging Face tokenizer.json (fast tiktoken path for GPT-2-style BPE)",
+    )
+    register(
+        "tiktoken",
+        TiktokenTokenizer,
+        options=TiktokenOptions,
+        help="a .tiktoken ranks file with its split pattern",
+    )
+
+
+def _storage_options(items: list[str]) -> dict:
+    options = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"--storage-option {item!r}: expected key=value")
+        options[key] = value
+    return options
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an fsspec option for remote paths (e.g. endpoint_url=...); AWS_* variables also work",
+    )
+    parser.add_argument(
+        "--log-dir",
+        default=None,
+        help="where the JSON log file goes (default: logs/data-<action>-<time>)",
+    )
+
+
+def _tokenizer_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument(
+        "--tokenizer",
+        required=required,
+        help="bytes, hf:PATH, tiktoken:PATH, or a tokenizer.json / .tiktoken path",
+    )
+    parser.add_argument(
+        "--tokenizer-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a tokenizer option, e.g. eod_token=</s> or encoding=cl100k_base",
+    )
+
+
+def _configure(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+
+    p = actions.add_parser(
+        "pack",
+        help="tokenize JSONL files into a packed zarr dataset",
+        description="tokenize JSONL files (.jsonl, .jsonl.gz, .jsonl.zst; local or URLs, globs "
+        "allowed) into a packed zarr dataset",
+    )
+    p.add_argument("inputs", nargs="+", help="JSONL files or globs")
+    p.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
+    _tokenizer_args(p, required=True)
+    p.add_argument("--field", default="text", help="dotted path of the text in each record")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
+    p.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
+    p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
+    p.add_argument("--shard-chunks", type=int, default=0, help="chunks per shard (0: no sharding)")
+    p.add_argument("--compression", default="zstd:1", help="none, zstd or zstd:LEVEL")
+    p.add_argument("--split-mb", type=float, default=16, help="input MB per worker task")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common(p)
+
+    t = actions.add_parser(
+        "train-tokenizer",
+        help="train a byte-level BPE tokenizer on JSONL and write tokenizer.json",
+    )
+    t.add_argument("inputs", nargs="+", help="JSONL files or globs")
+    t.add_argument("-o", "--output", required=True, help="the tokenizer.json to write")
+    t.add_argument("--vocab-size", type=int, required=True)
+    t.add_argument("--field", default="text")
+    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument(
+        "--special-token",
+        action="append",
+        default=None,
+        help="special tokens (default: <|endoftext|>); the first ends documents",
+    )
+    t.add_argument("--max-documents", type=int, default=None, help="train on the first N documents")
+    t.add_argument("--overwrite", action="store_true")
+    _common(t)
+
+    i = actions.add_parser(
+        "inspect", help="counts, tokenizer, document lengths and a decoded sample of a dataset"
+    )
+    i.add_argument("path", help="a packed dataset (path or URL)")
+    i.add_argument("--window", type=int, default=64, help="tokens in the decoded sample")
+    i.add_argument("--seed", type=int, default=0, help="which sample window")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    _tokenizer_args(i, required=False)
+    _common(i)
+
+    m = actions.add_parser("merge", help="concatenate packed datasets of one tokenizer")
+    m.add_argument("inputs", nargs="+", help="packed datasets, in order")
+    m.add_argument("-o", "--output", required=True)
+    m.add_argument("--overwrite", action="store_true")
+    m.add_argument("--compression", default="zstd:1")
+    _common(m)
+
+
+def _run(args: argparse.Namespace, ctx: Context) -> int:
+    from llmtrain.core_mesh.logs import configure_logging
+
+    log_dir = args.log_dir or f"logs/data-{args.action}-{time.strftime('%Y%m%d-%H%M%S')}"
+    configure_logging(log_dir=log_dir, level="INFO")
+    storage_options = _storage_options(args.storage_option)
+    if args.action == "pack":
+        return _pack(args, ctx, storage_options)
+    if args.action == "train-tokenizer":
+        return _train(args, storage_options)
+    if args.action == "inspect":
+        from llmtrain.data_pack.report import inspect_dataset
+
+        tokenizer = _tokenizer_raw(args, ctx) if args.tokenizer else None
+        print(
+            inspect_dataset(
+                args.path,
+                tokenizer=tokenizer,
+                window=args.window,
+                seed=args.seed,
+                as_json=args.json,
+                storage_options=storage_options,
+                plugins=ctx.plugins,
+            )
+        )
+        return 0
+    from llmtrain.data_pack.merge import merge
+
+    merged = merge(
+        args.inputs,
+        args.output,
+        overwrite=args.overwrite,
+        compression=args.compression,
+        storage_options=storage_options,
+    )
+    print(f"{args.output}: {merged.documents} documents, {merged.tokens} tokens")
+    return 0
+
+
+def _tokenizer_raw(args: argparse.Namespace, ctx: Context) -> dict:
+    from llmtrain.data_pack.tokenizer import choice_to_raw, tokenizer_choice
+
+    choice = tokenizer_choice(args.tokenizer, ctx.plugins, args.tokenizer_option)
+    return choice_to_raw(choice, ctx.plugins)
+
+
+def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
+    from llmtrain.data_pack.pack import pack
+
+    summary = pack(
+        args.inputs,
+        args.output,
+        _tokenizer_raw(args, ctx),
+        field=args.field,
+        workers=args.workers,
+        on_bad_line=args.on_bad_line,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        chunk_tokens=args.chunk_tokens,
+        shard_chunks=args.shard_chunks,
+        compression=args.compression,
+        split_bytes=max(1, int(args.split_mb * (1 << 20))),
+        storage_options=storage_options,
+        plugins=ctx.plugins,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    skipped = f", {summary.bad_lines} bad lines skipped" if summary.bad_lines else ""
+    print(
+        f"{summary.url}: {summary.documents} documents, {summary.tokens} tokens "
+        f"({summary.empty_documents} empty skipped{skipped}) in {summary.seconds:.1f} s, "
+        f"{summary.tokens_per_second:,.0f} tokens/s"
+    )
+    return 0
+
+
+def _train(args: argparse.Namespace, storage_options: dict) -> int:
+    from llmtrain.data_pack.train_tokenizer import train_tokenizer
+
+    vocab = train_tokenizer(
+        args.inputs,
+        args.output,
+        vocab_size=args.vocab_size,
+        field=args.field,
+        min_frequency=args.min_frequency,
+        special_tokens=args.special_token or None,
+        max_documents=args.max_documents,
+        overwrite=args.overwrite,
+        storage_options=storage_options,
+    )
+    print(f"{args.output}: byte-level BPE, {vocab} tokens")
+    return 0
+
+
+@hookimpl
+def llmtrain_commands(register):
+    register(
+        "data",
+        Command(
+            help="pack JSONL into token datasets, train tokenizers, inspect and merge datasets",
+            configure=_configure,
+            run=_run,
+        ),
+    )

@@ -1,0 +1,95 @@
+"""`llmtrain data inspect`: what a packed dataset holds, at a glance or as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.data_pack.store import PackedDataset
+from llmtrain.data_pack.tokenizer import tokenizer_from_raw
+
+OFFSETS_BLOCK = 1 << 22
+
+
+def length_histogram(dataset: PackedDataset) -> dict[str, int]:
+    """Document lengths (tokens with eod) in power-of-two buckets, read in bounded blocks."""
+    counts = np.zeros(64, dtype=np.int64)
+    for begin in range(0, dataset.n_documents, OFFSETS_BLOCK):
+        offsets = np.asarray(dataset.doc_offsets[begin : begin + OFFSETS_BLOCK + 1])
+        lengths = np.diff(offsets)
+        counts += np.bincount(np.log2(np.maximum(lengths, 1)).astype(np.int64), minlength=64)[:64]
+    return {f"{1 << b}-{(1 << (b + 1)) - 1}": int(n) for b, n in enumerate(counts) if n}
+
+
+def inspect_dataset(
+    url: str,
+    *,
+    tokenizer: Mapping[str, Any] | None = None,
+    window: int = 64,
+    seed: int = 0,
+    as_json: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    plugins: PluginManager | None = None,
+) -> str:
+    dataset = PackedDataset(url, storage_options=storage_options)
+    meta = dataset.meta
+    tok_meta = meta["tokenizer"]
+    start = 0
+    if dataset.n_tokens > window:
+        start = int(np.random.default_rng(seed).integers(0, dataset.n_tokens - window))
+    ids = dataset.read(start, min(start + window, dataset.n_tokens))
+    sample, note = None, None
+    try:
+        tok = tokenizer_from_raw(dict(tokenizer or tok_meta["spec"]), plugins)
+        dataset.check_tokenizer(tok)
+        sample = tok.decode(ids.tolist())
+    except UserError as exc:
+        note = f"cannot decode the sample: {exc}"
+    report = {
+        "path": url,
+        "counts": meta["counts"],
+        "dtype": meta["dtype"],
+        "chunk_tokens": dataset.chunk_tokens,
+        "tokenizer": {k: tok_meta[k] for k in ("name", "fingerprint", "vocab_size", "eod_id")},
+        "sources": meta["sources"],
+        "document_lengths": length_histogram(dataset),
+        "bad_lines": meta.get("bad_lines", []),
+        "sample": {"start": start, "ids": ids.tolist(), "text": sample, "note": note},
+        "created": meta.get("created"),
+    }
+    if as_json:
+        return json.dumps(report, indent=2)
+    return _text(report)
+
+
+def _text(r: dict[str, Any]) -> str:
+    c, t = r["counts"], r["tokenizer"]
+    mean = c["tokens"] / c["documents"] if c["documents"] else 0
+    lines = [
+        f"{r['path']}",
+        f"  documents   {c['documents']:,} ({mean:,.1f} tokens each on average)",
+        f"  tokens      {c['tokens']:,} ({r['dtype']}, chunks of {r['chunk_tokens']:,})",
+        f"  skipped     {c['empty_documents']:,} empty documents, {c['bad_lines']:,} bad lines, "
+        f"{c['blank_lines']:,} blank lines",
+        f"  tokenizer   {t['name']} (vocab {t['vocab_size']:,}, eod {t['eod_id']}, "
+        f"fingerprint {t['fingerprint']})",
+        f"  sources     {len(r['sources'])} file(s), "
+        f"{sum(s['bytes'] for s in r['sources']):,} bytes",
+        f"  created     {r['created']}",
+        "  document lengths (tokens, with eod):",
+    ]
+    hist = r["document_lengths"]
+    peak = max(hist.values(), default=1)
+    for bucket, n in hist.items():
+        lines.append(f"    {bucket:>15}  {n:>10,}  {'#' * max(1, round(40 * n / peak))}")
+    for bad in r["bad_lines"][:10]:
+        lines.append(f"  bad line    {bad['file']}:{bad['line']}: {bad['reason']}")
+    s = r["sample"]
+    lines.append(f"  sample at token {s['start']:,}:")
+    lines.append("    " + (repr(s["text"]) if s["text"] is not None else s["note"]))
+    return "\n".join(lines)

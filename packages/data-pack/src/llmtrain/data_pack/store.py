@@ -1,0 +1,337 @@
+"""The packed-dataset format: a zarr v3 group, written so that a crash never looks complete.
+
+```
+<dataset>/zarr.json      group metadata; attribute "llmtrain" holds the dataset's metadata
+<dataset>/tokens         1-D uint16 (vocab <= 65536) or uint32: every document, each ended by eod
+<dataset>/doc_offsets    1-D int64, n_documents + 1: where each document starts in `tokens`
+<dataset>/chunk_docs     1-D int64, n_chunks + 1: the first document starting in each token chunk
+```
+
+The group's `zarr.json` (with `"complete": true`) is written last, after every array; a directory
+without it is not a dataset. On a local disk everything is first written under a temporary name
+and renamed into place; on object storage, where renames are copies, the group metadata written
+last is the commit. No pickle anywhere: arrays and JSON only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import zarr
+from fsspec.core import url_to_fs
+
+from llmtrain.core_mesh.errors import UserError
+
+FORMAT = "llmtrain-tokens"
+FORMAT_VERSION = 1
+META_KEY = "llmtrain"
+
+
+class DatasetError(UserError):
+    """A packed dataset that is missing, incomplete, or does not fit the run."""
+
+
+def token_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
+    """uint16 when every id fits, else uint32; a requested dtype too small is an error."""
+    if requested is not None:
+        dtype = np.dtype(requested)
+        if dtype not in (np.uint16, np.uint32):
+            raise UserError(f"token dtype {requested!r}: use uint16 or uint32")
+        if vocab_size - 1 > np.iinfo(dtype).max:
+            raise UserError(
+                f"the tokenizer has {vocab_size} ids, more than {dtype} holds "
+                f"(max {np.iinfo(dtype).max}); use uint32"
+            )
+        return dtype
+    if vocab_size - 1 > np.iinfo(np.uint32).max:
+        raise UserError(f"the tokenizer has {vocab_size} ids, more than uint32 holds")
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _local_path(url: str) -> str:
+    return url.removeprefix("file://")
+
+
+def _join(url: str, name: str) -> str:
+    return url.rstrip("/") + "/" + name
+
+
+def _store(url: str, storage_options: Mapping[str, Any] | None, *, read_only: bool):
+    if _is_local(url):
+        return zarr.storage.LocalStore(_local_path(url), read_only=read_only)
+    return zarr.storage.FsspecStore.from_url(
+        url, storage_options=dict(storage_options or {}), read_only=read_only
+    )
+
+
+def compressors(name: str) -> Any:
+    if name == "none":
+        return None
+    if name.startswith("zstd"):
+        level = int(name.partition(":")[2] or 1)
+        return zarr.codecs.ZstdCodec(level=level)
+    raise UserError(f"compression {name!r}: use none, zstd or zstd:LEVEL")
+
+
+class AppendArray:
+    """A 1-D zarr array written front to back in whole chunks (or shards): no partial rewrites."""
+
+    def __init__(
+        self,
+        url: str,
+        dtype: Any,
+        chunk: int,
+        *,
+        shard_chunks: int = 0,
+        compression: str = "none",
+        storage_options: Mapping[str, Any] | None = None,
+    ):
+        self.unit = chunk * shard_chunks if shard_chunks else chunk
+        self.array = zarr.create_array(
+            store=_store(url, storage_options, read_only=False),
+            shape=(0,),
+            dtype=dtype,
+            chunks=(chunk,),
+            shards=(self.unit,) if shard_chunks else None,
+            compressors=compressors(compression),
+            fill_value=0,
+            zarr_format=3,
+        )
+        self.dtype = np.dtype(dtype)
+        self.written = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_len = 0
+
+    def append(self, values: np.ndarray) -> None:
+        if len(values):
+            self._pending.append(values.astype(self.dtype, copy=False))
+            self._pending_len += len(values)
+        if self._pending_len >= self.unit:
+            self._flush(final=False)
+
+    def _flush(self, *, final: bool) -> None:
+        if not self._pending_len:
+            return
+        data = np.concatenate(self._pending)
+        whole = len(data) if final else len(data) // self.unit * self.unit
+        if whole:
+            end = self.written + whole
+            self.array.resize((end,))
+            self.array[self.written : end] = data[:whole]
+            self.written = end
+        rest = data[whole:]
+        self._pending = [rest] if len(rest) else []
+        self._pending_len = len(rest)
+
+    def close(self) -> int:
+        self._flush(final=True)
+        return self.written
+
+
+class Output:
+    """Where a pack or merge writes: refuses an existing dataset unless asked, commits last."""
+
+    def __init__(
+        self, url: str, *, overwrite: bool, storage_options: Mapping[str, Any] | None = None
+    ):
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.path = url_to_fs(self.url, **self.storage_options)
+        self.local = _is_local(url)
+        if self.fs.exists(self.path):
+            if not overwrite:
+                raise UserError(
+                    f"{url} already exists; pass --overwrite to replace it, or choose another output"
+                )
+        self.overwrite = overwrite
+        self.staging = f"{self.url}.tmp-{uuid.uuid4().hex[:8]}" if self.local else self.url
+        if not self.local and self.fs.exists(self.path):
+            # object storage has no rename: the old dataset goes first, the new one's metadata
+            # is written last, so a crash in between leaves no complete-looking dataset
+            self.fs.rm(self.path, recursive=True)
+        if self.local:
+            os.makedirs(_local_path(self.staging), exist_ok=False)
+
+    def array_url(self, name: str) -> str:
+        return _join(self.staging, name)
+
+    def commit(self, attributes: Mapping[str, Any]) -> None:
+        zarr.create_group(
+            store=_store(self.staging, self.storage_options, read_only=False),
+            attributes={META_KEY: {**attributes, "complete": True}},
+            zarr_format=3,
+        )
+        if not self.local:
+            return
+        final, staged = _local_path(self.url), _local_path(self.staging)
+        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
+        if os.path.exists(final):
+            os.rename(final, old)
+        os.rename(staged, final)
+        if os.path.exists(old):
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        try:
+            fs, path = url_to_fs(self.staging, **self.storage_options)
+            if fs.exists(path):
+                fs.rm(path, recursive=True)
+        except OSError:
+            pass
+
+
+class PackedDataset:
+    """A committed packed dataset, opened read-only (local path or fsspec URL)."""
+
+    def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None):
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            group = zarr.open_group(
+                store=_store(self.url, self.storage_options, read_only=True),
+                mode="r",
+                zarr_format=3,
+            )
+            meta = dict(group.attrs.get(META_KEY) or {})
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError, ValueError):
+            raise DatasetError(
+                f"{self.url}: not a packed dataset (no committed group metadata): it does not "
+                "exist, is not complete (a pack that did not finish), or was not written by "
+                "`llmtrain data pack`"
+            ) from None
+        if meta.get("format") != FORMAT or not meta.get("complete"):
+            raise DatasetError(f"{self.url}: not a complete {FORMAT} dataset")
+        if meta.get("version", 0) > FORMAT_VERSION:
+            raise DatasetError(
+                f"{self.url}: format version {meta['version']} is newer than this llmtrain "
+                f"reads ({FORMAT_VERSION}); upgrade llmtrain-data-pack"
+            )
+        self.meta = meta
+        self.tokens = group["tokens"]
+        self.doc_offsets = group["doc_offsets"]
+        self.chunk_docs = np.asarray(group["chunk_docs"][:], dtype=np.int64)
+        self.n_tokens = int(meta["counts"]["tokens"])
+        self.n_documents = int(meta["counts"]["documents"])
+        self.chunk_tokens = int(self.tokens.chunks[0])
+        self.dtype = np.dtype(self.tokens.dtype)
+        self.eod_id = int(meta["tokenizer"]["eod_id"])
+        self.vocab_size = int(meta["tokenizer"]["vocab_size"])
+        self.fingerprint = str(meta["tokenizer"]["fingerprint"])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.url, self.storage_options = state["url"], state["storage_options"]
+        self._open()
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n_tokens // self.chunk_tokens)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.tokens[start:stop])
+
+    def read_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens of one chunk, and where documents start in it (positions within the chunk)."""
+        base = chunk * self.chunk_tokens
+        tokens = self.read(base, min(base + self.chunk_tokens, self.n_tokens))
+        first, last = self.chunk_docs[chunk], self.chunk_docs[chunk + 1]
+        starts = np.asarray(self.doc_offsets[first:last], dtype=np.int64) - base
+        return tokens, starts
+
+    def document(self, index: int) -> np.ndarray:
+        """The tokens of document `index`, without its end-of-document token."""
+        if not 0 <= index < self.n_documents:
+            raise IndexError(f"document {index} of {self.n_documents}")
+        start, stop = (int(v) for v in self.doc_offsets[index : index + 2])
+        return self.read(start, stop - 1)
+
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Refuse a tokenizer other than the one the dataset was packed with."""
+        if tokenizer.fingerprint != self.fingerprint:
+            packed = self.meta["tokenizer"]
+            raise DatasetError(
+                f"{self.url} was packed with tokenizer {packed['name']} (fingerprint "
+                f"{packed['fingerprint']}), but this run uses {tokenizer.name} (fingerprint "
+                f"{tokenizer.fingerprint}); use the same tokenizer or pack the data again"
+            )
+
+
+class DatasetWriter:
+    """Appends documents (tokens with their eod, and their lengths) to an Output's arrays."""
+
+    def __init__(
+        self,
+        out: Output,
+        dtype: Any,
+        *,
+        chunk_tokens: int = 1 << 20,
+        shard_chunks: int = 0,
+        compression: str = "zstd:1",
+    ):
+        options = out.storage_options
+        self.out = out
+        self.chunk_tokens = chunk_tokens
+        self.tokens = AppendArray(
+            out.array_url("tokens"),
+            dtype,
+            chunk_tokens,
+            shard_chunks=shard_chunks,
+            compression=compression,
+            storage_options=options,
+        )
+        self.offsets = AppendArray(
+            out.array_url("doc_offsets"),
+            np.int64,
+            1 << 20,
+            compression=compression,
+            storage_options=options,
+        )
+        self.offsets.append(np.zeros(1, np.int64))
+        self.chunk_docs: list[int] = [0]
+        self.n_tokens = 0
+        self.n_documents = 0
+
+    def add(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
+        if not len(doc_lengths):
+            return
+        ends = self.n_tokens + np.cumsum(doc_lengths)
+        if int(ends[-1]) != self.n_tokens + len(tokens):
+            raise ValueError("document lengths do not add up to the tokens given")
+        starts = ends - doc_lengths
+        # chunk c's first document: the first one starting at or after c * chunk_tokens
+        last_chunk = int(starts[-1]) // self.chunk_tokens
+        boundaries = np.arange(len(self.chunk_docs), last_chunk + 1) * self.chunk_tokens
+        first = self.n_documents + np.searchsorted(starts, boundaries, "left")
+        self.chunk_docs.extend(first.tolist())
+        self.offsets.append(ends)
+        self.tokens.append(tokens)
+        self.n_tokens = int(ends[-1])
+        self.n_documents += len(doc_lengths)
+
+    def close(self) -> None:
+        n_chunks = -(-self.n_tokens // self.chunk_tokens)
+        self.chunk_docs.extend([self.n_documents] * (n_chunks + 1 - len(self.chunk_docs)))
+        self.tokens.close()
+        self.offsets.close()
+        index = AppendArray(
+            self.out.array_url("chunk_docs"),
+            np.int64,
+            max(n_chunks + 1, 1),
+            storage_options=self.out.storage_options,
+        )
+        index.append(np.asarray(self.chunk_docs[: n_chunks + 1], np.int64))
+        index.close()

@@ -1,0 +1,490 @@
+"""Tokenizers (plugins of kind `tokenizer`): `bytes`, `hf` (tokenizer.json) and `tiktoken`.
+
+Every tokenizer has a `fingerprint`: a hash of everything that decides its ids (vocabulary,
+merges, pattern, special tokens, end-of-document id), stored with each packed dataset so a run
+with another tokenizer is caught. Options that only change speed (`hf`'s `fast`) are not part of it.
+
+The `hf` tokenizer has a fast path for GPT-2-style byte-level BPE files: the same vocabulary and
+merges run through tiktoken's BPE core (several times faster per thread). It is used only when the
+file has nothing tiktoken would treat differently (see `tiktoken_equivalent`), and `pack` also
+checks that both paths give identical ids on a sample of the corpus before enabling it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+import attrs
+import fsspec
+
+from llmtrain.core_mesh.config import Choice, make_converter, structure, unstructure
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
+
+ENDOFTEXT = "<|endoftext|>"
+# names tried, in order, when an `hf` tokenizer is given no `eod_token`
+EOD_CANDIDATES = (ENDOFTEXT, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
+# the pre-tokenization regex of GPT-2's byte-level BPE (HF `ByteLevel(use_regex=True)`)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+
+TokenizerChoice = Choice.of("tokenizer")
+
+
+class TokenizerError(UserError):
+    """A tokenizer file or option that cannot be used."""
+
+
+def _hash(*parts: Any) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        data = part if isinstance(part, bytes) else json.dumps(part, sort_keys=True).encode()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+    return digest.hexdigest()[:32]
+
+
+def read_bytes(url: str) -> bytes:
+    """A whole file from a local path or fsspec URL, with a clear error if it is not there."""
+    try:
+        with fsspec.open(url, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise TokenizerError(f"{url}: no such tokenizer file") from None
+    except OSError as exc:
+        raise TokenizerError(f"{url}: cannot read the tokenizer file: {exc}") from None
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BytesOptions:
+    """UTF-8 bytes as ids 0-255, then the special tokens (the first ends documents)."""
+
+    special_tokens: list[str] = attrs.field(factory=lambda: [ENDOFTEXT, "<|pad|>"])
+
+    def __attrs_post_init__(self) -> None:
+        from llmtrain.core_mesh.config import ConfigValueError
+
+        if not self.special_tokens:
+            raise ConfigValueError("special_tokens", "needs at least the end-of-document token")
+        if len(set(self.special_tokens)) != len(self.special_tokens):
+            raise ConfigValueError("special_tokens", "has duplicates")
+
+
+class BytesTokenizer:
+    """A byte-level tokenizer with no training: for tests, smoke runs and byte-level models."""
+
+    def __init__(self, options: BytesOptions | None = None):
+        self.options = options or BytesOptions()
+        self._specials = list(self.options.special_tokens)
+
+    @property
+    def name(self) -> str:
+        return "bytes"
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self._specials)
+
+    @property
+    def eod_id(self) -> int:
+        return 256
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return _hash("bytes", self._specials)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        pending = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                pending.append(i)
+                continue
+            out.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            out.append(self._specials[i - 256] if i - 256 < len(self._specials) else f"<{i}>")
+        out.append(pending.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def token_id(self, token: str) -> int | None:
+        return 256 + self._specials.index(token) if token in self._specials else None
+
+
+# -- hf (tokenizer.json) ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class HFOptions:
+    """A Hugging Face `tokenizer.json` (local path or fsspec URL)."""
+
+    path: str
+    eod_token: str | None = None
+    fast: Literal["auto", "on", "off"] = "auto"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (how byte-level BPE stores tokens)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(keep, map(chr, chars), strict=True))
+
+
+def _pattern_of(pre: dict | None) -> str | None:
+    """The regex a byte-level pre-tokenizer splits with, or None if tiktoken cannot mirror it."""
+    if pre is None:
+        return None
+    if pre.get("type") == "ByteLevel":
+        if pre.get("add_prefix_space") or not pre.get("use_regex", True):
+            return None
+        return GPT2_PATTERN
+    if pre.get("type") == "Sequence":
+        steps = pre.get("pretokenizers") or []
+        if len(steps) == 1:
+            return _pattern_of(steps[0])
+        if len(steps) == 2:
+            split, byte_level = steps
+            if (
+                split.get("type") == "Split"
+                and "Regex" in (split.get("pattern") or {})
+                and split.get("behavior") == "Isolated"
+                and not split.get("invert")
+                and byte_level.get("type") == "ByteLevel"
+                and not byte_level.get("add_prefix_space")
+                and not byte_level.get("use_regex", True)
+            ):
+                return split["pattern"]["Regex"]
+    return None
+
+
+def tiktoken_equivalent(spec: dict) -> tuple[Any | None, str]:
+    """A tiktoken Encoding with the same ids as this tokenizer.json, or (None, why not)."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return None, f"model type {model.get('type')!r} is not BPE"
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
+        if model.get(key):
+            return None, f"BPE option {key} is set"
+    if model.get("byte_fallback"):
+        return None, "byte_fallback is set"
+    if spec.get("normalizer") is not None:
+        return None, "it has a normalizer"
+    pattern = _pattern_of(spec.get("pre_tokenizer"))
+    if pattern is None:
+        return None, "the pre-tokenizer is not byte-level BPE with a split regex"
+    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
+    if any(
+        t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+        for t in spec.get("added_tokens") or []
+    ):
+        return None, "an added token strips or matches single words"
+    ranks: dict[bytes, int] = {}
+    for token, i in model.get("vocab", {}).items():
+        if token in added:
+            continue
+        try:
+            ranks[bytes(byte_of[c] for c in token)] = i
+        except KeyError:
+            return None, f"vocab entry {token!r} is not byte-level"
+    if any(bytes([b]) not in ranks for b in range(256)):
+        return None, "not every byte has a token"
+    last = -1
+    for merge in model.get("merges", []):
+        a, b = merge.split(" ", 1) if isinstance(merge, str) else merge
+        merged = ranks.get(bytes(byte_of[c] for c in a + b))
+        if merged is None or merged <= last:
+            return None, "merge order and token ids disagree"
+        last = merged
+    import tiktoken
+
+    encoding = tiktoken.Encoding(
+        name="hf-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens=added
+    )
+    return encoding, ""
+
+
+class HFTokenizer:
+    def __init__(self, options: HFOptions):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        import tokenizers
+
+        self.options = options
+        raw = read_bytes(options.path)
+        try:
+            self._spec = json.loads(raw)
+            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
+            raise TokenizerError(f"{options.path}: not a valid tokenizer.json: {exc}") from None
+        self._eod_token = self._find_eod(options.eod_token)
+        self._eod = self._tok.token_to_id(self._eod_token)
+        self._fast = None
+        self.fast_reason = "disabled (fast: off)"
+        if options.fast != "off":
+            self._fast, why = tiktoken_equivalent(self._spec)
+            self.fast_reason = "tiktoken BPE core" if self._fast else why
+            if options.fast == "on" and self._fast is None:
+                raise TokenizerError(f"{options.path}: fast: on, but {why}")
+
+    def _find_eod(self, given: str | None) -> str:
+        if given is not None:
+            if self._tok.token_to_id(given) is None:
+                raise TokenizerError(f"{self.options.path}: no token {given!r} (eod_token)")
+            return given
+        for name in EOD_CANDIDATES:
+            if self._tok.token_to_id(name) is not None:
+                return name
+        added = [t["content"] for t in self._spec.get("added_tokens") or []]
+        raise TokenizerError(
+            f"{self.options.path}: no end-of-document token found (tried {', '.join(EOD_CANDIDATES)}); "
+            f"set eod_token to one of its tokens (added tokens: {', '.join(added) or 'none'})"
+        )
+
+    @property
+    def name(self) -> str:
+        return f"hf:{os.path.basename(self.options.path)}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eod_id(self) -> int:
+        return self._eod
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return _hash("hf", self._spec, self._eod)
+
+    @property
+    def fast(self) -> bool:
+        return self._fast is not None
+
+    def without_fast(self) -> HFTokenizer:
+        return HFTokenizer(attrs.evolve(self.options, fast="off"))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._fast is not None:
+            return [self._fast.encode(t, allowed_special="all") for t in texts]
+        return self.encode_batch_hf(texts)
+
+    def encode_batch_hf(self, texts: Sequence[str]) -> list[list[int]]:
+        encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+# -- tiktoken ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class TiktokenOptions:
+    """A `.tiktoken` ranks file (base64 token, rank per line) plus its split pattern.
+
+    `encoding` names one of tiktoken's published encodings (e.g. cl100k_base, o200k_base) to take
+    the pattern and special tokens from; `pattern` and `special_tokens` set them by hand instead.
+    """
+
+    path: str
+    encoding: str | None = None
+    pattern: str | None = None
+    special_tokens: dict[str, int] | None = None
+    eod_token: str = ENDOFTEXT
+
+
+def parse_tiktoken_ranks(data: bytes, source: str) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise TokenizerError(
+                f"{source}:{number}: expected 'base64-token rank', got {line[:60]!r}"
+            ) from None
+    if not ranks:
+        raise TokenizerError(f"{source}: no ranks in the file")
+    return ranks
+
+
+def _published(name: str, ranks: dict[bytes, int]) -> dict[str, Any]:
+    """Pattern and special tokens of a published tiktoken encoding, built on our local ranks.
+
+    tiktoken's constructors download their ranks; we hand them the local ones instead, so the
+    pattern and special tokens come from tiktoken itself and nothing is fetched.
+    """
+    import tiktoken_ext.openai_public as published
+
+    constructors = published.ENCODING_CONSTRUCTORS
+    if name not in constructors or name == "gpt2":
+        known = ", ".join(n for n in constructors if n != "gpt2")
+        raise TokenizerError(f"unknown tiktoken encoding {name!r}; known: {known}")
+    with _swapped(published, "load_tiktoken_bpe", lambda *a, **k: ranks):
+        return constructors[name]()
+
+
+@contextlib.contextmanager
+def _swapped(module: Any, attribute: str, value: Any):
+    old = getattr(module, attribute)
+    setattr(module, attribute, value)
+    try:
+        yield
+    finally:
+        setattr(module, attribute, old)
+
+
+class TiktokenTokenizer:
+    def __init__(self, options: TiktokenOptions):
+        import tiktoken
+
+        self.options = options
+        ranks = parse_tiktoken_ranks(read_bytes(options.path), options.path)
+        if options.encoding is not None:
+            published = _published(options.encoding, ranks)
+            pattern = options.pattern or published["pat_str"]
+            specials = options.special_tokens or published["special_tokens"]
+        else:
+            pattern = options.pattern or GPT2_PATTERN
+            specials = options.special_tokens or {ENDOFTEXT: max(ranks.values()) + 1}
+        if options.eod_token not in specials:
+            raise TokenizerError(
+                f"{options.path}: eod_token {options.eod_token!r} is not a special token "
+                f"({', '.join(specials)})"
+            )
+        self._pattern, self._specials = pattern, dict(specials)
+        self._ranks_hash = _hash(sorted(ranks.items(), key=lambda kv: kv[1]).__repr__())
+        try:
+            self._enc = tiktoken.Encoding(
+                name="llmtrain", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
+            )
+        except Exception as exc:  # noqa: BLE001 - tiktoken raises plain Exception
+            raise TokenizerError(f"{options.path}: tiktoken cannot use it: {exc}") from None
+
+    @property
+    def name(self) -> str:
+        return f"tiktoken:{os.path.basename(self.options.path)}"
+
+    @property
+    def vocab_size(self) -> int:
+        return self._enc.n_vocab
+
+    @property
+    def eod_id(self) -> int:
+        return self._specials[self.options.eod_token]
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        return _hash("tiktoken", self._ranks_hash, self._pattern, self._specials, self.eod_id)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._enc.encode(t, allowed_special="all") for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids], errors="replace")
+
+    def token_id(self, token: str) -> int | None:
+        if token in self._specials:
+            return self._specials[token]
+        try:
+            return self._enc.encode_single_token(token)
+        except KeyError:
+            return None
+
+
+# -- building from a config ------------------------------------------------------------------------
+
+
+def tokenizer_choice(text: str, plugins: PluginManager, extra: Sequence[str] = ()) -> Choice:
+    """A CLI spelling of a tokenizer: `bytes`, `hf:PATH`, `tiktoken:PATH`, or a bare file path
+    (`*.json` is hf, `*.tiktoken` is tiktoken); `extra` holds `key=value` options."""
+    kind, sep, path = text.partition(":")
+    if not (sep and kind in plugins.registry("tokenizer")):
+        if text.endswith(".json"):
+            kind, path = "hf", text
+        elif text.endswith(".tiktoken"):
+            kind, path = "tiktoken", text
+        else:
+            kind, path = text, ""
+    raw: dict[str, Any] = {"kind": kind}
+    if path:
+        raw["path"] = path
+    for item in extra:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError(f"tokenizer option {item!r}: expected key=value")
+        raw[key] = json.loads(value) if value[:1] in "[{" or value in ("true", "false") else value
+    return structure(raw, TokenizerChoice, plugins=plugins, source="--tokenizer")
+
+
+def build_tokenizer(choice: Choice, plugins: PluginManager):
+    return plugins.registry("tokenizer").get(choice.kind).target(choice.options)
+
+
+def choice_to_raw(choice: Choice, plugins: PluginManager) -> dict[str, Any]:
+    """Plain data for a tokenizer choice (stored in dataset metadata, sent to worker processes)."""
+    return unstructure(choice, converter=make_converter(plugins))
+
+
+def tokenizer_from_raw(raw: dict[str, Any], plugins: PluginManager | None = None):
+    if plugins is None:
+        plugins = PluginManager().load_entry_points()
+    return build_tokenizer(structure(raw, TokenizerChoice, plugins=plugins), plugins)
+
+
+# -- training --------------------------------------------------------------------------------------
+
+
+def train_bpe(
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    special_tokens: Sequence[str] = (ENDOFTEXT,),
+    min_frequency: int = 2,
+    show_progress: bool = False,
+) -> str:
+    """Train a GPT-2-style byte-level BPE and return its tokenizer.json text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(special_tokens):
+        raise UserError(
+            f"vocab size {vocab_size} is too small: byte-level BPE needs at least 256 + "
+            f"{len(special_tokens)} special tokens"
+        )
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok.to_str()
