@@ -293,6 +293,8 @@ def pack(
     plugins = plugins or PluginManager().load_entry_points()
     workers = workers or len(os.sched_getaffinity(0))
     raw = dict(tokenizer)
+    if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
+        raw["path"] = os.path.abspath(raw["path"])  # so the stored spec works from anywhere
     tok = tokenizer_from_raw(raw, plugins)
     token_type = token_dtype(tok.vocab_size, dtype)
     if on_bad_line not in ("error", "skip"):

@@ -205,6 +205,7 @@ class PackedDataset:
                 zarr_format=3,
             )
             meta = dict(group.attrs.get(META_KEY) or {})
+            arrays = {name: group[name] for name in ("tokens", "doc_offsets", "chunk_docs")}
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError, ValueError):
             raise DatasetError(
                 f"{self.url}: not a packed dataset (no committed group metadata): it does not "
@@ -219,9 +220,9 @@ class PackedDataset:
                 f"reads ({FORMAT_VERSION}); upgrade llmtrain-data-pack"
             )
         self.meta = meta
-        self.tokens = group["tokens"]
-        self.doc_offsets = group["doc_offsets"]
-        self.chunk_docs = np.asarray(group["chunk_docs"][:], dtype=np.int64)
+        self.tokens = arrays["tokens"]
+        self.doc_offsets = arrays["doc_offsets"]
+        self.chunk_docs = np.asarray(arrays["chunk_docs"][:], dtype=np.int64)
         self.n_tokens = int(meta["counts"]["tokens"])
         self.n_documents = int(meta["counts"]["documents"])
         self.chunk_tokens = int(self.tokens.chunks[0])
