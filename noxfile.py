@@ -16,6 +16,9 @@ PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop"]
 SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint"]}
+# optional extras a package's own tests exercise, and extra test-only dependency groups
+EXTRAS = {"data-pack": "[all]"}
+TEST_GROUPS = {"data-pack": ["object-store"], "train-loop": ["object-store"]}
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
@@ -32,7 +35,7 @@ def group(name: str) -> list[str]:
 
 
 def package_paths(*names: str) -> list[str]:
-    return [str(ROOT / "packages" / name) for name in names]
+    return [str(ROOT / "packages" / name) + EXTRAS.get(name, "") for name in names]
 
 
 def plugin_paths() -> list[str]:
@@ -47,6 +50,7 @@ def install_everything(session: nox.Session) -> None:
         *plugin_paths(),
         *group("test"),
         *group("integration"),
+        *group("object-store"),
     )
 
 
@@ -58,7 +62,8 @@ def make_package_session(package: str) -> None:
     @nox.session(name=package)
     def run(session: nox.Session) -> None:
         deps = ["core-mesh", *SIBLINGS.get(package, []), package]
-        session.install(*CONSTRAINTS, *package_paths(*dict.fromkeys(deps)), *group("test"))
+        tests = [dep for name in ["test", *TEST_GROUPS.get(package, [])] for dep in group(name)]
+        session.install(*CONSTRAINTS, *package_paths(*dict.fromkeys(deps)), *tests)
         # the shared checks: installs alone, one namespace, one version, torch only where allowed
         session.env["LLMTRAIN_PACKAGE"] = package
         own_tests = ROOT / "packages" / package / "tests"

@@ -25,7 +25,11 @@ LAZY_TORCH_ONLY = {"core-mesh"}  # torch only inside functions, never at import 
 # the packages calling them (models, parallel, ...) declare; core-mesh itself installs without it.
 LAZY_UNDECLARED = {"core-mesh": {"torch"}}
 TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")  # imports in these blocks never run
-DIST_FOR_IMPORT = {"yaml": "pyyaml", "importlib_metadata": "importlib-metadata"}
+DIST_FOR_IMPORT = {
+    "yaml": "pyyaml",
+    "importlib_metadata": "importlib-metadata",
+    "tiktoken_ext": "tiktoken",  # tiktoken ships its published encodings in this package
+}
 
 
 class Import(NamedTuple):

@@ -86,6 +86,14 @@ class PackSummary:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def default_workers() -> int:
+    """One per core this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 # -- the worker side ------------------------------------------------------------------------------
 
 _worker: dict[str, Any] = {}
@@ -291,7 +299,7 @@ def pack(
     started = time.perf_counter()
     storage_options = dict(storage_options or {})
     plugins = plugins or PluginManager().load_entry_points()
-    workers = workers or len(os.sched_getaffinity(0))
+    workers = workers or default_workers()
     raw = dict(tokenizer)
     if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
         raw["path"] = os.path.abspath(raw["path"])  # so the stored spec works from anywhere
