@@ -1,0 +1,395 @@
+"""The Checkpointer: DCP saves under `<root>/step-<n>/`, counted only once committed.
+
+A save: (rank 0) clear an unfinished leftover of the same step → every rank writes its RNG state
+→ DCP writes every rank's shards and, on the coordinator, the DCP metadata → rank 0 writes
+`llmtrain.json` (what the caller wants kept: the config, counters) and last the `COMMITTED`
+marker. DCP's own metadata rename is not atomic on object storage, so only the marker counts: a
+directory without it does not exist for `latest_step`/`load`, and is cleaned up by a later commit.
+
+Async saves return once the state is staged in host memory; the write, the marker and the keep
+policy run in the background. At most one save is in flight: the next save, `wait()` and
+`close()` wait for it. Deletion runs only after a commit, when nothing else is in flight, and
+never touches the newest committed step.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import re
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import attrs
+import structlog
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+
+from llmtrain.checkpoint.safe_io import (
+    SafeFsspecReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+)
+from llmtrain.core_mesh.errors import UserError
+
+log = structlog.get_logger("llmtrain.checkpoint")
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+COMMIT_FILE = "COMMITTED"
+INFO_FILE = "llmtrain.json"
+RNG_DIR = "rng"
+
+
+class CheckpointError(UserError):
+    """A checkpoint that cannot be saved or loaded, with what exists and what to do."""
+
+
+@attrs.frozen
+class KeepPolicy:
+    """Keep the newest `last` committed steps, plus every step divisible by `every` (0: none)."""
+
+    last: int = 3
+    every: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if self.last < 1:
+            raise ValueError("keep.last must be at least 1 (the newest checkpoint is always kept)")
+
+    def deletable(self, committed: Sequence[int]) -> list[int]:
+        steps = sorted(committed)
+        keep = set(steps[-self.last :])
+        if self.every:
+            keep |= {s for s in steps if s % self.every == 0}
+        return [s for s in steps if s not in keep]
+
+
+def _default_storage_options(url: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """Retries with exponential backoff for object stores, unless the caller set their own."""
+    options = dict(given)
+    if url.startswith(("s3://", "s3a://")):
+        options.setdefault("retries", 5)
+        options.setdefault(
+            "config_kwargs",
+            {
+                "retries": {"max_attempts": 5, "mode": "standard"},
+                "connect_timeout": 10,
+                "read_timeout": 60,
+            },
+        )
+    return options
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states as JSON-safe data (no pickle)."""
+    state: dict[str, Any] = {
+        "python": _jsonable(random.getstate()),
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [
+            base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()
+        ]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    random.setstate(_tupled(state["python"]))
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+
+
+def _byte_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+def _jsonable(value: Any) -> Any:
+    return [_jsonable(v) for v in value] if isinstance(value, tuple | list) else value
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
+
+
+class Checkpointer:
+    """Save and load named stateful parts at `url` (a path or any fsspec URL)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        keep: KeepPolicy | None = None,
+        async_save: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        retries: int = 3,
+        backoff_s: float = 2.0,
+    ):
+        self.url = url.rstrip("/")
+        self.storage_options = _default_storage_options(self.url, storage_options or {})
+        self.fs, self.root = url_to_fs(self.url, **self.storage_options)
+        self.keep = keep or KeepPolicy()
+        self.async_save = async_save
+        self.retries, self.backoff_s = retries, backoff_s
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        # async saves run DCP's collectives from a background thread: give them their own group
+        self._group = dist.new_group(backend="gloo") if self.distributed and async_save else None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmtrain-ckpt")
+        self._inflight: Future | None = None
+
+    # -- what exists ------------------------------------------------------------------------
+
+    def _path(self, step: int, *names: str) -> str:
+        return "/".join([self.root.rstrip("/"), f"step-{step}", *names])
+
+    def step_url(self, step: int) -> str:
+        return f"{self.url}/step-{step}"
+
+    def _step_dirs(self) -> dict[int, bool]:
+        """Every step directory, and whether it is committed."""
+        try:
+            self.fs.invalidate_cache(self.root)
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return {}
+        steps = {int(m.group(1)) for n in names if (m := STEP_DIR.match(n))}
+        return {s: self.fs.exists(self._path(s, COMMIT_FILE)) for s in sorted(steps)}
+
+    def committed_steps(self) -> list[int]:
+        return [s for s, done in self._step_dirs().items() if done]
+
+    def latest_step(self) -> int | None:
+        steps = self.committed_steps()
+        return steps[-1] if steps else None
+
+    def info(self, step: int) -> dict[str, Any]:
+        """What the caller stored with the step (`info=` of `save`)."""
+        with self.fs.open(self._path(step, INFO_FILE), "rb") as f:
+            return json.loads(f.read())
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        info: Mapping[str, Any] | None = None,
+        blocking: bool | None = None,
+    ) -> None:
+        """Save `state` (name -> Stateful or state dict) as step `step`; every rank calls it."""
+        self.wait()
+        run_async = self.async_save if blocking is None else not blocking
+        if self.rank == 0:
+            self._prepare(step)
+        if self.distributed:
+            dist.barrier()
+        self._write_json(self._path(step, RNG_DIR, f"rank{self.rank}.json"), rng_state())
+        started = time.perf_counter()
+        if run_async:
+            upload = self._async(step, dict(state))
+            log.info(
+                "checkpoint.staged", step=step, seconds=round(time.perf_counter() - started, 3)
+            )
+            self._inflight = self._pool.submit(
+                self._finish, step, upload, dict(info or {}), started
+            )
+        else:
+            self._with_retries(step, lambda: self._dcp_save(step, dict(state)))
+            self._finish(step, None, dict(info or {}), started)
+
+    def _prepare(self, step: int) -> None:
+        dirs = self._step_dirs()
+        if dirs.get(step):
+            raise CheckpointError(
+                f"{self.step_url(step)} is already committed; refusing to overwrite it (delete it "
+                "or save to another checkpoint directory)"
+            )
+        if step in dirs:  # an unfinished save of this step from a crashed run
+            self.fs.rm(self._path(step), recursive=True)
+
+    def _writer(self, step: int) -> FsspecWriter:
+        return FsspecWriter(self.step_url(step), **self.storage_options)
+
+    def _dcp_save(self, step: int, state: dict[str, Any]) -> None:
+        dcp.save(state, storage_writer=self._writer(step))
+
+    def _async(self, step: int, state: dict[str, Any]) -> Future:
+        response = dcp.async_save(
+            state, storage_writer=self._writer(step), process_group=self._group
+        )
+        if hasattr(response, "staging_completion"):
+            response.staging_completion.result()
+            return response.upload_completion
+        return response
+
+    def _with_retries(self, step: int, action) -> None:
+        for attempt in range(self.retries + 1):
+            try:
+                action()
+                return
+            except Exception as exc:
+                if attempt == self.retries:
+                    raise CheckpointError(
+                        f"saving {self.step_url(step)} failed after {attempt + 1} attempts: "
+                        f"{_reason(exc)}. The last committed checkpoint "
+                        f"({self.latest_step() if self.rank == 0 else 'see rank 0'}) is intact"
+                    ) from exc
+                delay = self.backoff_s * 2**attempt
+                log.warning(
+                    "checkpoint.retry",
+                    step=step,
+                    attempt=attempt + 1,
+                    delay_s=delay,
+                    error=_reason(exc),
+                )
+                time.sleep(delay)
+
+    def _finish(self, step: int, upload: Future | None, info: dict, started: float) -> None:
+        if upload is not None:
+            try:
+                upload.result()
+            except Exception as exc:
+                raise CheckpointError(
+                    f"the background save of {self.step_url(step)} failed: {_reason(exc)}; "
+                    "it is not committed and earlier checkpoints are intact"
+                ) from exc
+        if self.rank == 0:
+            record = {"step": step, "world_size": self.world_size, "time": time.time()}
+            self._with_retries(
+                step,
+                lambda: self._write_json(self._path(step, INFO_FILE), {**record, "info": info}),
+            )
+            self._with_retries(
+                step, lambda: self._write_json(self._path(step, COMMIT_FILE), record)
+            )
+            log.info(
+                "checkpoint.committed",
+                step=step,
+                url=self.step_url(step),
+                seconds=round(time.perf_counter() - started, 3),
+            )
+            self.prune()
+
+    def _write_json(self, path: str, value: Any) -> None:
+        self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a no-op on object storage
+        with self.fs.open(path, "wb") as f:
+            f.write(json.dumps(value).encode())
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise its error if it failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            inflight.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def prune(self) -> list[int]:
+        """Apply the keep policy and remove unfinished leftovers older than the newest commit."""
+        dirs = self._step_dirs()
+        committed = [s for s, done in dirs.items() if done]
+        if not committed:
+            return []
+        newest = committed[-1]
+        doomed = set(self.keep.deletable(committed))
+        doomed |= {s for s, done in dirs.items() if not done and s < newest}
+        doomed.discard(newest)
+        for step in sorted(doomed):
+            # the marker goes first, so a half-deleted step is never taken for a checkpoint
+            if dirs[step]:
+                self.fs.rm(self._path(step, COMMIT_FILE))
+            self.fs.rm(self._path(step), recursive=True)
+        if doomed:
+            log.info("checkpoint.pruned", steps=sorted(doomed))
+        return sorted(doomed)
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def resolve_step(self, step: int | None) -> int | None:
+        dirs = self._step_dirs()
+        committed = [s for s, done in dirs.items() if done]
+        if step is None:
+            return committed[-1] if committed else None
+        if not dirs.get(step):
+            state = "is not committed (an unfinished save)" if step in dirs else "does not exist"
+            raise CheckpointError(
+                f"{self.step_url(step)} {state}; committed steps in {self.url}: "
+                f"{', '.join(map(str, committed)) or 'none'}"
+            )
+        return step
+
+    def load(self, state: Mapping[str, Any], *, step: int | None = None) -> int | None:
+        """Load the newest committed step (or `step`) into `state`, in place; None if none.
+
+        Works at another world size or parallel layout: DCP reshards."""
+        step = self.resolve_step(step)
+        if step is None:
+            return None
+        reader = SafeFsspecReader(self.step_url(step), **self.storage_options)
+        try:
+            metadata = reader.read_metadata()
+        except UnsafeCheckpointError as exc:
+            raise CheckpointError(f"{self.step_url(step)}: {exc}") from None
+        plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+        check_compatible(plain, metadata, self.step_url(step))
+        dcp.load(plain, storage_reader=reader, planner=SafeLoadPlanner())
+        for key, value in state.items():
+            if isinstance(value, Stateful):
+                value.load_state_dict(plain[key])
+        rng = self._path(step, RNG_DIR, f"rank{self.rank}.json")
+        if self.fs.exists(rng):
+            with self.fs.open(rng, "rb") as f:
+                set_rng_state(json.loads(f.read()))
+        else:
+            log.warning(
+                "checkpoint.no_rng_state",
+                rank=self.rank,
+                step=step,
+                hint="saved with fewer ranks; this rank keeps its own seeding",
+            )
+        log.info("checkpoint.loaded", step=step, url=self.step_url(step))
+        return step
+
+
+def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> None:
+    """Every tensor of `state` exists in the checkpoint with the same global shape."""
+    flat, _ = flatten_state_dict(dict(state))
+    stored = metadata.state_dict_metadata
+    missing = [k for k in flat if k not in stored]
+    if missing:
+        raise CheckpointError(
+            f"{where} has no {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + f"; it holds e.g. {', '.join(list(stored)[:5])}. Is it from another model or a run "
+            "without this state?"
+        )
+    for key, value in flat.items():
+        meta = stored[key]
+        if isinstance(value, torch.Tensor):
+            if not isinstance(meta, TensorStorageMetadata):
+                raise CheckpointError(f"{where}: {key!r} is stored as a value, not a tensor")
+            if tuple(value.shape) != tuple(meta.size):
+                raise CheckpointError(
+                    f"{where}: tensor {key!r} has shape {tuple(meta.size)} in the checkpoint but "
+                    f"{tuple(value.shape)} in this model; the checkpoint is from a different model "
+                    "shape"
+                )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
