@@ -17,8 +17,12 @@ CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop"]
 SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint"]}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
-EXTRAS = {"data-pack": "[all]"}
-TEST_GROUPS = {"data-pack": ["object-store"], "train-loop": ["object-store"]}
+EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]"}
+TEST_GROUPS = {
+    "data-pack": ["object-store"],
+    "checkpoint": ["object-store"],
+    "train-loop": ["object-store"],
+}
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]

@@ -1,0 +1,104 @@
+"""`llmtrain export`: consolidated model weights (safetensors) from any committed checkpoint.
+
+Runs in one process whatever layout saved the checkpoint (DCP reassembles the shards), reads only
+the model's tensors (never the optimizer), and writes `model.safetensors` plus `config.json` (the
+model config the run stored with the step) and `llmtrain.json` (where the weights came from).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
+from llmtrain.checkpoint.safe_io import SafeFsspecReader, SafeLoadPlanner
+
+MODEL_KEY = re.compile(r"^([^.]+)\.model\.")
+
+
+def model_prefix(keys: list[str], given: str | None = None) -> str:
+    """The key prefix of the model's tensors: `<part>.model.` of a ModelState part."""
+    if given is not None:
+        return given
+    parts = sorted({m.group(1) for k in keys if (m := MODEL_KEY.match(k))})
+    if len(parts) != 1:
+        raise CheckpointError(
+            "cannot tell which tensors are the model's "
+            f"(candidates: {', '.join(parts) or 'none'}); pass --prefix"
+        )
+    return f"{parts[0]}.model."
+
+
+def load_model_weights(
+    url: str,
+    *,
+    step: int | None = None,
+    prefix: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+    """(weights by module name, the stored info, the step) from a committed checkpoint."""
+    checkpoints = Checkpointer(url, storage_options=storage_options)
+    step = checkpoints.resolve_step(step)
+    if step is None:
+        raise CheckpointError(f"{url} has no committed checkpoint")
+    reader = SafeFsspecReader(checkpoints.step_url(step), **checkpoints.storage_options)
+    stored = reader.read_metadata().state_dict_metadata
+    prefix = model_prefix(list(stored), prefix)
+    tensors = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in stored.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
+    if not tensors:
+        raise CheckpointError(f"{checkpoints.step_url(step)} has no tensors under {prefix!r}")
+    dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
+    return weights, checkpoints.info(step), step
+
+
+def export(
+    url: str,
+    output: str,
+    *,
+    step: int | None = None,
+    prefix: str | None = None,
+    overwrite: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    from safetensors.torch import save as save_safetensors
+
+    weights, info, step = load_model_weights(
+        url, step=step, prefix=prefix, storage_options=storage_options
+    )
+    fs, path = fsspec.core.url_to_fs(output, **dict(storage_options or {}))
+    if fs.exists(f"{path}/model.safetensors") and not overwrite:
+        raise CheckpointError(f"{output} already holds an export; pass --overwrite to replace it")
+    fs.makedirs(path, exist_ok=True)
+    # tied weights share storage; safetensors wants each tensor on its own
+    data = save_safetensors(
+        {k: v.contiguous().clone() for k, v in weights.items()},
+        metadata={"format": "pt", "source": f"{url.rstrip('/')}/step-{step}"},
+    )
+    with fs.open(f"{path}/model.safetensors", "wb") as f:
+        f.write(data)
+    config = (info.get("info") or {}).get("model") or {}
+    with fs.open(f"{path}/config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    summary = {
+        "source": f"{url.rstrip('/')}/step-{step}",
+        "step": step,
+        "tensors": len(weights),
+        "parameters": int(sum(v.numel() for v in weights.values())),
+        "bytes": len(data),
+    }
+    with fs.open(f"{path}/llmtrain.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    return {**summary, "output": os.fspath(output)}
