@@ -107,9 +107,13 @@ class WindowLoader:
             step = self.step
             micros = self.plan.step(step)
             for i, micro in enumerate(micros):
-                yield step, i, self.dataset.read(micro)
-            self.step = step + 1
-            self.consumed = self.step * self.plan.global_batch
+                batch = self.dataset.read(micro)
+                if (
+                    i == len(micros) - 1
+                ):  # the step is fully read: a state saved now resumes after it
+                    self.step = step + 1
+                    self.consumed = self.step * self.plan.global_batch
+                yield step, i, batch
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed": self.consumed, "global_batch": self.plan.global_batch}
@@ -150,8 +154,10 @@ def open_windows(
                 f"({windows.dataset.meta['tokenizer']['name']} vs "
                 f"{sources[0].dataset.meta['tokenizer']['name']}); a mixture needs one tokenizer"
             )
+        # a pool of P blocks touches up to 2P chunks (each block's last window reaches one token
+        # into the next chunk); document starts are cached beside the tokens
         chunk_bytes = windows.dataset.chunk_tokens * windows.dataset.dtype.itemsize
-        needed = (pool_blocks + 2) * chunk_bytes
+        needed = int((2 * pool_blocks + 2) * chunk_bytes * 1.25)
         windows.cache.max_bytes = max(cache_bytes or DEFAULT_CACHE_BYTES, needed)
         windows.cache_bytes = windows.cache.max_bytes
         sources.append(windows)

@@ -12,15 +12,17 @@ stored chunks, the blocks are shuffled, and windows are shuffled within pools of
 consecutive blocks of that order. Reads stay on a handful of chunks at a time while the order is
 well mixed. Memory is O(blocks + pool), independent of the number of windows.
 
-A mixture gives source d exactly floor(C[d+1]*n) - floor(C[d]*n) of the first n samples (C the
-cumulative weights), so every prefix of the stream follows the weights within one sample; within
-blocks of `block` samples the sources are interleaved at random.
+A mixture is exact at block boundaries: of the first n samples, for n a multiple of the block
+(4096, or more for very small weights), source d gets exactly floor(C[d+1]*n) - floor(C[d]*n),
+C being the cumulative normalised weights. Within a block the sources are interleaved at random,
+so a prefix that ends inside a block is off by at most that block's shuffle.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import math
 from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
@@ -31,6 +33,7 @@ import numpy as np
 from llmtrain.core_mesh.errors import UserError
 
 _SALT_BLOCKS, _SALT_POOL, _SALT_MIX = 1, 2, 3
+MIN_WEIGHT = 1e-6
 
 
 def _rng(*key: int) -> np.random.Generator:
@@ -125,9 +128,19 @@ class Mixture:
     def __init__(self, weights: Sequence[float], *, seed: int = 0, block: int = 4096):
         if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise UserError(f"mixture weights {list(weights)} must be >= 0 with a positive sum")
-        fractions = [Fraction(w).limit_denominator(1 << 20) for w in weights]
+        # the decimal the user wrote (0.7 is 7/10, not the nearest binary float); nothing rounded away
+        fractions = [Fraction(repr(float(w))) for w in weights]
         total = sum(fractions)
         self.weights = [f / total for f in fractions]
+        smallest = min(w for w in self.weights if w > 0)
+        if smallest < MIN_WEIGHT:
+            raise UserError(
+                f"mixture weight {float(smallest):.3g} of the total is below {MIN_WEIGHT:g}: that "
+                "dataset would be sampled less than once per million samples; raise its weight "
+                "or leave it out"
+            )
+        # every positive weight gets at least one sample per block, so block counts never shrink
+        block = max(block, math.ceil(1 / smallest))
         cumulative = [Fraction(0)]
         for w in self.weights:
             cumulative.append(cumulative[-1] + w)
@@ -136,7 +149,8 @@ class Mixture:
         self._blocks = _Lru(4)
 
     def counts(self, n: int) -> list[int]:
-        """How many of the first n global samples each source gets."""
+        """How many of the first n global samples each source gets: exact when n is a multiple
+        of `self.block`, within one block's shuffle otherwise."""
         floors = [c.numerator * n // c.denominator for c in self._cumulative]
         return [b - a for a, b in itertools.pairwise(floors)]
 
@@ -244,6 +258,8 @@ class BatchPlan:
                 f"the global batch of {self.global_batch} samples does not divide over "
                 f"{self.world_size} data-parallel ranks; use a multiple of {self.world_size}"
             )
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise UserError(f"micro batch {self.micro_batch}: must be at least 1")
         if not 0 <= self.rank < self.world_size:
             raise UserError(f"rank {self.rank} is outside 0..{self.world_size - 1}")
         if self.per_rank % self.micro:

@@ -1,0 +1,332 @@
+"""Bad input and failures: exact file:line errors, skip-and-count, missing inputs, and worker
+processes that die or a pack that is interrupted — never a hang, never a committed dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.pack import MAX_RECORDED_BAD_LINES, PackError, pack
+from llmtrain.data_pack.sources import InputError
+from llmtrain.data_pack.store import DatasetError, PackedDataset
+
+BYTES = {"kind": "bytes"}
+
+BAD_LINES = {
+    "malformed": (b'{"text": "unterminated', "malformed JSON (Unterminated string starting at"),
+    "truncated": (b'{"text": "a"', "malformed JSON (Expecting ',' delimiter at column 13)"),
+    "utf8": (b'{"text": "\xff\xfe"}', "invalid UTF-8 at byte 10"),
+    "missing": (b'{"body": "no text here"}', "no field 'text'"),
+    "not_object": (b'["text", "a list"]', "no field 'text'"),
+    "number": (b'{"text": 5}', "field is int, not a string"),
+    "null": (b'{"text": null}', "field is NoneType, not a string"),
+    "list": (b'{"text": ["a"]}', "field is list, not a string"),
+}
+
+
+def _corpus_lines(texts: list[str]) -> list[bytes]:
+    return [json.dumps({"text": t}, ensure_ascii=False).encode() for t in texts]
+
+
+def _write_lines(path, lines: list[bytes], compress: bool = False) -> None:
+    data = b"".join(line + b"\n" for line in lines)
+    if compress:
+        import gzip
+
+        data = gzip.compress(data)
+    path.write_bytes(data)
+
+
+def _assert_nothing_written(tmp_path, out) -> None:
+    assert not out.exists()
+    assert [n for n in os.listdir(tmp_path) if n.startswith(out.name)] == []
+    with pytest.raises(DatasetError, match="not a packed dataset"):
+        PackedDataset(str(out))
+
+
+def _spawned_workers() -> list[psutil.Process]:
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("spawn_main" in part for part in child.cmdline()):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_LINES))
+def test_bad_line_names_file_and_absolute_line(tmp_path, texts, kind):
+    line, reason = BAD_LINES[kind]
+    lines = _corpus_lines(texts)
+    # blank lines count as lines; the bad one lies many 2000-byte ranges into the file
+    lines[10:10] = [b"", b"   "]
+    lines.insert(250, line)
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, lines)
+    assert data.stat().st_size > 15 * 2000
+    out = tmp_path / "ds"
+    with pytest.raises(PackError) as info:
+        pack([str(data)], str(out), BYTES, workers=1, split_bytes=2000)
+    message = str(info.value)
+    assert message.startswith(f"{data}:251: {reason}")
+    assert message.endswith(
+        "; fix the line, or pass --on-bad-line skip to skip and count such lines"
+    )
+    _assert_nothing_written(tmp_path, out)
+
+
+def test_bad_line_with_workers_and_compressed_input(tmp_path, texts):
+    lines = _corpus_lines(texts)
+    lines.insert(280, BAD_LINES["utf8"][0])
+    lines.insert(290, BAD_LINES["missing"][0])  # only the first bad line is reported
+    plain, packed = tmp_path / "corpus.jsonl", tmp_path / "corpus.jsonl.gz"
+    _write_lines(plain, lines)
+    _write_lines(packed, lines, compress=True)
+
+    out = tmp_path / "ds"
+    with pytest.raises(
+        PackError, match=rf"^{re.escape(str(plain))}:281: invalid UTF-8 at byte 10; "
+    ):
+        pack([str(plain)], str(out), BYTES, workers=2, split_bytes=1000)
+    _assert_nothing_written(tmp_path, out)
+    # the worker processes are gone once the error is raised
+    assert _spawned_workers() == []
+
+    with pytest.raises(
+        PackError, match=rf"^{re.escape(str(packed))}:281: invalid UTF-8 at byte 10; "
+    ):
+        pack([str(packed)], str(out), BYTES, workers=1, split_bytes=1000)
+    _assert_nothing_written(tmp_path, out)
+
+
+def test_bad_line_in_second_file_counts_lines_of_that_file(tmp_path, texts):
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _write_lines(first, _corpus_lines(texts[:150]))
+    lines = _corpus_lines(texts[150:])
+    lines.insert(99, BAD_LINES["number"][0])
+    _write_lines(second, lines)
+    with pytest.raises(
+        PackError, match=rf"^{re.escape(str(second))}:100: field is int, not a string"
+    ):
+        pack([str(first), str(second)], str(tmp_path / "ds"), BYTES, workers=1, split_bytes=3000)
+    _assert_nothing_written(tmp_path, tmp_path / "ds")
+
+
+def test_bad_dotted_field(tmp_path):
+    data = tmp_path / "nested.jsonl"
+    _write_lines(data, [b'{"meta": {"body": "ok"}}', b'{"meta": "flat"}'])
+    with pytest.raises(PackError, match=rf"^{re.escape(str(data))}:2: no field 'meta.body'"):
+        pack([str(data)], str(tmp_path / "ds"), BYTES, field="meta.body", workers=1)
+
+
+def test_skip_bad_lines_counts_and_records_them(tmp_path, texts):
+    good = texts[:200]
+    lines = _corpus_lines(good)
+    inserted = {}  # line number -> reason
+    lines.insert(150, b'{"text": ""}')
+    for number, kind in [(3, "malformed"), (57, "utf8"), (120, "missing"), (199, "null")]:
+        lines.insert(number - 1, BAD_LINES[kind][0])
+    lines.append(BAD_LINES["list"][0])
+    for number, line in enumerate(lines, 1):
+        for kind, (bad, reason) in BAD_LINES.items():
+            if line == bad:
+                inserted[number] = (kind, reason)
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, lines)
+    out = tmp_path / "ds"
+    summary = pack([str(data)], str(out), BYTES, workers=1, on_bad_line="skip", split_bytes=1500)
+    assert (summary.documents, summary.bad_lines, summary.empty_documents) == (200, 5, 1)
+    ds = PackedDataset(str(out))
+    assert [bytes(ds.document(i).tolist()).decode() for i in range(200)] == good
+    assert ds.meta["counts"]["bad_lines"] == 5
+    assert ds.meta["counts"]["empty_documents"] == 1
+    recorded = ds.meta["bad_lines"]
+    assert [r["line"] for r in recorded] == sorted(inserted)
+    assert [r["line"] for r in recorded] == [3, 57, 120, 199, 206]
+    for r in recorded:
+        assert r["file"] == str(data)
+        assert r["reason"].startswith(inserted[r["line"]][1])
+
+
+def test_skip_records_only_the_first_bad_lines(tmp_path):
+    lines = []
+    for i in range(150):
+        lines += [json.dumps({"text": f"doc {i}"}).encode(), b"{oops"]
+    data = tmp_path / "noisy.jsonl"
+    _write_lines(data, lines)
+    summary = pack(
+        [str(data)], str(tmp_path / "ds"), BYTES, workers=1, on_bad_line="skip", split_bytes=700
+    )
+    assert (summary.documents, summary.bad_lines) == (150, 150)
+    recorded = PackedDataset(str(tmp_path / "ds")).meta["bad_lines"]
+    assert len(recorded) == MAX_RECORDED_BAD_LINES
+    assert [r["line"] for r in recorded] == list(range(2, 2 * MAX_RECORDED_BAD_LINES + 1, 2))
+
+
+def test_empty_documents_are_skipped_and_counted(tmp_path):
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, [b'{"text": ""}', b'{"text": "a"}', b'{"text": ""}', b'{"text": " "}'])
+    summary = pack([str(data)], str(tmp_path / "ds"), BYTES, workers=1)
+    assert (summary.documents, summary.empty_documents, summary.bad_lines) == (2, 2, 0)
+    ds = PackedDataset(str(tmp_path / "ds"))
+    np.testing.assert_array_equal(ds.read(0, ds.n_tokens), [97, 256, 32, 256])
+
+
+def test_bad_on_bad_line_value(tmp_path):
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, [b'{"text": "a"}'])
+    with pytest.raises(UserError, match="on_bad_line 'ignore': use error or skip"):
+        pack([str(data)], str(tmp_path / "ds"), BYTES, workers=1, on_bad_line="ignore")
+    assert not (tmp_path / "ds").exists()
+
+
+def test_missing_inputs(tmp_path):
+    present = tmp_path / "present.jsonl"
+    _write_lines(present, [b'{"text": "a"}'])
+    out = tmp_path / "ds"
+    missing = tmp_path / "missing.jsonl"
+    with pytest.raises(InputError, match=rf"^{re.escape(str(missing))}: no such file$"):
+        pack([str(present), str(missing)], str(out), BYTES, workers=1)
+    pattern = tmp_path / "nothing-*.jsonl"
+    with pytest.raises(InputError, match=rf"^{re.escape(str(pattern))}: no file matches$"):
+        pack([str(pattern)], str(out), BYTES, workers=1)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(InputError, match="is a directory; give a glob such as"):
+        pack([str(folder)], str(out), BYTES, workers=1)
+    _assert_nothing_written(tmp_path, out)
+
+
+def test_cli_bad_line_and_missing_input(tmp_path, run_cli, texts):
+    lines = _corpus_lines(texts[:50])
+    lines.insert(41, b"{nope")
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, lines)
+    out = tmp_path / "ds"
+    logs = tmp_path / "logs"
+    argv = ["data", "pack", data, "-o", out, "--tokenizer", "bytes", "--workers", 1]
+    code, stdout, stderr = run_cli(*argv, "--log-dir", logs)
+    assert code == 2
+    assert stdout == ""
+    assert f"error: {data}:42: malformed JSON (" in stderr
+    assert "pass --on-bad-line skip" in stderr
+    _assert_nothing_written(tmp_path, out)
+
+    code, stdout, _ = run_cli(*argv, "--on-bad-line", "skip", "--log-dir", logs)
+    assert code == 0
+    assert ", 1 bad lines skipped) in " in stdout
+    assert PackedDataset(str(out)).n_documents == 50
+
+    code, _, stderr = run_cli(*argv[:2], tmp_path / "gone.jsonl", *argv[3:], "--log-dir", logs)
+    assert code == 2
+    assert f"error: {tmp_path / 'gone.jsonl'}: no such file" in stderr
+
+
+def _big_input(path, texts: list[str], megabytes: int) -> None:
+    block = b"".join(line + b"\n" for line in _corpus_lines(texts))
+    with open(path, "wb") as f:
+        for _ in range(megabytes * (1 << 20) // len(block) + 1):
+            f.write(block)
+
+
+def _start_pack(tmp_path, tokenizer_json, texts, megabytes: int) -> tuple[subprocess.Popen, list]:
+    """`llmtrain data pack` in a child process (2 workers, small ranges, the slower reference
+    encoder) on a big input, so it runs for several seconds."""
+    data = tmp_path / "big.jsonl"
+    _big_input(data, texts, megabytes)
+    script = "from llmtrain.core_mesh.cli import main; raise SystemExit(main())"
+    args = [
+        data, "-o", tmp_path / "ds", "--tokenizer", tokenizer_json, "--tokenizer-option", "fast=off",
+        "--workers", 2, "--split-mb", 0.1, "--no-progress", "--log-dir", tmp_path / "logs",
+    ]  # fmt: skip
+    stdout = open(tmp_path / "stdout.txt", "wb")  # closed by _finish
+    stderr = open(tmp_path / "stderr.txt", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "data", "pack", *map(str, args)],
+        stdout=stdout,
+        stderr=stderr,
+        cwd=tmp_path,
+    )
+    return proc, [stdout, stderr]
+
+
+def _wait_for_busy_workers(proc: subprocess.Popen, n: int, timeout: float) -> list[psutil.Process]:
+    """The pack's worker processes, once n of them have started tokenizing."""
+    parent = psutil.Process(proc.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the pack ended before its workers could be stopped"
+        workers = []
+        for child in parent.children(recursive=True):
+            try:
+                if any("spawn_main" in part for part in child.cmdline()):
+                    workers.append(child)
+            except psutil.NoSuchProcess:
+                pass
+        try:
+            busy = [w for w in workers if sum(w.cpu_times()[:2]) > 0.8]
+        except psutil.NoSuchProcess:
+            busy = []
+        if len(workers) == n and busy:
+            return workers
+        time.sleep(0.05)
+    raise AssertionError(f"no {n} busy workers after {timeout} s")
+
+
+def _finish(proc: subprocess.Popen, files: list, tmp_path) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise AssertionError("the pack hung after its worker died") from None
+    finally:
+        for f in files:
+            f.close()
+    return code, (tmp_path / "stderr.txt").read_text(errors="replace")
+
+
+def test_killed_worker_fails_the_pack(tmp_path, tokenizer_json, texts):
+    proc, files = _start_pack(tmp_path, tokenizer_json, texts, megabytes=16)
+    try:
+        workers = _wait_for_busy_workers(proc, 2, timeout=60)
+        victim = workers[0]
+        victim.send_signal(signal.SIGKILL)
+    except BaseException:
+        proc.kill()
+        raise
+    code, stderr = _finish(proc, files, tmp_path)
+    assert code == 2, stderr
+    assert "error: a worker process died while tokenizing" in stderr
+    assert "nothing was written" in stderr
+    _assert_nothing_written(tmp_path, tmp_path / "ds")
+    # no worker outlives the failed pack
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
+
+
+def test_interrupted_pack_commits_nothing(tmp_path, tokenizer_json, texts):
+    proc, files = _start_pack(tmp_path, tokenizer_json, texts, megabytes=16)
+    try:
+        workers = _wait_for_busy_workers(proc, 2, timeout=60)
+        proc.send_signal(signal.SIGINT)
+    except BaseException:
+        proc.kill()
+        raise
+    code, stderr = _finish(proc, files, tmp_path)
+    assert code == 130, stderr
+    assert "interrupted" in stderr
+    _assert_nothing_written(tmp_path, tmp_path / "ds")
+    _, alive = psutil.wait_procs(workers, timeout=10)
+    assert alive == []
