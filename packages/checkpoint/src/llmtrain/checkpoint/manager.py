@@ -88,6 +88,20 @@ def _default_storage_options(url: str, given: Mapping[str, Any]) -> dict[str, An
     return options
 
 
+def _stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
+
+
 def rng_state() -> dict[str, Any]:
     """This process's random states as JSON-safe data (no pickle)."""
     state: dict[str, Any] = {
@@ -144,6 +158,9 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self.distributed else 1
         # async saves run DCP's collectives from a background thread: give them their own group
         self._group = dist.new_group(backend="gloo") if self.distributed and async_save else None
+        # one stager for the run: its host buffers are allocated once and reused by every save
+        # (a fresh copy per save would fault in a new page for every 4 KiB of state)
+        self._stager = _stager() if async_save else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmtrain-ckpt")
         self._inflight: Future | None = None
 
@@ -226,7 +243,10 @@ class Checkpointer:
 
     def _async(self, step: int, state: dict[str, Any]) -> Future:
         response = dcp.async_save(
-            state, storage_writer=self._writer(step), process_group=self._group
+            state,
+            storage_writer=self._writer(step),
+            process_group=self._group,
+            async_stager=self._stager,
         )
         if hasattr(response, "staging_completion"):
             response.staging_completion.result()
@@ -297,6 +317,8 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
 
     def prune(self) -> list[int]:
         """Apply the keep policy and remove unfinished leftovers older than the newest commit."""
