@@ -159,33 +159,40 @@ def run_cli(capsys: pytest.CaptureFixture[str]) -> Iterable[Callable[..., tuple[
     structlog.reset_defaults()
 
 
-@pytest.fixture
-def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterable[str]:
-    """A bucket on a fresh moto S3 server; yields its URL (s3://bucket). AWS_* variables point
-    at the server, so s3fs in this process and in spawned workers use it."""
-    import fsspec
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterable[str]:
+    """One moto S3 server on 127.0.0.1 for the session (starting one costs ~0.5 s)."""
     from moto.server import ThreadedMotoServer
-    from s3fs import S3FileSystem
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+    endpoint = f"http://{host}:{port}"
+    try:
+        yield endpoint
+    finally:
+        # moto keeps its buckets in process-wide state that outlives the server
+        request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
+        urllib.request.urlopen(request).close()
+        server.stop()
+
+
+@pytest.fixture
+def moto_s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterable[str]:
+    """A fresh bucket on the moto server; yields its URL (s3://bucket). AWS_* variables point at
+    the server, so s3fs in this process and in spawned workers use it."""
+    import fsspec
+    from s3fs import S3FileSystem
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    # cached filesystems remember an earlier server's endpoint (the cache key ignores the env)
+    # cached filesystems may remember other settings (the cache key ignores the environment)
     S3FileSystem.clear_instance_cache()
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     fsspec.filesystem("s3").mkdir(bucket)
-    try:
-        yield f"s3://{bucket}"
-    finally:
-        S3FileSystem.clear_instance_cache()
-        # moto keeps its buckets in process-wide state that outlives the server
-        urllib.request.urlopen(
-            urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
-        ).close()
-        server.stop()
+    yield f"s3://{bucket}"
+    S3FileSystem.clear_instance_cache()

@@ -3,6 +3,7 @@ the on-disk layout (dtype, chunks, shards, compression) and the dataset metadata
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -45,6 +46,12 @@ def _same_dataset(a: PackedDataset, b: PackedDataset) -> None:
     np.testing.assert_array_equal(a.chunk_docs, b.chunk_docs)
 
 
+def _documents(ds: PackedDataset) -> list[list[int]]:
+    """Every document's tokens without its eod (two reads; `document(i)` reads twice per call)."""
+    tokens, offsets = _arrays(ds)
+    return [tokens[a : b - 1].tolist() for a, b in itertools.pairwise(offsets.tolist())]
+
+
 def _expected_tokens(ids: list[list[int]], eod: int) -> np.ndarray:
     return np.asarray([t for doc in ids for t in [*doc, eod]], dtype=np.int64)
 
@@ -69,8 +76,9 @@ def test_round_trip_bytes(tmp_path, write_jsonl, texts):
     assert int((tokens == 256).sum()) == 300
     assert (tokens[offsets[1:] - 1] == 256).all()
     tok = BytesTokenizer()
-    for i, text in enumerate(texts):
-        assert tok.decode(ds.document(i)) == text
+    assert [tok.decode(doc) for doc in _documents(ds)] == texts
+    for i in (0, 1, 150, 299):
+        assert tok.decode(ds.document(i)) == texts[i]
     with pytest.raises(IndexError):
         ds.document(300)
 
@@ -88,7 +96,7 @@ def test_round_trip_hf(tmp_path, write_jsonl, texts, tokenizer_json):
     np.testing.assert_array_equal(
         ds.read(0, ds.n_tokens), _expected_tokens(tok.encode_batch(texts), 0)
     )
-    assert [tok.decode(ds.document(i)) for i in range(ds.n_documents)] == texts
+    assert [tok.decode(doc) for doc in _documents(ds)] == texts
     assert ds.fingerprint == tok.fingerprint
     assert (ds.eod_id, ds.vocab_size) == (0, 400)
 
@@ -124,7 +132,7 @@ def test_determinism_across_workers_and_splits(tmp_path, write_jsonl, texts, tok
     for other in datasets[1:]:
         _same_dataset(datasets[0], other)
     tok = HFTokenizer(HFOptions(str(tokenizer_json)))
-    assert [tok.decode(datasets[-1].document(i)) for i in range(300)] == texts
+    assert [tok.decode(doc) for doc in _documents(datasets[-1])] == texts
 
 
 def test_line_ends_and_range_edges(tmp_path):
@@ -137,7 +145,7 @@ def test_line_ends_and_range_edges(tmp_path):
         out = tmp_path / f"s{split}"
         summary = pack([str(data)], str(out), BYTES, workers=1, split_bytes=split)
         ds = PackedDataset(str(out))
-        docs = [bytes(ds.document(i).tolist()).decode() for i in range(ds.n_documents)]
+        docs = [bytes(doc).decode() for doc in _documents(ds)]
         assert docs == ["a" * 10, "b" * 3000, "c", "d" * 9], split
         assert summary.empty_documents == 1
 
@@ -169,7 +177,7 @@ def test_globs_and_several_files_keep_sorted_order(tmp_path, write_jsonl, corpus
     ds = PackedDataset(str(out))
     order = ["part-1", "part-10", "part-2"]
     expected = [t for name in order for t in parts[name]] + corpus(5, seed=99)
-    assert [bytes(ds.document(i).tolist()).decode() for i in range(ds.n_documents)] == expected
+    assert [bytes(doc).decode() for doc in _documents(ds)] == expected
     assert ds.meta["sources"] == [
         {"url": str(p), "bytes": p.stat().st_size} for p in [*(paths[n] for n in order), other]
     ]
@@ -181,7 +189,7 @@ def test_dotted_field(tmp_path, write_jsonl, texts):
     out = tmp_path / "ds"
     pack([str(data)], str(out), BYTES, field="meta.body", workers=1)
     ds = PackedDataset(str(out))
-    assert [bytes(ds.document(i).tolist()).decode() for i in range(300)] == texts
+    assert [bytes(doc).decode() for doc in _documents(ds)] == texts
     assert ds.meta["field"] == "meta.body"
 
 
@@ -224,6 +232,24 @@ def test_token_dtype_errors_before_any_output(tmp_path, write_jsonl, dtype, mess
     assert message in str(info.value)
     assert not out.exists()
     assert _leftovers(tmp_path) == []
+
+
+def test_sparse_token_ids_choose_the_dtype_by_the_largest_id(tmp_path, write_jsonl, tokenizer_json):
+    """A tokenizer.json with its eod at id 70000 but only 400 entries needs uint32 tokens."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    spec["added_tokens"][0]["id"] = 70000
+    spec["model"]["vocab"][ENDOFTEXT] = 70000
+    sparse = tmp_path / "sparse.json"
+    sparse.write_text(json.dumps(spec), encoding="utf-8")
+    data = write_jsonl("corpus.jsonl", ["hello world", "second"])
+    out = tmp_path / "ds"
+    pack([str(data)], str(out), _hf(sparse), workers=1)
+    ds = PackedDataset(str(out))
+    assert ds.dtype == np.uint32
+    assert ds.eod_id == 70000
+    assert ds.vocab_size > 70000
+    tokens, offsets = _arrays(ds)
+    assert tokens[offsets[1:] - 1].tolist() == [70000, 70000]
 
 
 def test_chunk_docs_index(tmp_path, write_jsonl, corpus):
@@ -380,7 +406,7 @@ def test_existing_output_refused_or_replaced(tmp_path, write_jsonl, corpus):
     ds = PackedDataset(str(out))
     assert ds.n_documents == 7
     expected = corpus(7, seed=2)
-    assert [bytes(ds.document(i).tolist()).decode() for i in range(7)] == expected
+    assert [bytes(doc).decode() for doc in _documents(ds)] == expected
     assert _leftovers(tmp_path) == []
     assert sorted(os.listdir(out)) == ["chunk_docs", "doc_offsets", "tokens", "zarr.json"]
 
@@ -453,6 +479,20 @@ def test_inspect_with_another_tokenizer_notes_the_mismatch(
     assert HFTokenizer(HFOptions(str(tokenizer_json))).fingerprint in sample["note"]
 
 
+def test_inspect_when_the_tokenizer_file_is_gone(tmp_path, write_jsonl, tokenizer_json):
+    data = write_jsonl("corpus.jsonl", ["hello"])
+    moved = tmp_path / "tokenizer.json"
+    moved.write_bytes(tokenizer_json.read_bytes())
+    pack([str(data)], str(tmp_path / "ds"), _hf(moved), workers=1)
+    moved.unlink()
+    report = json.loads(inspect_dataset(str(tmp_path / "ds"), as_json=True))
+    assert report["sample"]["text"] is None
+    assert report["sample"]["note"] == f"cannot decode the sample: {moved}: no such tokenizer file"
+    assert report["counts"]["documents"] == 1
+    text = inspect_dataset(str(tmp_path / "ds"))
+    assert text.endswith(f"    cannot decode the sample: {moved}: no such tokenizer file")
+
+
 def test_inspect_missing_dataset(tmp_path, run_cli):
     code, _, stderr = run_cli("data", "inspect", tmp_path / "nope", "--log-dir", tmp_path / "l")
     assert code == 2
@@ -496,6 +536,19 @@ def test_merge(tmp_path, run_cli, write_jsonl, texts):
     )
     assert code == 2
     assert "already exists; pass --overwrite" in stderr
+
+
+def test_merge_into_one_of_its_inputs_locally(tmp_path, write_jsonl):
+    a = write_jsonl("a.jsonl", ["first", "second"])
+    b = write_jsonl("b.jsonl", ["third"])
+    pack([str(a)], str(tmp_path / "a"), BYTES, workers=1)
+    pack([str(b)], str(tmp_path / "b"), BYTES, workers=1)
+    merge([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "a"), overwrite=True)
+    ds = PackedDataset(str(tmp_path / "a"))
+    docs = [bytes(doc).decode() for doc in _documents(ds)]
+    assert docs == ["first", "second", "third"]
+    assert ds.meta["counts"]["tokens"] == ds.n_tokens == 19
+    assert _leftovers(tmp_path) == []
 
 
 def test_merge_refuses_different_tokenizers(tmp_path, write_jsonl, tokenizer_json):

@@ -3,9 +3,11 @@ processes that die or a pack that is interrupted — never a hang, never a commi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +88,31 @@ def test_bad_line_names_file_and_absolute_line(tmp_path, texts, kind):
     _assert_nothing_written(tmp_path, out)
 
 
+# valid JSON syntax, still bad input: a text that is no Unicode (a lone surrogate escape) and a
+# record nested deeper than the JSON parser recurses
+UNREADABLE = {
+    "surrogate": b'{"text": "bad \\ud800 text"}',
+    "deep": b'{"text": "x", "deep": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(UNREADABLE))
+@pytest.mark.parametrize("tokenizer", ["bytes", "hf"])
+def test_unreadable_text_is_a_bad_line(tmp_path, texts, tokenizer_json, kind, tokenizer):
+    lines = _corpus_lines(texts[:40])
+    lines.insert(30, UNREADABLE[kind])
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, lines)
+    spec = BYTES if tokenizer == "bytes" else {"kind": "hf", "path": str(tokenizer_json)}
+    out = tmp_path / "ds"
+    with pytest.raises(PackError, match=rf"^{re.escape(str(data))}:31: "):
+        pack([str(data)], str(out), spec, workers=1)
+    _assert_nothing_written(tmp_path, out)
+    summary = pack([str(data)], str(out), spec, workers=1, on_bad_line="skip")
+    assert (summary.documents, summary.bad_lines) == (40, 1)
+    assert PackedDataset(str(out)).meta["bad_lines"][0]["line"] == 31
+
+
 def test_bad_line_with_workers_and_compressed_input(tmp_path, texts):
     lines = _corpus_lines(texts)
     lines.insert(280, BAD_LINES["utf8"][0])
@@ -148,7 +175,10 @@ def test_skip_bad_lines_counts_and_records_them(tmp_path, texts):
     summary = pack([str(data)], str(out), BYTES, workers=1, on_bad_line="skip", split_bytes=1500)
     assert (summary.documents, summary.bad_lines, summary.empty_documents) == (200, 5, 1)
     ds = PackedDataset(str(out))
-    assert [bytes(ds.document(i).tolist()).decode() for i in range(200)] == good
+    tokens, offsets = ds.read(0, ds.n_tokens), np.asarray(ds.doc_offsets[:])
+    assert [
+        bytes(tokens[a : b - 1].tolist()).decode() for a, b in itertools.pairwise(offsets)
+    ] == good
     assert ds.meta["counts"]["bad_lines"] == 5
     assert ds.meta["counts"]["empty_documents"] == 1
     recorded = ds.meta["bad_lines"]
@@ -181,6 +211,51 @@ def test_empty_documents_are_skipped_and_counted(tmp_path):
     assert (summary.documents, summary.empty_documents, summary.bad_lines) == (2, 2, 0)
     ds = PackedDataset(str(tmp_path / "ds"))
     np.testing.assert_array_equal(ds.read(0, ds.n_tokens), [97, 256, 32, 256])
+
+
+def test_damaged_or_foreign_datasets_are_refused(tmp_path):
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, [b'{"text": "a"}'])
+    out = tmp_path / "ds"
+    pack([str(data)], str(out), BYTES, workers=1)
+    group = out / "zarr.json"
+    original = json.loads(group.read_text())
+
+    def with_meta(**changes):
+        meta = json.loads(json.dumps(original))
+        meta["attributes"]["llmtrain"].update(changes)
+        group.write_text(json.dumps(meta))
+
+    with_meta(version=2)
+    with pytest.raises(DatasetError, match="format version 2 is newer than this llmtrain reads"):
+        PackedDataset(str(out))
+    with_meta(complete=False)
+    with pytest.raises(DatasetError, match="not a complete llmtrain-tokens dataset"):
+        PackedDataset(str(out))
+    with_meta(format="something-else")
+    with pytest.raises(DatasetError, match="not a complete llmtrain-tokens dataset"):
+        PackedDataset(str(out))
+    group.write_text(json.dumps(original))
+    assert PackedDataset(str(out)).n_documents == 1
+    shutil.rmtree(out / "doc_offsets")
+    with pytest.raises(DatasetError, match="not a packed dataset"):
+        PackedDataset(str(out))
+    group.unlink()
+    with pytest.raises(DatasetError, match="not a packed dataset"):
+        PackedDataset(str(out))
+
+
+def test_failed_overwrite_keeps_the_old_local_dataset(tmp_path):
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    _write_lines(good, [b'{"text": "kept"}'])
+    _write_lines(bad, [b'{"text": "new"}', b"{broken"])
+    out = tmp_path / "ds"
+    pack([str(good)], str(out), BYTES, workers=1)
+    with pytest.raises(PackError, match=":2: malformed JSON"):
+        pack([str(bad)], str(out), BYTES, workers=1, overwrite=True)
+    ds = PackedDataset(str(out))
+    np.testing.assert_array_equal(ds.read(0, ds.n_tokens), [*b"kept", 256])
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "ds", "good.jsonl"]
 
 
 def test_bad_on_bad_line_value(tmp_path):
@@ -231,6 +306,32 @@ def test_cli_bad_line_and_missing_input(tmp_path, run_cli, texts):
     code, _, stderr = run_cli(*argv[:2], tmp_path / "gone.jsonl", *argv[3:], "--log-dir", logs)
     assert code == 2
     assert f"error: {tmp_path / 'gone.jsonl'}: no such file" in stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "names"),
+    [
+        pytest.param(["--chunk-tokens", "0"], "chunk", id="chunk-tokens=0"),
+        pytest.param(["--chunk-tokens", "-5"], "chunk", id="chunk-tokens=-5"),
+        pytest.param(["--shard-chunks", "-1"], "shard", id="shard-chunks=-1"),
+        pytest.param(["--compression", "zstd:x"], "compression", id="compression=zstd:x"),
+        pytest.param(["--compression", "zstd:99"], "compression", id="compression=zstd:99"),
+    ],
+)
+def test_cli_bad_option_values_are_user_errors(tmp_path, run_cli, option, names):
+    """A bad option value is the user's error (exit 2, a message naming the option), not a
+    crash reported as a bug in llmtrain (exit 1)."""
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, [b'{"text": "a"}'])
+    out = tmp_path / "ds"
+    code, _, stderr = run_cli(
+        "data", "pack", data, "-o", out, "--tokenizer", "bytes", "--workers", 1, *option,
+        "--log-dir", tmp_path / "logs",
+    )  # fmt: skip
+    assert "this is a bug" not in stderr
+    assert code == 2
+    assert names in stderr.lower()
+    _assert_nothing_written(tmp_path, out)
 
 
 def _big_input(path, texts: list[str], megabytes: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import fsspec
 import numpy as np
@@ -13,6 +14,7 @@ from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.merge import merge
 from llmtrain.data_pack.pack import PackError, pack
 from llmtrain.data_pack.report import inspect_dataset
+from llmtrain.data_pack.sources import InputError
 from llmtrain.data_pack.store import DatasetError, PackedDataset
 from llmtrain.data_pack.tokenizer import HFOptions, HFTokenizer
 from llmtrain.data_pack.train_tokenizer import train_tokenizer
@@ -105,6 +107,34 @@ def test_inspect_and_merge_on_s3_through_the_cli(tmp_path, moto_s3, run_cli, wri
     np.testing.assert_array_equal(twice.document(599), once.document(299))
 
 
+def test_storage_options_on_the_command_line(tmp_path, monkeypatch, moto_s3, run_cli, write_jsonl):
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    data = write_jsonl("corpus.jsonl", ["one", "two"])
+    _upload(data, f"{moto_s3}/corpus.jsonl")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    options = ["--storage-option", f"endpoint_url={endpoint}"]
+    code, _, stderr = run_cli(
+        "data", "pack", f"{moto_s3}/corpus.jsonl", "-o", f"{moto_s3}/ds", "--tokenizer", "bytes",
+        "--workers", 2, *options, "--log-dir", tmp_path / "logs",
+    )  # fmt: skip
+    assert code == 0, stderr
+    ds = PackedDataset(f"{moto_s3}/ds", storage_options={"endpoint_url": endpoint})
+    assert [bytes(doc).decode() for doc in _documents(ds)] == ["one", "two"]
+    code, stdout, _ = run_cli(
+        "data", "inspect", f"{moto_s3}/ds", "--json", *options, "--log-dir", tmp_path / "logs"
+    )
+    assert code == 0
+    assert json.loads(stdout)["counts"]["documents"] == 2
+
+
+def test_missing_s3_inputs(moto_s3):
+    with pytest.raises(InputError, match=f"^{moto_s3}/nope.jsonl: no such file$"):
+        pack([f"{moto_s3}/nope.jsonl"], f"{moto_s3}/ds", BYTES, workers=1)
+    with pytest.raises(InputError, match=r"no file matches$"):
+        pack([f"{moto_s3}/in/*.jsonl"], f"{moto_s3}/ds", BYTES, workers=1)
+    assert not fsspec.filesystem("s3", skip_instance_cache=True).exists(f"{moto_s3}/ds")
+
+
 def test_failed_pack_commits_nothing_on_s3(moto_s3, write_jsonl, texts):
     lines = [json.dumps({"text": t}) for t in texts]
     lines.insert(200, '{"text": 1}')
@@ -159,6 +189,25 @@ def test_failed_overwrite_on_s3_leaves_no_dataset(moto_s3, write_jsonl):
         PackedDataset(out)
 
 
+def test_merge_into_one_of_its_inputs_on_s3(moto_s3, write_jsonl):
+    """`merge s3://.../a s3://.../b -o s3://.../a --overwrite` (append b to a) must either work as
+    it does locally or refuse, leaving a intact; never lose a or commit a corrupt dataset."""
+    a = write_jsonl("a.jsonl", ["first", "second"])
+    b = write_jsonl("b.jsonl", ["third"])
+    for path in (a, b):
+        _upload(path, f"{moto_s3}/{path.name}")
+    pack([f"{moto_s3}/a.jsonl"], f"{moto_s3}/a", BYTES, workers=1)
+    pack([f"{moto_s3}/b.jsonl"], f"{moto_s3}/b", BYTES, workers=1)
+    try:
+        merge([f"{moto_s3}/a", f"{moto_s3}/b"], f"{moto_s3}/a", overwrite=True)
+        expected = ["first", "second", "third"]
+    except UserError:
+        expected = ["first", "second"]
+    ds = PackedDataset(f"{moto_s3}/a")
+    assert [bytes(doc).decode() for doc in _documents(ds)] == expected
+    assert ds.meta["counts"]["tokens"] == ds.n_tokens == int(ds.doc_offsets[ds.n_documents])
+
+
 def test_tokenizer_and_training_on_s3(tmp_path, moto_s3, write_jsonl, corpus):
     data = write_jsonl("corpus.jsonl", corpus(300, seed=5))
     _upload(data, f"{moto_s3}/corpus.jsonl")
@@ -172,5 +221,5 @@ def test_tokenizer_and_training_on_s3(tmp_path, moto_s3, write_jsonl, corpus):
     tok = HFTokenizer(HFOptions(tokenizer_url))
     assert ds.fingerprint == tok.fingerprint
     assert [tok.decode(doc) for doc in _documents(ds)] == corpus(300, seed=5)
-    with pytest.raises(UserError, match="already exists"):
+    with pytest.raises(UserError, match="is one of the inputs"):
         merge([out], out)

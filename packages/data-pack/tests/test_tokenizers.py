@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -165,7 +166,7 @@ def test_hf_tokenizer_basics(tokenizer_json):
     reference = HFTokenizer(HFOptions(str(tokenizer_json), fast="off"))
     assert not reference.fast
     assert reference.fast_reason == "disabled (fast: off)"
-    assert not tok.without_fast().fast
+    assert HFTokenizer(HFOptions(str(tokenizer_json), fast="on")).fast
 
 
 @pytest.mark.parametrize("fast", ["auto", "off"])
@@ -186,6 +187,34 @@ def test_hf_fast_path_gives_reference_ids(tokenizer_json, corpus):
     assert fast == tok.encode_batch_hf(docs)
     assert fast == HFTokenizer(HFOptions(str(tokenizer_json), fast="off")).encode_batch(docs)
     assert sum(map(len, fast)) < sum(len(d.encode()) for d in docs)  # merges really happen
+
+
+def test_fast_path_on_random_code_points(tokenizer_json):
+    """Letters, digits, marks and spaces of many scripts and Unicode versions, incl. unassigned
+    code points: the regex engines (oniguruma in HF, fancy-regex in tiktoken) must agree."""
+    rng = random.Random(5)
+    blocks = [
+        (0x0, 0x24F), (0x300, 0x36F), (0x370, 0x4FF), (0x590, 0x6FF), (0x900, 0x97F),
+        (0x1680, 0x1680), (0x2000, 0x206F), (0x3000, 0x30FF), (0x4E00, 0x4E80), (0xAC00, 0xAC80),
+        (0xFE00, 0xFE0F), (0xFFF0, 0xFFFD), (0x10000, 0x1007F), (0x1D400, 0x1D7FF),
+        (0x1F300, 0x1F6FF), (0x1FA70, 0x1FAFF), (0x2EBF0, 0x2EE5D), (0x31350, 0x323AF),
+        (0xE0000, 0xE007F),
+    ]  # fmt: skip
+    spaces = [" ", "  ", "\n", "\t", "\u00a0", "\u3000", "'s", "'S", "1234", "\r\n"]
+    docs = []
+    for _ in range(5000):
+        chars = []
+        for _ in range(rng.randint(1, 30)):
+            low, high = rng.choice(blocks)
+            chars.append(chr(rng.randint(low, high)))
+            if rng.random() < 0.25:
+                chars.append(rng.choice(spaces))
+        docs.append("".join(chars))
+    tok = HFTokenizer(HFOptions(str(tokenizer_json)))
+    assert tok.fast
+    ids = tok.encode_batch(docs)
+    assert ids == tok.encode_batch_hf(docs)
+    assert [tok.decode(i) for i in ids[:500]] == docs[:500]
 
 
 def test_fast_path_with_split_regex_pretokenizer(tmp_path, corpus):
@@ -341,6 +370,18 @@ def test_hf_fingerprint(tmp_path, tokenizer_json, corpus):
     fingerprints = {t.fingerprint for t in others}
     assert len(fingerprints) == 4
     assert fingerprint not in fingerprints
+
+
+def test_hf_vocab_size_covers_every_id(tmp_path, tokenizer_json):
+    """Ids need not be contiguous: a tokenizer.json whose end-of-text token sits at id 70000 has
+    ids up to 70000, so its vocab (what the token dtype must hold) is at least 70001."""
+    spec = _spec(tokenizer_json)
+    spec["added_tokens"][0]["id"] = 70000
+    spec["model"]["vocab"][ENDOFTEXT] = 70000
+    tok = HFTokenizer(HFOptions(str(_write_spec(tmp_path / "sparse.json", spec))))
+    assert tok.eod_id == 70000
+    assert tok.encode_batch([f"a{ENDOFTEXT}"])[0][-1] == 70000
+    assert tok.vocab_size > 70000
 
 
 def test_hf_eod_token(tmp_path, corpus):
@@ -514,6 +555,10 @@ def test_tokenizer_choice_spellings(plugins, tokenizer_json, digit_ranks):
         "eod_token": "<|e|>",
     }
     assert raw("bytes", 'special_tokens=["</s>"]')["special_tokens"] == ["</s>"]
+    # URLs: a bare one by its suffix, or with the kind in front
+    for spelled in ("s3://bucket/dir/tok.json", "hf:s3://bucket/dir/tok.json"):
+        assert raw(spelled) == {**hf, "path": "s3://bucket/dir/tok.json"}
+    assert raw("tiktoken:gs://b/x.tiktoken")["path"] == "gs://b/x.tiktoken"
 
     # the spelled choice builds the tokenizer it names
     built = tokenizer_from_raw(raw(str(tokenizer_json)), plugins)

@@ -35,6 +35,12 @@ def merge(
     compression: str = "zstd:1",
     storage_options: Mapping[str, Any] | None = None,
 ) -> MergeSummary:
+    if "://" in output and output.rstrip("/") in {url.rstrip("/") for url in inputs}:
+        # on a local disk the merge is staged and renamed over the input; object storage has
+        # no rename, so the input would be deleted before it is read
+        raise UserError(
+            f"{output} is one of the inputs; on object storage write the merge to another output"
+        )
     datasets = [PackedDataset(url, storage_options=storage_options) for url in inputs]
     first = datasets[0]
     for other in datasets[1:]:

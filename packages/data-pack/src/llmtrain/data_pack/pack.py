@@ -34,7 +34,14 @@ from llmtrain.data_pack.sources import (
     plan_tasks,
     read_range,
 )
-from llmtrain.data_pack.store import FORMAT, FORMAT_VERSION, DatasetWriter, Output, token_dtype
+from llmtrain.data_pack.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    DatasetWriter,
+    Output,
+    compressors,
+    token_dtype,
+)
 from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 
 log = structlog.get_logger("llmtrain.data_pack")
@@ -197,28 +204,31 @@ def _run_tasks(
         initargs=(tokenizer_raw, storage_options),
     )
     pending: collections.deque = collections.deque()
+    task = None
     try:
         for task in tasks:
             pending.append((task, pool.submit(tokenize_task, task, settings)))
             while len(pending) >= 2 * workers:
-                yield _result(*pending.popleft())
+                task, future = pending.popleft()
+                yield future.result()
         while pending:
-            yield _result(*pending.popleft())
+            task, future = pending.popleft()
+            yield future.result()
+    except BrokenProcessPool:
+        where = ""
+        if task is not None:
+            span = (
+                f"bytes {task.start}-{task.end}"
+                if task.payload is None
+                else f"line {task.first_line}"
+            )
+            where = f" while tokenizing {task.url} ({span} or a task beside it)"
+        raise PackError(
+            f"a worker process died{where}; nothing was written. Check memory limits and the "
+            "log, then pack again"
+        ) from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _result(task: Task, future: Any) -> TaskResult:
-    try:
-        return future.result()
-    except BrokenProcessPool:
-        where = (
-            f"bytes {task.start}-{task.end}" if task.payload is None else f"line {task.first_line}"
-        )
-        raise PackError(
-            f"a worker process died while tokenizing {task.url} ({where} or a task beside it); "
-            "nothing was written. Check memory limits and the worker's log, then pack again"
-        ) from None
 
 
 class _Lines:
@@ -243,36 +253,36 @@ def _choose_encoder(
     settings: PackSettings,
     storage_options: dict,
 ) -> tuple[dict, str]:
-    """Keep the fast BPE path only if it gives the reference ids on a sample of this corpus."""
-    if not getattr(tokenizer, "fast", False):
+    """Use the fast BPE path only if it gives the reference ids on a sample of every input."""
+    if not getattr(tokenizer, "fast", False) or raw.get("fast") == "off":
         return raw, "reference"
     if raw.get("fast") == "on":
         return raw, "fast"
     texts = _sample_texts(sources, settings, storage_options)
-    reference = tokenizer.encode_batch_hf(texts)
-    fast = tokenizer.encode_batch(texts)
-    if fast == reference:
+    differs = tokenizer.verify_fast(texts)
+    if differs is None:
         log.info("pack.fast_encoder", checked_documents=len(texts))
         return {**raw, "fast": "on"}, "fast"
-    first = next(i for i, (a, b) in enumerate(zip(fast, reference, strict=True)) if a != b)
-    log.warning("pack.fast_encoder_differs", document=first, using="reference")
+    log.warning("pack.fast_encoder_differs", document=differs, using="reference")
     return {**raw, "fast": "off"}, "reference"
 
 
 def _sample_texts(
     sources: Sequence[Source], settings: PackSettings, storage_options: dict
 ) -> list[str]:
-    if not sources:
-        return []
-    task = next(plan_tasks(sources[:1], FAST_SAMPLE_BYTES, storage_options), None)
-    if task is None:
-        return []
+    """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all)."""
+    chosen = list(sources[:: max(1, len(sources) // 16)])[:16]
+    per_file = max(256 << 10, FAST_SAMPLE_BYTES // max(1, len(chosen)))
     get = field_getter(settings.field)
-    texts = []
-    for line in read_range(task, storage_options).split(b"\n"):
-        text, _ = parse_line(line, get) if line.strip() else (None, None)
-        if text:
-            texts.append(text)
+    texts: list[str] = []
+    for source in chosen:
+        task = next(plan_tasks([source], per_file, storage_options), None)
+        if task is None:
+            continue
+        for line in read_range(task, storage_options).split(b"\n"):
+            text, _ = parse_line(line, get) if line.strip() else (None, None)
+            if text:
+                texts.append(text)
     return texts
 
 
@@ -308,6 +318,12 @@ def pack(
     if on_bad_line not in ("error", "skip"):
         raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
     settings = PackSettings(field, on_bad_line, batch_docs, token_type.name, tok.vocab_size)
+    if chunk_tokens < 1 or shard_chunks < 0 or split_bytes < 1 or batch_docs < 1:
+        raise UserError(
+            f"chunk_tokens ({chunk_tokens}), split size ({split_bytes} bytes) and batch_docs "
+            f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
+        )
+    compressors(compression)  # a bad spelling is an error before any work
     sources = expand_inputs(inputs, storage_options)
     raw, encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
     out = Output(output, overwrite=overwrite, storage_options=storage_options)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from fsspec.core import url_to_fs
 from llmtrain.core_mesh.errors import UserError
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
 SUFFIXES = (".jsonl", ".json", ".ndjson", *(f".jsonl{s}" for s in COMPRESSION))
 
 
@@ -165,12 +167,16 @@ def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
         record = json.loads(decoded)
     except json.JSONDecodeError as exc:
         return None, f"malformed JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return None, "JSON nested too deeply"
     try:
         text = get(record)
     except KeyError as exc:
         return None, f"no field {exc.args[0]!r}"
     if not isinstance(text, str):
         return None, f"field is {type(text).__name__}, not a string"
+    if (bad := _SURROGATE.search(text)) is not None:
+        return None, f"unpaired surrogate \\u{ord(bad.group()):04x} in the text (not valid Unicode)"
     return text, None
 
 

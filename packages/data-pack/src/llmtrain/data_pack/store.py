@@ -76,10 +76,15 @@ def _store(url: str, storage_options: Mapping[str, Any] | None, *, read_only: bo
 def compressors(name: str) -> Any:
     if name == "none":
         return None
-    if name.startswith("zstd"):
-        level = int(name.partition(":")[2] or 1)
-        return zarr.codecs.ZstdCodec(level=level)
-    raise UserError(f"compression {name!r}: use none, zstd or zstd:LEVEL")
+    kind, _, level = name.partition(":")
+    if kind == "zstd":
+        try:
+            value = int(level or 1)
+        except ValueError:
+            value = None
+        if value is not None and -7 <= value <= 22:
+            return zarr.codecs.ZstdCodec(level=value)
+    raise UserError(f"compression {name!r}: use none, zstd or zstd:LEVEL (LEVEL from -7 to 22)")
 
 
 class AppendArray:

@@ -176,8 +176,13 @@ def _pattern_of(pre: dict | None) -> str | None:
     return None
 
 
-def tiktoken_equivalent(spec: dict) -> tuple[Any | None, str]:
-    """A tiktoken Encoding with the same ids as this tokenizer.json, or (None, why not)."""
+def tiktoken_equivalent(spec: dict, tokenizer: Any = None) -> tuple[Any | None, str]:
+    """A tiktoken Encoding with the same ids as this tokenizer.json, or (None, why not).
+
+    tiktoken merges any adjacent pair whose concatenation is a token; HF merges only listed
+    pairs. They agree when token ids follow the merge order and every token is what HF's own BPE
+    makes of its bytes (true of tokenizers trained by BPE); `tokenizer` is the loaded HF tokenizer
+    (built from `spec` if not given). `pack` still compares both on a sample of the corpus."""
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
         return None, f"model type {model.get('type')!r} is not BPE"
@@ -215,6 +220,14 @@ def tiktoken_equivalent(spec: dict) -> tuple[Any | None, str]:
         if merged is None or merged <= last:
             return None, "merge order and token ids disagree"
         last = merged
+    if tokenizer is None:
+        import tokenizers
+
+        tokenizer = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    bpe = tokenizer.model
+    for token, i in model.get("vocab", {}).items():
+        if token not in added and [t.id for t in bpe.tokenize(token)] != [i]:
+            return None, f"token {token!r} is not reachable by the merges"
     import tiktoken
 
     encoding = tiktoken.Encoding(
@@ -237,10 +250,13 @@ class HFTokenizer:
             raise TokenizerError(f"{options.path}: not a valid tokenizer.json: {exc}") from None
         self._eod_token = self._find_eod(options.eod_token)
         self._eod = self._tok.token_to_id(self._eod_token)
+        # `auto` builds the fast encoder but uses it only after `verify_fast` (which `pack` runs
+        # on a sample of the corpus); `on` uses it at once
         self._fast = None
+        self._fast_verified = options.fast == "on"
         self.fast_reason = "disabled (fast: off)"
         if options.fast != "off":
-            self._fast, why = tiktoken_equivalent(self._spec)
+            self._fast, why = tiktoken_equivalent(self._spec, self._tok)
             self.fast_reason = "tiktoken BPE core" if self._fast else why
             if options.fast == "on" and self._fast is None:
                 raise TokenizerError(f"{options.path}: fast: on, but {why}")
@@ -263,9 +279,10 @@ class HFTokenizer:
     def name(self) -> str:
         return f"hf:{os.path.basename(self.options.path)}"
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        # ids may be sparse (an added token far beyond the vocab): size by the largest id
+        return max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
 
     @property
     def eod_id(self) -> int:
@@ -277,15 +294,31 @@ class HFTokenizer:
 
     @property
     def fast(self) -> bool:
+        """Whether a fast encoder exists for this file (used once verified or `fast: on`)."""
         return self._fast is not None
 
-    def without_fast(self) -> HFTokenizer:
-        return HFTokenizer(attrs.evolve(self.options, fast="off"))
+    def verify_fast(self, texts: Sequence[str]) -> int | None:
+        """Compare both encoders on `texts`; enable the fast one if every id matches.
+
+        Returns None when they match, else the index of the first text that differs."""
+        if self._fast is None:
+            return 0
+        fast = self.encode_batch_fast(texts)
+        reference = self.encode_batch_hf(texts)
+        for i, (a, b) in enumerate(zip(fast, reference, strict=True)):
+            if a != b:
+                self._fast_verified = False
+                return i
+        self._fast_verified = True
+        return None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        if self._fast is not None:
-            return [self._fast.encode(t, allowed_special="all") for t in texts]
+        if self._fast is not None and self._fast_verified:
+            return self.encode_batch_fast(texts)
         return self.encode_batch_hf(texts)
+
+    def encode_batch_fast(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self._fast.encode(t, allowed_special="all") for t in texts]
 
     def encode_batch_hf(self, texts: Sequence[str]) -> list[list[int]]:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
