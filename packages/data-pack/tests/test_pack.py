@@ -268,7 +268,7 @@ def test_chunk_docs_index(tmp_path, write_jsonl, corpus):
     assert ds.chunk_docs[-1] == ds.n_documents
     empty_chunks = 0
     for c in range(ds.n_chunks):
-        chunk, in_chunk = ds.read_chunk(c)
+        chunk, in_chunk = ds.read_chunk(c), ds.chunk_doc_starts(c)
         np.testing.assert_array_equal(chunk, tokens[c * 64 : (c + 1) * 64])
         expected = starts[(starts >= c * 64) & (starts < (c + 1) * 64)] - c * 64
         np.testing.assert_array_equal(in_chunk, expected)
@@ -305,7 +305,7 @@ def test_sharding_and_compression_read_back_identically(
     n_chunks = ds.n_chunks
     assert len(stored) == (-(-n_chunks // 4) if shard_chunks else n_chunks)
     for c in range(n_chunks):
-        np.testing.assert_array_equal(ds.read_chunk(c)[0], ds.read(c * 128, (c + 1) * 128))
+        np.testing.assert_array_equal(ds.read_chunk(c), ds.read(c * 128, (c + 1) * 128))
 
 
 def test_bad_compression_name(tmp_path, write_jsonl):
@@ -630,3 +630,17 @@ def test_pack_imports_no_torch(tmp_path, write_jsonl, texts, tokenizer_json):
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("ok\n")
     assert PackedDataset(str(tmp_path / "ds")).n_documents == 300
+
+
+@pytest.mark.parametrize("fast", ["auto", "off"])
+def test_special_token_text_in_a_document_is_not_an_eod(
+    tmp_path, write_jsonl, tokenizer_json, fast
+):
+    texts = ["before <|endoftext|> after", "plain", "<|endoftext|>"]
+    data = write_jsonl("special.jsonl", texts)
+    pack([str(data)], str(tmp_path / "ds"), _hf(tokenizer_json, fast=fast), workers=1)
+    ds = PackedDataset(str(tmp_path / "ds"))
+    tokens = ds.read(0, ds.n_tokens)
+    assert int((tokens == ds.eod_id).sum()) == ds.n_documents == 3
+    tok = HFTokenizer(HFOptions(str(tokenizer_json)))
+    assert [tok.decode(ds.document(i).tolist()) for i in range(3)] == texts

@@ -176,8 +176,13 @@ def test_hf_round_trip(tokenizer_json, texts, fast):
     for text, ids in zip(docs, tok.encode_batch(docs), strict=True):
         assert all(0 <= i < 400 for i in ids)
         assert tok.decode(ids) == text
-    # the eod token written in a text is the special token (as tiktoken's allowed_special="all")
-    assert tok.encode_batch([f"a{ENDOFTEXT}b"])[0].count(0) == 1
+    # the eod token's text inside a document is plain text: only the packer's eod ends documents
+    assert tok.encode_batch([f"a{ENDOFTEXT}b"])[0].count(0) == 0
+    assert tok.decode(tok.encode_batch([f"a{ENDOFTEXT}b"])[0]) == f"a{ENDOFTEXT}b"
+    # parse_special (for chat templates) turns it into the special id
+    parsing = HFTokenizer(HFOptions(str(tokenizer_json), fast=fast, parse_special=True))
+    assert parsing.encode_batch([f"a{ENDOFTEXT}b"])[0].count(0) == 1
+    assert parsing.fingerprint != tok.fingerprint
 
 
 def test_hf_fast_path_gives_reference_ids(tokenizer_json, corpus):
@@ -284,7 +289,7 @@ REFUSED = {
     "byte_fallback": (lambda s: _set(s, "model.byte_fallback", True), "byte_fallback is set"),
     "lstrip": (
         lambda s: _set(s, "added_tokens", [{**s["added_tokens"][0], "lstrip": True}]),
-        "an added token strips or matches single words",
+        "an added token is not special, strips, or matches single words",
     ),
 }
 
@@ -380,7 +385,7 @@ def test_hf_vocab_size_covers_every_id(tmp_path, tokenizer_json):
     spec["model"]["vocab"][ENDOFTEXT] = 70000
     tok = HFTokenizer(HFOptions(str(_write_spec(tmp_path / "sparse.json", spec))))
     assert tok.eod_id == 70000
-    assert tok.encode_batch([f"a{ENDOFTEXT}"])[0][-1] == 70000
+    assert tok.token_id(ENDOFTEXT) == 70000
     assert tok.vocab_size > 70000
 
 
@@ -434,7 +439,10 @@ def test_tiktoken_ranks_from_trained_bpe(tmp_path, tokenizer_json, texts):
     # by default the eod token comes right after the ranks
     default = TiktokenTokenizer(TiktokenOptions(str(path)))
     assert (default.vocab_size, default.eod_id) == (401, 400)
-    assert default.encode_batch([f"x{ENDOFTEXT}"])[0][-1] == 400
+    assert default.token_id(ENDOFTEXT) == 400
+    assert 400 not in default.encode_batch([f"x{ENDOFTEXT}"])[0]  # text, not the special
+    parsing = TiktokenTokenizer(TiktokenOptions(str(path), parse_special=True))
+    assert parsing.encode_batch([f"x{ENDOFTEXT}"])[0][-1] == 400
     assert default.decode(default.encode_batch(["héllo wörld 😀"])[0]) == "héllo wörld 😀"
 
 
@@ -531,7 +539,13 @@ def test_tokenizer_choice_spellings(plugins, tokenizer_json, digit_ranks):
         return choice_to_raw(tokenizer_choice(text, plugins, extra), plugins)
 
     assert raw("bytes") == {"kind": "bytes", "special_tokens": [ENDOFTEXT, "<|pad|>"]}
-    hf = {"kind": "hf", "path": str(tokenizer_json), "eod_token": None, "fast": "auto"}
+    hf = {
+        "kind": "hf",
+        "path": str(tokenizer_json),
+        "eod_token": None,
+        "fast": "auto",
+        "parse_special": False,
+    }
     assert raw(f"hf:{tokenizer_json}") == hf
     assert raw(str(tokenizer_json)) == hf
     assert raw(str(tokenizer_json), "fast=off", "eod_token=</s>") == {
@@ -546,6 +560,7 @@ def test_tokenizer_choice_spellings(plugins, tokenizer_json, digit_ranks):
         "pattern": None,
         "special_tokens": None,
         "eod_token": ENDOFTEXT,
+        "parse_special": False,
     }
     assert raw(str(digit_ranks)) == tiktoken_raw
     assert raw(f"tiktoken:{digit_ranks}") == tiktoken_raw

@@ -134,7 +134,7 @@ def test_chunk_documents_match_document_offsets(rd_boundary_corpus):
     assert dataset.n_documents == len(texts)
     assert dataset.n_chunks == -(-len(stream) // 100)
     for chunk in range(dataset.n_chunks):
-        tokens, starts = dataset.read_chunk(chunk)
+        tokens, starts = dataset.read_chunk(chunk), dataset.chunk_doc_starts(chunk)
         np.testing.assert_array_equal(tokens, stream[chunk * 100 : chunk * 100 + 100])
         inside = doc_starts[(doc_starts >= chunk * 100) & (doc_starts < chunk * 100 + 100)]
         np.testing.assert_array_equal(starts, inside - chunk * 100)
@@ -168,11 +168,14 @@ def test_index_out_of_range(rd_corpus):
 
 def test_chunk_cache_counts_reads_and_evicts_least_recently_used(rd_corpus):
     dataset = PackedDataset(rd_corpus[2][100])
-    sizes = {c: sum(a.nbytes for a in dataset.read_chunk(c)) for c in range(5)}
+    sizes = {
+        c: sum(a.nbytes for a in (dataset.read_chunk(c), dataset.chunk_doc_starts(c)))
+        for c in range(5)
+    }
     cache = ChunkCache(dataset, max_bytes=sizes[0] + sizes[1] + sizes[2])
     for chunk in (0, 1, 0, 0, 1):
         tokens, _ = cache.get(chunk)
-        np.testing.assert_array_equal(tokens, dataset.read_chunk(chunk)[0])
+        np.testing.assert_array_equal(tokens, dataset.read_chunk(chunk))
     assert cache.reads == 2
     assert cache.nbytes == sizes[0] + sizes[1]
     cache.get(2)
@@ -191,8 +194,8 @@ def test_chunk_cache_keeps_one_chunk_larger_than_its_budget(rd_corpus):
     dataset = PackedDataset(rd_corpus[2][1000])
     cache = ChunkCache(dataset, max_bytes=1)
     for chunk in (0, 1, 1, 2, 0):
-        cache.get(chunk)
-        assert cache.nbytes == sum(a.nbytes for a in dataset.read_chunk(chunk))
+        cache.tokens(chunk)
+        assert cache.nbytes == dataset.read_chunk(chunk).nbytes
     assert cache.reads == 4
 
 
@@ -203,7 +206,8 @@ def test_cache_stays_within_budget_while_reading_everything(rd_corpus, budget_ch
     windows = TokenWindows(urls[100], seq_len, cache_bytes=budget_chunks * 100 * 2)
     dataset = windows.dataset
     largest_chunk = max(
-        sum(a.nbytes for a in dataset.read_chunk(c)) for c in range(dataset.n_chunks)
+        sum(a.nbytes for a in (dataset.read_chunk(c), dataset.chunk_doc_starts(c)))
+        for c in range(dataset.n_chunks)
     )
     order = np.random.default_rng(budget_chunks).permutation(len(windows))
     held = 0

@@ -47,7 +47,8 @@ from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 log = structlog.get_logger("llmtrain.data_pack")
 
 MAX_RECORDED_BAD_LINES = 100
-FAST_SAMPLE_BYTES = 4 << 20
+FAST_SAMPLE_BYTES = 1 << 20
+MAX_SPLIT_BYTES = 16 << 20
 
 
 class PackError(UserError):
@@ -142,9 +143,8 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
     pieces, lengths = [], []
     for begin in range(0, len(texts), settings.batch_docs):
         batch = texts[begin : begin + settings.batch_docs]
-        tokens, doc_lengths = _with_eod(
-            tokenizer.encode_batch(batch), tokenizer.eod_id, dtype, settings.vocab_size
-        )
+        encode = getattr(tokenizer, "encode_batch_arrays", None) or tokenizer.encode_batch
+        tokens, doc_lengths = _with_eod(encode(batch), tokenizer.eod_id, dtype, settings.vocab_size)
         pieces.append(tokens)
         lengths.append(doc_lengths)
     return TaskResult(
@@ -161,18 +161,20 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
 
 
 def _with_eod(
-    ids: Sequence[Sequence[int]], eod: int, dtype: np.dtype, vocab_size: int
+    ids: Sequence[Sequence[int]] | Sequence[np.ndarray], eod: int, dtype: np.dtype, vocab_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Flatten a batch of id lists into one array with eod after every document."""
+    """Flatten a batch of id lists (or arrays) into one array with eod after every document."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
-    flat = np.fromiter(
-        itertools.chain.from_iterable(ids), dtype=np.int64, count=int(lengths.sum()) - len(ids)
-    )
-    if len(flat) and (flat.max() >= vocab_size or flat.min() < 0):
+    total = int(lengths.sum()) - len(ids)
+    if ids and isinstance(ids[0], np.ndarray):
+        flat = np.concatenate(ids) if total else np.empty(0, np.int64)
+    else:
+        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
+    if len(flat) and (int(flat.max()) >= vocab_size or int(flat.min()) < 0):
         raise PackError(
             f"the tokenizer produced id {int(flat.max())}, outside its vocab of {vocab_size}"
         )
-    out = np.empty(len(flat) + len(ids), dtype=dtype)
+    out = np.empty(total + len(ids), dtype=dtype)
     ends = np.cumsum(lengths) - 1
     keep = np.ones(len(out), dtype=bool)
     keep[ends] = False
@@ -272,7 +274,7 @@ def _sample_texts(
 ) -> list[str]:
     """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all)."""
     chosen = list(sources[:: max(1, len(sources) // 16)])[:16]
-    per_file = max(256 << 10, FAST_SAMPLE_BYTES // max(1, len(chosen)))
+    per_file = max(64 << 10, FAST_SAMPLE_BYTES // max(1, len(chosen)))
     get = field_getter(settings.field)
     texts: list[str] = []
     for source in chosen:
@@ -299,7 +301,7 @@ def pack(
     chunk_tokens: int = 1 << 20,
     shard_chunks: int = 0,
     compression: str = "zstd:1",
-    split_bytes: int = 16 << 20,
+    split_bytes: int | None = None,
     batch_docs: int = 512,
     storage_options: Mapping[str, Any] | None = None,
     plugins: PluginManager | None = None,
@@ -318,16 +320,18 @@ def pack(
     if on_bad_line not in ("error", "skip"):
         raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
     settings = PackSettings(field, on_bad_line, batch_docs, token_type.name, tok.vocab_size)
+    sources = expand_inputs(inputs, storage_options)
+    total_bytes = sum(s.size for s in sources)
+    if split_bytes is None:  # enough tasks that the last ones do not run alone
+        split_bytes = int(min(MAX_SPLIT_BYTES, max(1 << 20, total_bytes // (workers * 8))))
     if chunk_tokens < 1 or shard_chunks < 0 or split_bytes < 1 or batch_docs < 1:
         raise UserError(
             f"chunk_tokens ({chunk_tokens}), split size ({split_bytes} bytes) and batch_docs "
             f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
         )
     compressors(compression)  # a bad spelling is an error before any work
-    sources = expand_inputs(inputs, storage_options)
     raw, encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
     out = Output(output, overwrite=overwrite, storage_options=storage_options)
-    total_bytes = sum(s.size for s in sources)
     log.info(
         "pack.start",
         inputs=len(sources),
@@ -425,7 +429,7 @@ def _write(
     """Run the tasks and append their documents in task order; returns counts and bad lines."""
     tasks_by_index: dict[int, Task] = {}
     lines = _Lines()
-    empty = blank = n_bad = 0
+    empty = blank = n_bad = done_bytes = 0
     bad_lines: list[dict[str, Any]] = []
     last_log = time.monotonic()
 
@@ -452,6 +456,7 @@ def _write(
         empty += result.empty_documents
         blank += result.blank_lines
         bar.update(result.input_bytes)
+        done_bytes += result.input_bytes
         bar.set_postfix(docs=writer.n_documents, tokens=writer.n_tokens, refresh=False)
         if time.monotonic() - last_log > 30:
             last_log = time.monotonic()
@@ -459,7 +464,7 @@ def _write(
                 "pack.progress",
                 documents=writer.n_documents,
                 tokens=writer.n_tokens,
-                bytes_done=bar.n,
+                bytes_done=done_bytes,
             )
     writer.close()
     return {

@@ -103,7 +103,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
     p.add_argument("--shard-chunks", type=int, default=0, help="chunks per shard (0: no sharding)")
     p.add_argument("--compression", default="zstd:1", help="none, zstd or zstd:LEVEL")
-    p.add_argument("--split-mb", type=float, default=16, help="input MB per worker task")
+    p.add_argument(
+        "--split-mb",
+        type=float,
+        default=None,
+        help="input MB per worker task (default: enough tasks to keep every worker busy, <= 16)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _common(p)
 
@@ -205,7 +210,7 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
         chunk_tokens=args.chunk_tokens,
         shard_chunks=args.shard_chunks,
         compression=args.compression,
-        split_bytes=max(1, int(args.split_mb * (1 << 20))),
+        split_bytes=None if args.split_mb is None else max(1, int(args.split_mb * (1 << 20))),
         storage_options=storage_options,
         plugins=ctx.plugins,
         progress=not args.no_progress and sys.stderr.isatty(),

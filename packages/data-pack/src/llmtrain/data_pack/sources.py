@@ -175,7 +175,8 @@ def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
         return None, f"no field {exc.args[0]!r}"
     if not isinstance(text, str):
         return None, f"field is {type(text).__name__}, not a string"
-    if (bad := _SURROGATE.search(text)) is not None:
+    # a surrogate can only come from a \\u escape (UTF-8 decoding refuses encoded ones)
+    if b"\\u" in line and (bad := _SURROGATE.search(text)) is not None:
         return None, f"unpaired surrogate \\u{ord(bad.group()):04x} in the text (not valid Unicode)"
     return text, None
 

@@ -250,13 +250,16 @@ class PackedDataset:
     def read(self, start: int, stop: int) -> np.ndarray:
         return np.asarray(self.tokens[start:stop])
 
-    def read_chunk(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens of one chunk, and where documents start in it (positions within the chunk)."""
+    def read_chunk(self, chunk: int) -> np.ndarray:
+        """The tokens of one chunk."""
         base = chunk * self.chunk_tokens
-        tokens = self.read(base, min(base + self.chunk_tokens, self.n_tokens))
+        return self.read(base, min(base + self.chunk_tokens, self.n_tokens))
+
+    def chunk_doc_starts(self, chunk: int) -> np.ndarray:
+        """Where documents start in one chunk (positions within the chunk)."""
         first, last = self.chunk_docs[chunk], self.chunk_docs[chunk + 1]
-        starts = np.asarray(self.doc_offsets[first:last], dtype=np.int64) - base
-        return tokens, starts
+        base = chunk * self.chunk_tokens
+        return np.asarray(self.doc_offsets[first:last], dtype=np.int64) - base
 
     def document(self, index: int) -> np.ndarray:
         """The tokens of document `index`, without its end-of-document token."""
@@ -302,7 +305,7 @@ class DatasetWriter:
         self.offsets = AppendArray(
             out.array_url("doc_offsets"),
             np.int64,
-            1 << 20,
+            1 << 16,  # small chunks: a token chunk's document starts decode little else
             compression=compression,
             storage_options=options,
         )

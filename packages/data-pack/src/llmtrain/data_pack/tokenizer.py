@@ -133,6 +133,9 @@ class HFOptions:
     path: str
     eod_token: str | None = None
     fast: Literal["auto", "on", "off"] = "auto"
+    # False: a special token's text inside a document ("<|endoftext|>") is encoded as plain text,
+    # so only the packer's eod ends documents; True: it becomes the special id (chat templates)
+    parse_special: bool = False
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -199,10 +202,10 @@ def tiktoken_equivalent(spec: dict, tokenizer: Any = None) -> tuple[Any | None, 
     byte_of = {c: b for b, c in _bytes_to_unicode().items()}
     added = {t["content"]: t["id"] for t in spec.get("added_tokens") or []}
     if any(
-        t.get("lstrip") or t.get("rstrip") or t.get("single_word")
+        t.get("lstrip") or t.get("rstrip") or t.get("single_word") or not t.get("special")
         for t in spec.get("added_tokens") or []
     ):
-        return None, "an added token strips or matches single words"
+        return None, "an added token is not special, strips, or matches single words"
     ranks: dict[bytes, int] = {}
     for token, i in model.get("vocab", {}).items():
         if token in added:
@@ -248,6 +251,7 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
             raise TokenizerError(f"{options.path}: not a valid tokenizer.json: {exc}") from None
+        self._tok.encode_special_tokens = not options.parse_special
         self._eod_token = self._find_eod(options.eod_token)
         self._eod = self._tok.token_to_id(self._eod_token)
         # `auto` builds the fast encoder but uses it only after `verify_fast` (which `pack` runs
@@ -290,7 +294,7 @@ class HFTokenizer:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        return _hash("hf", self._spec, self._eod)
+        return _hash("hf", self._spec, self._eod, self.options.parse_special)
 
     @property
     def fast(self) -> bool:
@@ -318,7 +322,20 @@ class HFTokenizer:
         return self.encode_batch_hf(texts)
 
     def encode_batch_fast(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self._fast.encode(t, allowed_special="all") for t in texts]
+        return [list(a) for a in self._fast_arrays(texts)]
+
+    def _fast_arrays(self, texts: Sequence[str]) -> list[Any]:
+        special = "all" if self.options.parse_special else set()
+        return [
+            self._fast.encode_to_numpy(t, allowed_special=special, disallowed_special=())
+            for t in texts
+        ]
+
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[Any]:
+        """Like encode_batch, as numpy arrays when the fast encoder is in use (less copying)."""
+        if self._fast is not None and self._fast_verified:
+            return self._fast_arrays(texts)
+        return self.encode_batch_hf(texts)
 
     def encode_batch_hf(self, texts: Sequence[str]) -> list[list[int]]:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
@@ -347,6 +364,7 @@ class TiktokenOptions:
     pattern: str | None = None
     special_tokens: dict[str, int] | None = None
     eod_token: str = ENDOFTEXT
+    parse_special: bool = False  # as for `hf`: special-token text in documents is plain text
 
 
 def parse_tiktoken_ranks(data: bytes, source: str) -> dict[bytes, int]:
@@ -433,10 +451,24 @@ class TiktokenTokenizer:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        return _hash("tiktoken", self._ranks_hash, self._pattern, self._specials, self.eod_id)
+        return _hash(
+            "tiktoken",
+            self._ranks_hash,
+            self._pattern,
+            self._specials,
+            self.eod_id,
+            self.options.parse_special,
+        )
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self._enc.encode(t, allowed_special="all") for t in texts]
+        return [list(a) for a in self.encode_batch_arrays(texts)]
+
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[Any]:
+        special = "all" if self.options.parse_special else set()
+        return [
+            self._enc.encode_to_numpy(t, allowed_special=special, disallowed_special=())
+            for t in texts
+        ]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")

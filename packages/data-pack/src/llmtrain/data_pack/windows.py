@@ -23,30 +23,42 @@ DEFAULT_CACHE_BYTES = 128 << 20
 
 
 class ChunkCache:
-    """Decoded chunks (tokens and document starts) of one dataset, least recently used first out."""
+    """Decoded chunks of one dataset (tokens, and document starts when asked for), least recently
+    used first out, within a byte budget."""
 
     def __init__(self, dataset: PackedDataset, max_bytes: int = DEFAULT_CACHE_BYTES):
         self.dataset = dataset
         self.max_bytes = max_bytes
-        self._chunks: collections.OrderedDict[int, tuple[np.ndarray, np.ndarray]] = (
+        self._items: collections.OrderedDict[tuple[str, int], np.ndarray] = (
             collections.OrderedDict()
         )
         self._bytes = 0
         self.reads = 0
 
-    def get(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
-        found = self._chunks.get(chunk)
+    def _get(self, kind: str, chunk: int, load) -> np.ndarray:
+        key = (kind, chunk)
+        found = self._items.get(key)
         if found is not None:
-            self._chunks.move_to_end(chunk)
+            self._items.move_to_end(key)
             return found
-        found = self.dataset.read_chunk(chunk)
-        self.reads += 1
-        self._chunks[chunk] = found
-        self._bytes += found[0].nbytes + found[1].nbytes
-        while self._bytes > self.max_bytes and len(self._chunks) > 1:
-            _, (tokens, starts) = self._chunks.popitem(last=False)
-            self._bytes -= tokens.nbytes + starts.nbytes
+        found = load(chunk)
+        self._items[key] = found
+        self._bytes += found.nbytes
+        while self._bytes > self.max_bytes and len(self._items) > 1:
+            _, dropped = self._items.popitem(last=False)
+            self._bytes -= dropped.nbytes
         return found
+
+    def tokens(self, chunk: int) -> np.ndarray:
+        if ("tokens", chunk) not in self._items:
+            self.reads += 1
+        return self._get("tokens", chunk, self.dataset.read_chunk)
+
+    def doc_starts(self, chunk: int) -> np.ndarray:
+        return self._get("starts", chunk, self.dataset.chunk_doc_starts)
+
+    def get(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.tokens(chunk), self.doc_starts(chunk)
 
     @property
     def nbytes(self) -> int:
@@ -123,12 +135,13 @@ class TokenWindows:
             while position < end:
                 chunk = position // chunk_tokens
                 base = chunk * chunk_tokens
-                chunk_ids, chunk_starts = self.cache.get(chunk)
+                chunk_ids = self.cache.tokens(chunk)
                 stop = min(end, base + len(chunk_ids))
                 tokens[row, position - begin : stop - begin] = chunk_ids[
                     position - base : stop - base
                 ]
                 if starts is not None:
+                    chunk_starts = self.cache.doc_starts(chunk)
                     lo, hi = np.searchsorted(
                         chunk_starts, [position - base, min(stop, end - 1) - base]
                     )
