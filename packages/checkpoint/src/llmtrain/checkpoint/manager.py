@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -76,7 +77,6 @@ def _default_storage_options(url: str, given: Mapping[str, Any]) -> dict[str, An
     """Retries with exponential backoff for object stores, unless the caller set their own."""
     options = dict(given)
     if url.startswith(("s3://", "s3a://")):
-        options.setdefault("retries", 5)
         options.setdefault(
             "config_kwargs",
             {
@@ -208,10 +208,13 @@ class Checkpointer:
         self.wait()
         run_async = self.async_save if blocking is None else not blocking
         if self.rank == 0:
-            self._prepare(step)
+            self._with_retries(step, lambda: self._prepare(step))
         if self.distributed:
             dist.barrier()
-        self._write_json(self._path(step, RNG_DIR, f"rank{self.rank}.json"), rng_state())
+        rng = rng_state()
+        self._with_retries(
+            step, lambda: self._write_json(self._path(step, RNG_DIR, f"rank{self.rank}.json"), rng)
+        )
         started = time.perf_counter()
         if run_async:
             upload = self._async(step, dict(state))
@@ -258,12 +261,13 @@ class Checkpointer:
             try:
                 action()
                 return
-            except Exception as exc:
+            except UserError:
+                raise
+            except (Exception, CheckpointException) as exc:  # storage errors come in many types
                 if attempt == self.retries:
                     raise CheckpointError(
                         f"saving {self.step_url(step)} failed after {attempt + 1} attempts: "
-                        f"{_reason(exc)}. The last committed checkpoint "
-                        f"({self.latest_step() if self.rank == 0 else 'see rank 0'}) is intact"
+                        f"{_reason(exc)}. Earlier committed checkpoints are untouched"
                     ) from exc
                 delay = self.backoff_s * 2**attempt
                 log.warning(
@@ -279,7 +283,7 @@ class Checkpointer:
         if upload is not None:
             try:
                 upload.result()
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:
                 raise CheckpointError(
                     f"the background save of {self.step_url(step)} failed: {_reason(exc)}; "
                     "it is not committed and earlier checkpoints are intact"
@@ -368,7 +372,13 @@ class Checkpointer:
             raise CheckpointError(f"{self.step_url(step)}: {exc}") from None
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         check_compatible(plain, metadata, self.step_url(step))
-        dcp.load(plain, storage_reader=reader, planner=SafeLoadPlanner())
+        try:
+            dcp.load(plain, storage_reader=reader, planner=SafeLoadPlanner())
+        except CheckpointException as exc:
+            raise CheckpointError(
+                f"cannot load {self.step_url(step)}: {_reason(exc)} (values are loaded with "
+                "weights_only: tensors, numbers, strings and plain containers only)"
+            ) from exc
         for key, value in state.items():
             if isinstance(value, Stateful):
                 value.load_state_dict(plain[key])
@@ -413,5 +423,15 @@ def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> Non
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]
+    """One line on what went wrong; for DCP's wrapper, the first rank's own error."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(exc, CheckpointException) and failures:
+        rank, inner = next(iter(failures.items()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        return f"rank {rank}: {_reason(inner)}"
+    text = str(exc).strip()
+    unsafe = re.search(r"(?:global: GLOBAL|unsupported GLOBAL) ([\w.]+)", text)
+    if "Weights only load failed" in text and unsafe:
+        return f"refusing to unpickle {unsafe.group(1)} (not plain data)"
+    lines = text.splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:500]

@@ -46,7 +46,8 @@ class Preemption:
             return self.requested
         flag = torch.tensor([1.0 if self.requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.requested = bool(flag.item())
+        # or: a signal that lands during the vote must not be overwritten by its result
+        self.requested = self.requested or bool(flag.item())
         return self.requested
 
     def restore(self) -> None:

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from llmtrain.core_mesh.errors import UserError
+
 METADATA_FILE = ".metadata"
 
 _ALLOWED_ELSEWHERE = {
@@ -35,7 +37,7 @@ _ALLOWED_ELSEWHERE = {
 }
 
 
-class UnsafeCheckpointError(pickle.UnpicklingError):
+class UnsafeCheckpointError(UserError, pickle.UnpicklingError):
     """Checkpoint metadata that names something other than checkpoint metadata."""
 
 
