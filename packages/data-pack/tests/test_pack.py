@@ -408,7 +408,13 @@ def test_existing_output_refused_or_replaced(tmp_path, write_jsonl, corpus):
     expected = corpus(7, seed=2)
     assert [bytes(doc).decode() for doc in _documents(ds)] == expected
     assert _leftovers(tmp_path) == []
-    assert sorted(os.listdir(out)) == ["chunk_docs", "doc_offsets", "tokens", "zarr.json"]
+    assert sorted(os.listdir(out)) == [
+        "chunk_docs",
+        "chunk_heads",
+        "doc_offsets",
+        "tokens",
+        "zarr.json",
+    ]
 
 
 def test_inspect(tmp_path, run_cli, write_jsonl, corpus):

@@ -71,6 +71,7 @@ def test_pack_s3_glob_to_s3_matches_local(tmp_path, moto_s3, write_jsonl, corpus
     fs = fsspec.filesystem("s3")
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(out.removeprefix("s3://"))) == [
         "chunk_docs",
+        "chunk_heads",
         "doc_offsets",
         "tokens",
         "zarr.json",

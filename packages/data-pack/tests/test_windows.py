@@ -267,3 +267,26 @@ def test_token_windows_and_dataset_pickle_round_trip(rd_corpus):
     assert (copy.n_tokens, copy.chunk_tokens, copy.dtype) == (len(stream), 40, np.uint16)
     np.testing.assert_array_equal(copy.read(0, copy.n_tokens), stream)
     np.testing.assert_array_equal(copy.chunk_docs, dataset.chunk_docs)
+
+
+def test_windows_reaching_into_the_next_chunk_read_its_stored_head(tmp_path):
+    """A window that needs only the first tokens of the next chunk takes them from
+    `chunk_heads`: the next chunk is not decoded, and the window is still exact."""
+    from llmtrain.data_pack.pack import pack
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"text": "document {i} ' + "x" * 50 + '"}\n' for i in range(400)))
+    pack([str(data)], str(tmp_path / "ds"), {"kind": "bytes"}, workers=1, chunk_tokens=256)
+    dataset = PackedDataset(str(tmp_path / "ds"))
+    stream = dataset.read(0, dataset.n_tokens)
+    assert dataset.head_tokens == 256
+    np.testing.assert_array_equal(dataset.read_heads(0)[1], stream[256:512])
+    windows = TokenWindows(dataset, 32, cache_bytes=1 << 20)
+    # window 7 is tokens [224, 257): all of chunk 0 but one token of chunk 1
+    got, _ = windows.read([7])
+    np.testing.assert_array_equal(got[0], stream[224:257])
+    assert ("tokens", 1) not in windows.cache._items
+    assert windows.cache.reads == 1
+    everything, _ = windows.read(np.arange(len(windows)))
+    for i, row in enumerate(everything):
+        np.testing.assert_array_equal(row, stream[i * 32 : i * 32 + 33])

@@ -30,6 +30,8 @@ from llmtrain.core_mesh.errors import UserError
 FORMAT = "llmtrain-tokens"
 FORMAT_VERSION = 1
 META_KEY = "llmtrain"
+HEAD_TOKENS = 8192  # first tokens of each chunk kept in `chunk_heads` (windows up to 8191 long)
+HEADS_PER_CHUNK = 64
 
 
 class DatasetError(UserError):
@@ -115,6 +117,7 @@ class AppendArray:
         self.written = 0
         self._pending: list[np.ndarray] = []
         self._pending_len = 0
+        self.on_write = None  # called with each chunk-aligned block written (and its offset)
 
     def append(self, values: np.ndarray) -> None:
         if len(values):
@@ -132,6 +135,8 @@ class AppendArray:
             end = self.written + whole
             self.array.resize((end,))
             self.array[self.written : end] = data[:whole]
+            if self.on_write is not None:
+                self.on_write(self.written, data[:whole])
             self.written = end
         rest = data[whole:]
         self._pending = [rest] if len(rest) else []
@@ -228,6 +233,10 @@ class PackedDataset:
         self.tokens = arrays["tokens"]
         self.doc_offsets = arrays["doc_offsets"]
         self.chunk_docs = np.asarray(arrays["chunk_docs"][:], dtype=np.int64)
+        try:  # optional: datasets written before it existed read whole chunks instead
+            self.chunk_heads = group["chunk_heads"]
+        except KeyError:
+            self.chunk_heads = None
         self.n_tokens = int(meta["counts"]["tokens"])
         self.n_documents = int(meta["counts"]["documents"])
         self.chunk_tokens = int(self.tokens.chunks[0])
@@ -254,6 +263,15 @@ class PackedDataset:
         """The tokens of one chunk."""
         base = chunk * self.chunk_tokens
         return self.read(base, min(base + self.chunk_tokens, self.n_tokens))
+
+    @property
+    def head_tokens(self) -> int:
+        return 0 if self.chunk_heads is None else int(self.chunk_heads.shape[1])
+
+    def read_heads(self, block: int) -> np.ndarray:
+        """The stored first tokens of chunks [block*64, block*64 + 64), one row each."""
+        rows = self.chunk_heads.chunks[0]
+        return np.asarray(self.chunk_heads[block * rows : (block + 1) * rows])
 
     def chunk_doc_starts(self, chunk: int) -> np.ndarray:
         """Where documents start in one chunk (positions within the chunk)."""
@@ -310,6 +328,20 @@ class DatasetWriter:
             storage_options=options,
         )
         self.offsets.append(np.zeros(1, np.int64))
+        # the first tokens of every chunk, kept apart: a window that reaches a few tokens into
+        # the next chunk reads them here instead of decoding that whole chunk
+        self.head_tokens = min(HEAD_TOKENS, chunk_tokens)
+        self.heads = zarr.create_array(
+            store=_store(out.array_url("chunk_heads"), options, read_only=False),
+            shape=(0, self.head_tokens),
+            dtype=dtype,
+            chunks=(HEADS_PER_CHUNK, self.head_tokens),
+            compressors=compressors(compression),
+            fill_value=0,
+            zarr_format=3,
+        )
+        self._heads: list[np.ndarray] = []
+        self.tokens.on_write = self._collect_heads
         self.chunk_docs: list[int] = [0]
         self.n_tokens = 0
         self.n_documents = 0
@@ -331,10 +363,29 @@ class DatasetWriter:
         self.n_tokens = int(ends[-1])
         self.n_documents += len(doc_lengths)
 
+    def _collect_heads(self, offset: int, block: np.ndarray) -> None:
+        for start in range(0, len(block), self.chunk_tokens):
+            head = np.zeros(self.head_tokens, dtype=block.dtype)
+            piece = block[start : start + self.head_tokens]
+            head[: len(piece)] = piece
+            self._heads.append(head)
+        if len(self._heads) >= HEADS_PER_CHUNK:
+            self._write_heads(final=False)
+
+    def _write_heads(self, *, final: bool) -> None:
+        keep = len(self._heads) if final else len(self._heads) // HEADS_PER_CHUNK * HEADS_PER_CHUNK
+        if not keep:
+            return
+        done = self.heads.shape[0]
+        self.heads.resize((done + keep, self.head_tokens))
+        self.heads[done : done + keep] = np.stack(self._heads[:keep])
+        self._heads = self._heads[keep:]
+
     def close(self) -> None:
         n_chunks = -(-self.n_tokens // self.chunk_tokens)
         self.chunk_docs.extend([self.n_documents] * (n_chunks + 1 - len(self.chunk_docs)))
         self.tokens.close()
+        self._write_heads(final=True)
         self.offsets.close()
         index = AppendArray(
             self.out.array_url("chunk_docs"),

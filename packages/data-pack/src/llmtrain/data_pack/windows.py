@@ -54,6 +54,18 @@ class ChunkCache:
             self.reads += 1
         return self._get("tokens", chunk, self.dataset.read_chunk)
 
+    def head(self, chunk: int, need: int) -> np.ndarray | None:
+        """The first `need` tokens of a chunk without decoding it, when they are stored apart
+        and the chunk itself is not cached; None otherwise."""
+        dataset = self.dataset
+        if need > dataset.head_tokens or ("tokens", chunk) in self._items:
+            return None
+        rows = dataset.chunk_heads.chunks[0]
+        if 4 * rows * dataset.head_tokens * dataset.dtype.itemsize > self.max_bytes:
+            return None  # a block of heads would crowd out the chunks themselves
+        block = self._get("heads", chunk // rows, dataset.read_heads)
+        return block[chunk % rows, :need]
+
     def doc_starts(self, chunk: int) -> np.ndarray:
         return self._get("starts", chunk, self.dataset.chunk_doc_starts)
 
@@ -135,7 +147,11 @@ class TokenWindows:
             while position < end:
                 chunk = position // chunk_tokens
                 base = chunk * chunk_tokens
-                chunk_ids = self.cache.tokens(chunk)
+                chunk_ids = None
+                if position == base and position > begin:  # only the start of the next chunk
+                    chunk_ids = self.cache.head(chunk, end - position)
+                if chunk_ids is None:
+                    chunk_ids = self.cache.tokens(chunk)
                 stop = min(end, base + len(chunk_ids))
                 tokens[row, position - begin : stop - begin] = chunk_ids[
                     position - base : stop - base
