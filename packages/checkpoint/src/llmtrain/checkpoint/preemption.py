@@ -46,9 +46,11 @@ class Preemption:
             return self.requested
         flag = torch.tensor([1.0 if self.requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        # or: a signal that lands during the vote must not be overwritten by its result
-        self.requested = self.requested or bool(flag.item())
-        return self.requested
+        # every rank returns the vote, so all stop at the same step; a signal that lands during
+        # the vote is kept for the next one
+        voted = bool(flag.item())
+        self.requested = self.requested or voted
+        return voted
 
     def restore(self) -> None:
         for sig, previous in self._previous.items():
