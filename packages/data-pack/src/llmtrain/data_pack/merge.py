@@ -11,6 +11,7 @@ import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.store import (
+    DEFAULT_COMPRESSION,
     FORMAT,
     FORMAT_VERSION,
     DatasetWriter,
@@ -32,7 +33,7 @@ def merge(
     output: str,
     *,
     overwrite: bool = False,
-    compression: str = "zstd:1",
+    compression: str = DEFAULT_COMPRESSION,
     storage_options: Mapping[str, Any] | None = None,
 ) -> MergeSummary:
     if "://" in output and output.rstrip("/") in {url.rstrip("/") for url in inputs}:

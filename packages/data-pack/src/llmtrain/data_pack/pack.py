@@ -35,6 +35,7 @@ from llmtrain.data_pack.sources import (
     read_range,
 )
 from llmtrain.data_pack.store import (
+    DEFAULT_COMPRESSION,
     FORMAT,
     FORMAT_VERSION,
     DatasetWriter,
@@ -300,7 +301,7 @@ def pack(
     dtype: str | None = None,
     chunk_tokens: int = 1 << 20,
     shard_chunks: int = 0,
-    compression: str = "zstd:1",
+    compression: str = DEFAULT_COMPRESSION,
     split_bytes: int | None = None,
     batch_docs: int = 512,
     storage_options: Mapping[str, Any] | None = None,

@@ -102,7 +102,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
     p.add_argument("--shard-chunks", type=int, default=0, help="chunks per shard (0: no sharding)")
-    p.add_argument("--compression", default="zstd:1", help="none, zstd or zstd:LEVEL")
+    p.add_argument(
+        "--compression",
+        default="none",
+        help="none (fastest local reads), zstd or zstd:LEVEL (smaller, for object storage)",
+    )
     p.add_argument(
         "--split-mb",
         type=float,
@@ -145,7 +149,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     m.add_argument("inputs", nargs="+", help="packed datasets, in order")
     m.add_argument("-o", "--output", required=True)
     m.add_argument("--overwrite", action="store_true")
-    m.add_argument("--compression", default="zstd:1")
+    m.add_argument("--compression", default="none", help="none, zstd or zstd:LEVEL")
     _common(m)
 
 

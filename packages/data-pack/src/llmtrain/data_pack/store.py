@@ -30,6 +30,8 @@ from llmtrain.core_mesh.errors import UserError
 FORMAT = "llmtrain-tokens"
 FORMAT_VERSION = 1
 META_KEY = "llmtrain"
+# local reads are faster uncompressed (the memmap-like case); object storage may prefer zstd
+DEFAULT_COMPRESSION = "none"
 HEAD_TOKENS = 8192  # first tokens of each chunk kept in `chunk_heads` (windows up to 8191 long)
 HEADS_PER_CHUNK = 64
 
@@ -307,7 +309,7 @@ class DatasetWriter:
         *,
         chunk_tokens: int = 1 << 20,
         shard_chunks: int = 0,
-        compression: str = "zstd:1",
+        compression: str = DEFAULT_COMPRESSION,
     ):
         options = out.storage_options
         self.out = out
