@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
+import json
 import sys
 
 from support import ROOT, run
@@ -30,7 +32,13 @@ def test_help_does_not_import_torch():
 
 def test_builtin_plugins_are_healthy():
     out = run(["llmtrain", "plugins", "--check"]).stdout
-    assert "command  config" in out and "llmtrain-train-loop" in out
+    rows = {tuple(line.split()[:3]) for line in out.splitlines()[1:] if line.strip()}
+    assert ("command", "config", "train_loop") in rows
+    assert {("command", name, "data_pack") for name in ["data"]} <= rows
+    assert {("command", name, "checkpoint") for name in ["export", "checkpoints"]} <= rows
+    assert {("tokenizer", name, "data_pack") for name in ["bytes", "hf", "tiktoken"]} <= rows
+    listed = json.loads(run(["llmtrain", "plugins", "--json"]).stdout)
+    assert listed["problems"] == []
 
 
 def test_all_distributions_share_the_repo_version():

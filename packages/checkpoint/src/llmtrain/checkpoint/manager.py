@@ -106,12 +106,10 @@ def rng_state() -> dict[str, Any]:
     """This process's random states as JSON-safe data (no pickle)."""
     state: dict[str, Any] = {
         "python": _jsonable(random.getstate()),
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "torch": _b64(torch.get_rng_state()),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [
-            base64.b64encode(s.numpy().tobytes()).decode() for s in torch.cuda.get_rng_state_all()
-        ]
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
@@ -120,6 +118,10 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(_byte_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+
+
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(bytes(state.tolist())).decode()  # torch works without numpy
 
 
 def _byte_tensor(text: str) -> torch.Tensor:
