@@ -109,6 +109,20 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def quickstart(session: nox.Session) -> None:
-    """The main job on a fresh machine (see README)."""
+    """The main job on a fresh machine (see README), in `quickstart/`: so far make a corpus, train
+    a tokenizer, pack and inspect it; training and sampling join when train-loop lands."""
     install_everything(session)
     session.run("llmtrain", "plugins", "--check")
+    work = ROOT / "quickstart"
+    work.mkdir(exist_ok=True)
+    session.chdir(work)
+    session.run("python", str(ROOT / "tools" / "make_corpus.py"), "corpus.jsonl")
+    session.run(
+        "llmtrain", "data", "train-tokenizer", "corpus.jsonl", "-o", "tokenizer.json",
+        "--vocab-size", "360", "--overwrite",
+    )  # fmt: skip
+    session.run(
+        "llmtrain", "data", "pack", "corpus.jsonl", "-o", "corpus.zarr",
+        "--tokenizer", "tokenizer.json", "--overwrite",
+    )  # fmt: skip
+    session.run("llmtrain", "data", "inspect", "corpus.zarr")
