@@ -208,6 +208,7 @@ def _run_tasks(
     )
     pending: collections.deque = collections.deque()
     task = None
+    finished = False
     try:
         for task in tasks:
             pending.append((task, pool.submit(tokenize_task, task, settings)))
@@ -217,6 +218,7 @@ def _run_tasks(
         while pending:
             task, future = pending.popleft()
             yield future.result()
+        finished = True
     except BrokenProcessPool:
         where = ""
         if task is not None:
@@ -231,7 +233,23 @@ def _run_tasks(
             "log, then pack again"
         ) from None
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        if finished:
+            pool.shutdown(wait=True)
+        else:
+            _stop(pool)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """End a pool that failed or was abandoned without waiting on its workers: a worker killed
+    mid-task can leave the others blocked on the task queue, and a graceful shutdown would wait
+    for them forever."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=10)
 
 
 class _Lines:
