@@ -4,14 +4,12 @@ on 127.0.0.1, and an in-process `llmtrain` CLI runner."""
 
 from __future__ import annotations
 
-import logging
-import urllib.request
-import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import SimpleNamespace
 
 import pytest
 import torch
+from shared_fixtures import moto_endpoint, run_cli, s3_bucket  # noqa: F401
 from torch import nn
 
 VOCAB, DIM = 32, 16
@@ -87,34 +85,11 @@ def tiny() -> SimpleNamespace:
 
 
 @pytest.fixture
-def moto_s3(monkeypatch: pytest.MonkeyPatch) -> Iterable[str]:
-    """A bucket on a fresh moto S3 server; yields a URL under it (s3://bucket/prefix). The AWS_*
-    variables point at the server, so s3fs in this process and in subprocesses use it."""
-    import fsspec
-    from moto.server import ThreadedMotoServer
-    from s3fs import S3FileSystem
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    # cached filesystems remember an earlier server's endpoint (the cache key ignores the env)
-    S3FileSystem.clear_instance_cache()
-    # moto keeps its buckets in process-wide state: a fresh name per test, and a reset after
-    bucket = f"checkpoints-{uuid.uuid4().hex[:12]}"
-    fsspec.filesystem("s3").mkdir(bucket)
-    try:
+def moto_s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterable[str]:
+    """A prefix in a fresh bucket on the moto server: s3://bucket/runs/a."""
+    endpoint = request.getfixturevalue("moto_endpoint")  # the session server (shared_fixtures)
+    for bucket in s3_bucket(endpoint, monkeypatch, "checkpoints"):
         yield f"s3://{bucket}/runs/a"
-    finally:
-        S3FileSystem.clear_instance_cache()
-        reset = urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")
-        urllib.request.urlopen(reset, timeout=10).close()
-        server.stop()
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -123,24 +98,3 @@ def location(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "s3":
         return request.getfixturevalue("moto_s3")
     return str(tmp_path / "checkpoints")
-
-
-@pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture[str]) -> Iterable[Callable[..., tuple[int, str, str]]]:
-    """run_cli(*argv) -> (exit code, stdout, stderr) of `llmtrain ...` run in this process."""
-    from llmtrain.core_mesh.cli import main
-
-    def run(*argv: object) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, "_llmtrain", False)]:
-        root.removeHandler(handler)
-        handler.close()
-    import structlog
-
-    structlog.reset_defaults()

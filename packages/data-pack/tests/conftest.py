@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import logging
 import random
 import sys
-import urllib.request
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pytest
+from shared_fixtures import moto_endpoint, run_cli, s3_bucket  # noqa: F401
 
 # pieces chosen to stress tokenizers and JSON: accents, CJK, RTL scripts, emoji (with ZWJ and flag
 # sequences), combining characters, escapes, control characters, and a special token's spelling
@@ -138,61 +136,8 @@ def crafted_tokenizer(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture[str]) -> Iterable[Callable[..., tuple[int, str, str]]]:
-    """run_cli(*argv) -> (exit code, stdout, stderr) of `llmtrain ...` run in this process."""
-    from llmtrain.core_mesh.cli import main
-
-    def run(*argv: object) -> tuple[int, str, str]:
-        capsys.readouterr()
-        code = main([str(a) for a in argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    yield run
-    # the CLI routes logging to the (captured) stderr and a file; undo it for the next tests
-    root = logging.getLogger()
-    for handler in [h for h in root.handlers if getattr(h, "_llmtrain", False)]:
-        root.removeHandler(handler)
-        handler.close()
-    import structlog
-
-    structlog.reset_defaults()
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterable[str]:
-    """One moto S3 server on 127.0.0.1 for the session (starting one costs ~0.5 s)."""
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    try:
-        yield endpoint
-    finally:
-        # moto keeps its buckets in process-wide state that outlives the server
-        request = urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST")
-        urllib.request.urlopen(request).close()
-        server.stop()
-
-
-@pytest.fixture
-def moto_s3(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterable[str]:
-    """A fresh bucket on the moto server; yields its URL (s3://bucket). AWS_* variables point at
-    the server, so s3fs in this process and in spawned workers use it."""
-    import fsspec
-    from s3fs import S3FileSystem
-
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    # cached filesystems may remember other settings (the cache key ignores the environment)
-    S3FileSystem.clear_instance_cache()
-    bucket = f"test-{uuid.uuid4().hex[:12]}"
-    fsspec.filesystem("s3").mkdir(bucket)
-    yield f"s3://{bucket}"
-    S3FileSystem.clear_instance_cache()
+def moto_s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterable[str]:
+    """A fresh bucket on the moto server; yields its URL (s3://bucket)."""
+    endpoint = request.getfixturevalue("moto_endpoint")  # the session server (shared_fixtures)
+    for bucket in s3_bucket(endpoint, monkeypatch, "test"):
+        yield f"s3://{bucket}"
