@@ -25,7 +25,6 @@ from llmtrain.core_mesh.errors import UserError
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _SURROGATE = re.compile("[\ud800-\udfff]")
-SUFFIXES = (".jsonl", ".json", ".ndjson", *(f".jsonl{s}" for s in COMPRESSION))
 
 
 class InputError(UserError):

@@ -322,14 +322,10 @@ class HFTokenizer:
         return self.encode_batch_hf(texts)
 
     def encode_batch_fast(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(a) for a in self._fast_arrays(texts)]
+        return [a.tolist() for a in self._fast_arrays(texts)]
 
     def _fast_arrays(self, texts: Sequence[str]) -> list[Any]:
-        special = "all" if self.options.parse_special else set()
-        return [
-            self._fast.encode_to_numpy(t, allowed_special=special, disallowed_special=())
-            for t in texts
-        ]
+        return _tiktoken_arrays(self._fast, texts, self.options.parse_special)
 
     def encode_batch_arrays(self, texts: Sequence[str]) -> list[Any]:
         """Like encode_batch, as numpy arrays when the fast encoder is in use (less copying)."""
@@ -346,6 +342,14 @@ class HFTokenizer:
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+
+def _tiktoken_arrays(encoding: Any, texts: Sequence[str], parse_special: bool) -> list[Any]:
+    """Ids as numpy arrays; special-token text is plain text unless `parse_special`."""
+    special = "all" if parse_special else set()
+    return [
+        encoding.encode_to_numpy(t, allowed_special=special, disallowed_special=()) for t in texts
+    ]
 
 
 # -- tiktoken ----------------------------------------------------------------------------------
@@ -415,7 +419,8 @@ class TiktokenTokenizer:
         import tiktoken
 
         self.options = options
-        ranks = parse_tiktoken_ranks(read_bytes(options.path), options.path)
+        data = read_bytes(options.path)
+        ranks = parse_tiktoken_ranks(data, options.path)
         if options.encoding is not None:
             published = _published(options.encoding, ranks)
             pattern = options.pattern or published["pat_str"]
@@ -429,7 +434,7 @@ class TiktokenTokenizer:
                 f"({', '.join(specials)})"
             )
         self._pattern, self._specials = pattern, dict(specials)
-        self._ranks_hash = _hash(sorted(ranks.items(), key=lambda kv: kv[1]).__repr__())
+        self._ranks_hash = _hash(data)
         try:
             self._enc = tiktoken.Encoding(
                 name="llmtrain", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
@@ -461,14 +466,10 @@ class TiktokenTokenizer:
         )
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(a) for a in self.encode_batch_arrays(texts)]
+        return [a.tolist() for a in self.encode_batch_arrays(texts)]
 
     def encode_batch_arrays(self, texts: Sequence[str]) -> list[Any]:
-        special = "all" if self.options.parse_special else set()
-        return [
-            self._enc.encode_to_numpy(t, allowed_special=special, disallowed_special=())
-            for t in texts
-        ]
+        return _tiktoken_arrays(self._enc, texts, self.options.parse_special)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
