@@ -55,6 +55,15 @@ class ModelDescription:
       name ("colwise", "rowwise", "sequence_parallel", ...); the parallel package maps names to
       torch styles.
     - `flops_per_token(seq_len)`: training FLOPs per token (6N + 12·L·H·Q·T), for MFU.
+    - `tied_embeddings`: the output projection reuses the input embedding's weight (tensor and
+      pipeline parallelism refuse such a model with a message saying so).
+    - `trim_to_stage(module, block_ids, first, last)`: cut `module` (or a deep copy of it) down to
+      one pipeline stage in place: keep the blocks at those indices into `blocks`, the input
+      layers only when `first`, the output layers only when `last`. A stage without input layers
+      takes hidden states; one without output layers returns them. None: cannot be pipelined.
+
+    Context parallelism calls `module(tokens, positions=...)` with each token's position in its
+    sequence, and replaces causal attention; a model that supports it accepts `positions`.
     """
 
     module: Any
@@ -65,6 +74,8 @@ class ModelDescription:
     flops_per_token: Callable[[int], float]
     n_heads: int
     n_kv_heads: int
+    tied_embeddings: bool = False
+    trim_to_stage: Callable[[Any, Sequence[int], bool, bool], None] | None = None
 
 
 @runtime_checkable

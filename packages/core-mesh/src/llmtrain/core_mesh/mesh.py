@@ -3,7 +3,8 @@
 `MeshSpec` is plain config (no torch). `resolve(world_size)` fills `dp_shard: -1` and checks that
 the degrees multiply to the world size; `build_device_mesh` makes the torch DeviceMesh with named
 dimensions in the order pp, dp_replicate, dp_shard, cp, tp (tp innermost, so it stays within a
-node), plus the flattened "dp" (all data parallel) and "dp_shard_cp" (what FSDP shards over).
+node), plus the flattened "dp" (all data parallel), "dp_shard_cp" (what FSDP shards over) and
+"dp_cp" (every rank that sees different tokens: loss and token counts are summed over it).
 """
 
 from __future__ import annotations
@@ -90,4 +91,5 @@ def build_device_mesh(spec: MeshSpec, device_type: str, world_size: int | None =
     mesh = init_device_mesh(device_type, spec.shape, mesh_dim_names=DIM_NAMES)
     mesh["dp_replicate", "dp_shard"]._flatten("dp")
     mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     return mesh

@@ -135,4 +135,7 @@ def shutdown_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # every rank finishes its collectives before any rank tears the group down; a rank
+        # leaving early aborts a peer whose background work still uses the group
+        dist.barrier()
         dist.destroy_process_group()

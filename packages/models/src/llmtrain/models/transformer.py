@@ -156,17 +156,30 @@ class Transformer(nn.Module):
         *,
         cache: list[LayerCache] | None = None,
         start_pos: int = 0,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages."""
+        """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages.
+
+        `positions` (1 or B, T) gives each token's place in its sequence when the tokens are not
+        one contiguous run (context parallelism hands each rank a shard of the sequence).
+        """
         B, T = tokens.shape[:2]
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {start_pos + T} tokens is longer than the model's max_seq_len "
                 f"({self.cfg.max_seq_len}); raise model.max_seq_len or shorten the input"
             )
-        positions, mask = self._positions_and_mask(
-            B, T, tokens.device, doc_starts, cache, start_pos
-        )
+        if positions is None:
+            # a pipeline stage's input may be a sequence shard (sequence parallelism): the
+            # document starts cover the whole sequence
+            seq = doc_starts.size(1) if doc_starts is not None else T
+            positions, mask = self._positions_and_mask(
+                B, seq, tokens.device, doc_starts, cache, start_pos
+            )
+        elif doc_starts is not None or cache is not None:
+            raise ValueError("explicit positions go with neither document masking nor a cache")
+        else:
+            mask = None
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions)
@@ -249,13 +262,31 @@ class Transformer(nn.Module):
             flops_per_token=flops_per_token,
             n_heads=cfg.n_heads,
             n_kv_heads=cfg.kv_heads,
+            tied_embeddings=cfg.tied_embeddings,
+            trim_to_stage=None if cfg.tied_embeddings else Transformer.trim_to_stage,
         )
+
+    def trim_to_stage(self, block_ids, first: bool, last: bool) -> None:
+        """Keep only what one pipeline stage runs: some blocks, the embeddings if first, the
+        final norm and head if last. Block names stay their layer indices, so a stage's state dict
+        keys are a subset of the whole model's."""
+        keep = {str(i) for i in block_ids}
+        for name in [n for n in self.blocks if n not in keep]:
+            del self.blocks[name]
+        if not first:
+            self.tok_emb = None
+            self.pos_emb = None
+        if not last:
+            self.norm = None
+            self.head = None
 
     def tp_plan(self) -> dict[str, str]:
         plan = {
             "tok_emb": "embedding",
             "norm": "sequence_parallel",
             "blocks.*.attn_norm": "sequence_parallel",
+            "blocks.*.attn": "gather_input",
+            "blocks.*.mlp": "gather_input",
             "blocks.*.attn.wq": "colwise",
             "blocks.*.attn.wk": "colwise",
             "blocks.*.attn.wv": "colwise",
@@ -266,6 +297,8 @@ class Transformer(nn.Module):
         }
         if self.cfg.mlp == "swiglu":
             plan["blocks.*.mlp.w3"] = "colwise"
+        if self.pos_emb is not None:
+            plan["pos_emb"] = "embedding"
         if self.head is not None:
             plan["head"] = "colwise_output"
         return plan

@@ -1,0 +1,75 @@
+"""Activation checkpointing, applied in place to blocks (module names and state-dict keys stay).
+
+A checkpointed block keeps only its inputs in forward and recomputes the rest in backward.
+`ops` mode keeps the outputs of the expensive operators (every other matmul, attention) and
+recomputes the cheap ones (norms, activations, elementwise), PyTorch's selective checkpointing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from llmtrain.parallel.options import ActivationCheckpointing
+
+_aten = torch.ops.aten
+# outputs worth keeping: attention (every backend's op) and reductions across ranks
+_ALWAYS_SAVE = {
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_reduce.default,
+}
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+
+
+def _op_policy():
+    counts: Counter[str] = Counter()
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in _ALWAYS_SAVE:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _MATMULS:
+            # the counter is per forward and per recompute, so both see the same decisions
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if counts[key] % 2:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
+    inner = block.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        extra = {"context_fn": _op_policy} if selective else {}
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = forward
+
+
+def apply_activation_checkpointing(
+    blocks: list[nn.Module], options: ActivationCheckpointing, indices: list[int] | None = None
+) -> int:
+    """Checkpoint the blocks the options choose (`every` counts by each block's index in the whole
+    model, so a pipeline stage picks the same blocks as one process would); returns how many."""
+    chosen = 0
+    for i, block in zip(indices or range(len(blocks)), blocks, strict=True):
+        if options.mode == "none" or (options.mode == "blocks" and i % options.every):
+            continue
+        _checkpoint_forward(block, selective=options.mode == "ops")
+        chosen += 1
+    return chosen

@@ -1,0 +1,44 @@
+"""Gradient clipping that is right for sharded (DTensor) parameters and pipeline stages: the norm
+is over every parameter of the whole model, whichever rank and stage holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # sums the partial norms of the shards across their mesh
+    return norm.float() ** 2
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float | None, pp_group: Any = None
+) -> float:
+    """Scale gradients so their global L2 norm is at most `max_norm` (None: only measure); return
+    the norm before clipping. `pp_group`: the pipeline group, whose stages hold disjoint params."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is None:
+            continue
+        # DTensor grads on one mesh with one placement are reduced together; plain tensors apart
+        grad = p.grad
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    device = next(iter(groups.values()))[0].grad.device if groups else torch.device("cpu")
+    total = torch.zeros((), device=device)
+    for params in groups.values():
+        total = total + _squared_norm([p.grad for p in params]).to(device)
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    if max_norm is not None:
+        for params in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm.item()

@@ -1,0 +1,118 @@
+"""Check a parallel layout against the world, the model and the run before any process group
+exists: every problem in one message, each naming the config key to change."""
+
+from __future__ import annotations
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.mesh import MeshError, MeshSpec
+from llmtrain.parallel.float8 import float8_problem
+from llmtrain.parallel.options import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelOptions
+
+
+class LayoutError(UserError):
+    pass
+
+
+def check_layout(
+    options: ParallelOptions,
+    mesh: MeshSpec,
+    world_size: int,
+    model: ModelDescription,
+    *,
+    seq_len: int,
+    device_type: str,
+    microbatches: int = 1,
+    document_masking: bool = False,
+) -> MeshSpec:
+    """The resolved mesh spec, or a LayoutError listing every problem."""
+    problems: list[str] = []
+    try:
+        mesh = mesh.resolve(world_size)
+    except MeshError as e:
+        problems.append(str(e))
+    problems += _tensor_parallel(mesh, model)
+    problems += _pipeline(options, mesh, model, microbatches)
+    problems += _context_parallel(options, mesh, seq_len, document_masking)
+    if options.float8 and (why := float8_problem(device_type)):
+        problems.append(f"parallel.float8: {why}; set parallel.float8: false")
+    if problems:
+        raise LayoutError(
+            "the parallel layout cannot run:\n" + "\n".join(f"  - {p}" for p in problems)
+        )
+    return mesh
+
+
+def _tensor_parallel(mesh: MeshSpec, model: ModelDescription) -> list[str]:
+    problems = []
+    for count, what in ((model.n_heads, "attention heads"), (model.n_kv_heads, "key/value heads")):
+        if count % mesh.tp:
+            problems.append(
+                f"mesh.tp={mesh.tp} does not divide the model's {count} {what}; "
+                "choose a tp degree that divides both head counts"
+            )
+    return problems
+
+
+def _pipeline(
+    options: ParallelOptions, mesh: MeshSpec, model: ModelDescription, microbatches: int
+) -> list[str]:
+    if mesh.pp == 1:
+        return []
+    pipe = options.pipeline
+    per_rank = pipe.resolved_stages_per_rank
+    problems = []
+    if model.trim_to_stage is None:
+        reason = (
+            "its output layer shares the embedding's weight; set model.tied_embeddings: false"
+            if model.tied_embeddings
+            else "it does not say how to cut itself into stages"
+        )
+        problems.append(f"mesh.pp={mesh.pp}: this model cannot be pipelined: {reason}")
+    if pipe.schedule in SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        problems.append(
+            f"parallel.pipeline.stages_per_rank={per_rank}: schedule {pipe.schedule} runs one "
+            "stage per rank; use Interleaved1F1B or another multi-stage schedule"
+        )
+    if pipe.schedule in V_SCHEDULES and per_rank != 2:
+        problems.append(
+            f"parallel.pipeline.stages_per_rank={per_rank}: schedule {pipe.schedule} runs "
+            "exactly 2 stages per rank"
+        )
+    n_stages = mesh.pp * per_rank
+    n_blocks = len(model.blocks)
+    if n_stages > n_blocks:
+        problems.append(
+            f"mesh.pp={mesh.pp} x {per_rank} stages per rank = {n_stages} pipeline stages, but "
+            f"the model has only {n_blocks} blocks; lower mesh.pp or stages_per_rank"
+        )
+    if microbatches < mesh.pp:
+        problems.append(
+            f"{microbatches} micro-batches per step cannot fill a pipeline of {mesh.pp} ranks; "
+            f"use at least {mesh.pp} (gradient accumulation steps) so every stage has work"
+        )
+    return problems
+
+
+def _context_parallel(
+    options: ParallelOptions, mesh: MeshSpec, seq_len: int, document_masking: bool
+) -> list[str]:
+    if mesh.cp == 1:
+        return []
+    problems = []
+    pieces = 2 * mesh.cp if options.context_parallel.load_balance else mesh.cp
+    if seq_len % pieces:
+        problems.append(
+            f"mesh.cp={mesh.cp}: the sequence length {seq_len} must be divisible by {pieces} "
+            + (
+                "(2 x cp chunks for load balancing)"
+                if options.context_parallel.load_balance
+                else ""
+            )
+        )
+    if document_masking:
+        problems.append(
+            f"mesh.cp={mesh.cp}: context parallelism needs plain causal attention; "
+            "turn document masking off"
+        )
+    return problems

@@ -1,0 +1,357 @@
+"""The `default` parallel strategy: the mesh decides, the options say how.
+
+Per model part, in this order: float8 conversion → tensor parallelism (+ sequence parallelism)
+→ activation checkpointing → torch.compile per block → FSDP2 per block and at the root (HSDP
+when dp_replicate > 1), or DDP when the layout only replicates. Pipeline parallelism first cuts
+the model into stages (one part per stage on this rank); context parallelism shards sequences at
+run time. The result, `Parallelized`, runs a step's forward and backward whatever the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.mesh import DIM_NAMES, MeshSpec
+from llmtrain.parallel import context_parallel, pipeline
+from llmtrain.parallel.activation_checkpoint import apply_activation_checkpointing
+from llmtrain.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
+from llmtrain.parallel.float8 import convert_to_float8, precompute_float8_scales
+from llmtrain.parallel.grad_norm import clip_grad_norm_
+from llmtrain.parallel.layout import check_layout
+from llmtrain.parallel.options import V_SCHEDULES, ParallelOptions
+from llmtrain.parallel.tensor_parallel import apply_tensor_parallel
+
+# loss_fn(logits, targets) -> the summed loss over those targets (a scalar tensor)
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@attrs.define(eq=False)
+class Parallelized:
+    """A model laid out over the device mesh: the parts this rank holds and how to run a step.
+
+    Losses are sums over target tokens: `forward_backward` backpropagates `loss_sum * scale`
+    (pass 1 / global target count), times the number of ranks data parallelism averages
+    gradients over, so the gradient is the same for any layout, number of micro-batches or
+    pipeline schedule.
+    """
+
+    parts: list[nn.Module]
+    mesh: Any
+    device: torch.device
+    options: ParallelOptions
+    microbatches: int = 1
+    schedule: Any = None
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+    _pp_loss: tuple[LossFn, float] | None = None
+    _cp_seq_len: int = 0
+
+    # --- the layout ---
+    def size(self, dim: str) -> int:
+        return self.mesh[dim].size()
+
+    @property
+    def spec(self) -> MeshSpec:
+        return MeshSpec(**{name: self.size(name) for name in DIM_NAMES})
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the global batch this rank reads (ranks that share data share it)."""
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def data_world(self) -> int:
+        return self.size("dp")
+
+    @property
+    def _grad_average(self) -> int:
+        """FSDP and DDP average gradients over every rank that saw different tokens."""
+        return self.size("dp_cp")
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        for part in self.parts:
+            yield from part.parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    # --- a step ---
+    def forward_backward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        scale: float = 1.0,
+        doc_starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward over this rank's batch (B, T) in `microbatches` pieces; returns
+        the summed loss over these targets (the same on every rank that shares the batch)."""
+        tokens, targets, kwargs = self._shard_sequence(tokens, targets, doc_starts)
+        with self._attention(), self._loss_parallel():
+            if self.schedule is not None:
+                total = self._pipeline_step(tokens, targets, loss_fn, scale, kwargs, train=True)
+            else:
+                total = self._micro_steps(tokens, targets, loss_fn, scale, kwargs)
+        return self._reduce_shared(total)
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        doc_starts: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The summed loss over these targets, without gradients."""
+        tokens, targets, kwargs = self._shard_sequence(tokens, targets, doc_starts)
+        with self._attention(), self._loss_parallel():
+            if self.schedule is not None:
+                total = self._pipeline_step(tokens, targets, loss_fn, 1.0, kwargs, train=False)
+            else:
+                total = loss_fn(self._logits(tokens, kwargs), targets).detach().float()
+        return self._reduce_shared(total)
+
+    def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a per-batch number (a loss sum, a token count) over the data-parallel ranks."""
+        value = value.clone()
+        if self.size("dp") > 1:
+            dist.all_reduce(value, group=self.mesh["dp"].get_group())
+        return value
+
+    def clip_grad_norm_(self, max_norm: float | None) -> float:
+        """Clip to a global L2 norm across all ranks and stages (None: only measure it)."""
+        pp_group = self.mesh["pp"].get_group() if self.size("pp") > 1 else None
+        return clip_grad_norm_(self.parameters(), max_norm, pp_group)
+
+    def after_optimizer_step(self) -> None:
+        if self.options.float8:
+            precompute_float8_scales(self.parts)
+
+    # --- weights ---
+    def materialize(self, init: Callable[[nn.Module], None]) -> None:
+        """Allocate parts built on the meta device on this rank's device and initialise them."""
+        for part in self.parts:
+            part.to_empty(device=self.device)
+            with torch.no_grad():
+                init(part)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load unsharded weights (every rank passes the same); each part takes its own keys."""
+        for part in self.parts:
+            own = get_model_state_dict(part, options=StateDictOptions(full_state_dict=False))
+            subset = {k: state[k] for k in own}
+            set_model_state_dict(part, subset, options=StateDictOptions(full_state_dict=True))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights of the parts this rank holds (every rank gets them)."""
+        full: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            full.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
+        return full
+
+    # --- internals ---
+    def _shard_sequence(self, tokens, targets, doc_starts):
+        kwargs: dict[str, torch.Tensor] = {}
+        if doc_starts is not None:
+            kwargs["doc_starts"] = doc_starts
+        if self.size("cp") > 1:
+            if doc_starts is not None:
+                raise ValueError("context parallelism does not support document masking")
+            index = context_parallel.shard_index(
+                tokens.size(1),
+                self.mesh["cp"].get_local_rank(),
+                self.size("cp"),
+                self.options.context_parallel.load_balance,
+            ).to(tokens.device)
+            tokens, targets = tokens[:, index], targets[:, index]
+            kwargs["positions"] = index.unsqueeze(0).expand(tokens.size(0), -1)
+            self._cp_seq_len = index.numel() * self.size("cp")
+        elif self.size("pp") > 1 and doc_starts is None:
+            # a later stage's input can be a sequence shard (SP): positions come with the data
+            positions = torch.arange(tokens.size(1), device=tokens.device)
+            kwargs["positions"] = positions.unsqueeze(0).expand(tokens.size(0), -1)
+        return tokens, targets, kwargs
+
+    @contextlib.contextmanager
+    def _attention(self) -> Iterator[None]:
+        if self.size("cp") == 1:
+            yield
+            return
+        with context_parallel.attention_over(
+            self.mesh["cp"].get_group(),
+            self._cp_seq_len,
+            self.mesh["cp"].get_local_rank(),
+            self.size("cp"),
+            self.options.context_parallel.load_balance,
+            self.device,
+        ):
+            yield
+
+    def _loss_parallel(self):
+        use = self.options.loss_parallel and self.size("tp") > 1
+        return loss_parallel() if use else contextlib.nullcontext()
+
+    def _logits(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        logits = self.parts[0](tokens, **kwargs)
+        if isinstance(logits, DTensor) and not self.options.loss_parallel:
+            logits = logits.full_tensor()
+        return logits
+
+    def _micro_steps(self, tokens, targets, loss_fn, scale, kwargs) -> torch.Tensor:
+        n = self.microbatches
+        if tokens.size(0) % n:
+            raise ValueError(
+                f"a batch of {tokens.size(0)} sequences does not split into {n} micro-batches"
+            )
+        total = torch.zeros((), device=tokens.device)
+        pieces = zip(
+            tokens.chunk(n),
+            targets.chunk(n),
+            *(v.chunk(n) for v in kwargs.values()),
+            strict=True,
+        )
+        for i, (tok, tgt, *extra) in enumerate(pieces):
+            if n > 1:
+                set_gradient_sync(self.parts[0], i == n - 1)
+            loss = loss_fn(self._logits(tok, dict(zip(kwargs, extra, strict=True))), tgt)
+            (loss * (scale * self._grad_average)).backward()
+            total = total + loss.detach().float()
+        return total
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss_fn, scale = self._pp_loss
+        loss = loss_fn(output, target)
+        if scale == 0.0:
+            return loss * 0.0 + loss.detach()  # the loss's value, a zero gradient
+        return loss * scale
+
+    def _pipeline_step(self, tokens, targets, loss_fn, scale, kwargs, *, train) -> torch.Tensor:
+        args = (tokens,) if self.has_first_stage else ()
+        target, losses = (targets, []) if self.has_last_stage else (None, None)
+        if train:
+            scale = scale * self._grad_average
+            self._pp_loss = (loss_fn, scale)
+            self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        elif self.options.pipeline.schedule in V_SCHEDULES:
+            # torch's eval() of the V schedules still runs their backward actions; run a
+            # training step whose gradient is zero instead (costs a backward, changes nothing)
+            scale = 1.0
+            self._pp_loss = (loss_fn, 0.0)
+            with torch.enable_grad():
+                self.schedule.step(*args, target=target, losses=losses, **kwargs)
+        else:
+            scale = 1.0
+            self._pp_loss = (loss_fn, 1.0)
+            self.schedule.eval(*args, target=target, losses=losses, **kwargs)
+        total = torch.zeros((), device=self.device)
+        for loss in losses or ():
+            total = total + loss.detach().float() / scale
+        return total
+
+    def _reduce_shared(self, total: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that split this batch: pipeline stages (only the last has the
+        loss) and context-parallel shards."""
+        for dim in ("pp", "cp"):
+            if self.size(dim) > 1:
+                dist.all_reduce(total, group=self.mesh[dim].get_group())
+        return total
+
+
+@attrs.define
+class DefaultStrategy:
+    options: ParallelOptions
+
+    def check(self, mesh: MeshSpec, world_size: int, model: ModelDescription, **run) -> MeshSpec:
+        """See `check_layout`: call before starting process groups."""
+        return check_layout(self.options, mesh, world_size, model, **run)
+
+    def parallelize(
+        self, model: ModelDescription, device_mesh: Any, device: torch.device, *, microbatches=1
+    ) -> Parallelized:
+        options = self.options
+        size = {name: device_mesh[name].size() for name in DIM_NAMES}
+        names = {id(m): n for n, m in model.module.named_modules()}
+        block_paths = [names[id(b)] for b in model.blocks]
+        parts, stage_ids, ranges = [model.module], [0], [range(len(block_paths))]
+        if size["pp"] > 1:
+            per_rank = options.pipeline.resolved_stages_per_rank
+            ranges = pipeline.split_blocks(
+                len(block_paths),
+                size["pp"] * per_rank,
+                options.pipeline.first_stage_weight,
+                options.pipeline.last_stage_weight,
+            )
+            stage_ids = pipeline.stages_of_rank(
+                device_mesh["pp"].get_local_rank(), size["pp"], per_rank, options.pipeline.schedule
+            )
+            parts = pipeline.build_stage_modules(
+                model.module, model.trim_to_stage, stage_ids, ranges
+            )
+        for part, stage in zip(parts, stage_ids, strict=True):
+            blocks = [(i, part.get_submodule(block_paths[i])) for i in ranges[stage]]
+            self._apply(part, blocks, model, device_mesh, size)
+        result = Parallelized(
+            parts=parts,
+            mesh=device_mesh,
+            device=device,
+            options=options,
+            microbatches=microbatches,
+            has_first_stage=0 in stage_ids,
+            has_last_stage=len(ranges) - 1 in stage_ids,
+        )
+        if size["pp"] > 1:
+            result.schedule = pipeline.build_schedule(
+                parts,
+                stage_ids,
+                len(ranges),
+                options.pipeline,
+                microbatches=microbatches,
+                loss_fn=result._scaled_loss,
+                device=device,
+                group=device_mesh["pp"].get_group(),
+            )
+        return result
+
+    def _apply(self, part, blocks, model, device_mesh, size) -> None:
+        options = self.options
+        data_sharded = size["dp_shard"] * size["cp"] > 1
+        if options.float8:
+            convert_to_float8(part, fsdp_all_gather=data_sharded)
+        if size["tp"] > 1:
+            apply_tensor_parallel(
+                part,
+                dict(model.tp_plan),
+                device_mesh["tp"],
+                sequence_parallel=options.sequence_parallel,
+                loss_parallel=options.loss_parallel,
+            )
+        apply_activation_checkpointing(
+            [b for i, b in blocks], options.activation_checkpointing, [i for i, b in blocks]
+        )
+        if options.compile:
+            for _, block in blocks:
+                block.compile()
+        modules = [b for _, b in blocks]
+        if data_sharded:
+            dims = ("dp_replicate", "dp_shard_cp") if size["dp_replicate"] > 1 else "dp_shard_cp"
+            apply_fsdp(part, modules, device_mesh[dims], options, pipelined=size["pp"] > 1)
+        elif size["dp_replicate"] > 1:
+            apply_ddp(part, modules, device_mesh["dp_replicate"], options)

@@ -1,0 +1,104 @@
+"""Tensor parallelism (+ sequence parallelism) from a model's `tp_plan`.
+
+The plan maps module paths (globs such as `blocks.*.attn.wq`) to style names; this module turns
+each name into a torch ParallelStyle (or a small hook) on the `tp` mesh:
+
+| style | what happens |
+|---|---|
+| `embedding` | rows (vocab or positions) sharded; output sharded along the sequence with SP, else replicated |
+| `colwise` | output features sharded; input replicated |
+| `rowwise` | input features sharded; output reduced (reduce-scattered along the sequence with SP) |
+| `sequence_parallel` | norms run on sequence shards (only with SP; otherwise left alone) |
+| `gather_input` | the module's first input is gathered from sequence shards (only with SP) |
+| `colwise_output` | the output projection; logits replicated, or vocab-sharded with loss parallelism |
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+STYLES = (
+    "embedding",
+    "colwise",
+    "rowwise",
+    "sequence_parallel",
+    "gather_input",
+    "colwise_output",
+)
+
+
+def resolve_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module path -> style for every module a plan entry (glob) names; unknown styles and
+    entries that match nothing are errors (a plan out of step with its model)."""
+    names = [name for name, _ in module.named_modules() if name]
+    resolved: dict[str, str] = {}
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(
+                f"tp_plan entry {pattern!r}: unknown style {style!r}; known: {', '.join(STYLES)}"
+            )
+        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        for name in matches:
+            resolved[name] = style
+    return resolved
+
+
+def _gather_sequence(mesh: Any):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
+        return (x.redistribute(mesh, (Replicate(),)).to_local(), *args[1:])
+
+    return hook
+
+
+def _style(name: str, sequence_parallel: bool, loss_parallel: bool):
+    sp = sequence_parallel
+    if name == "embedding":
+        return RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate()
+        )
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
+    if name == "sequence_parallel":
+        return SequenceParallel() if sp else None
+    if name == "colwise_output":
+        return ColwiseParallel(
+            input_layouts=Shard(1) if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    raise AssertionError(name)
+
+
+def apply_tensor_parallel(
+    module: nn.Module,
+    plan: dict[str, str],
+    tp_mesh: Any,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
+    """Shard `module` in place over `tp_mesh` following its plan."""
+    for path, style_name in resolve_plan(module, plan).items():
+        target = module.get_submodule(path)
+        if style_name == "gather_input":
+            if sequence_parallel:
+                target.register_forward_pre_hook(_gather_sequence(tp_mesh))
+            continue
+        style = _style(style_name, sequence_parallel, loss_parallel)
+        if style is not None:
+            parallelize_module(target, tp_mesh, style)
