@@ -63,7 +63,8 @@ def bare(cfg):
 
 def parallel(cfg, layout):
     world = World.from_env()
-    device = init_distributed(world, "cpu")
+    device_type = layout.get("device", "cpu")
+    device = init_distributed(world, device_type)
     spec = MeshSpec(**layout.get("mesh", {}))
     options = structure(layout.get("options", {}), ParallelOptions)
     microbatches = layout.get("microbatches", 1)
@@ -72,10 +73,10 @@ def parallel(cfg, layout):
         model = build_model(cfg)
     strategy = DefaultStrategy(options)
     strategy.check(
-        spec, world.world_size, model.describe(), seq_len=SEQ, device_type="cpu",
+        spec, world.world_size, model.describe(), seq_len=SEQ, device_type=device_type,
         microbatches=microbatches,
     )  # fmt: skip
-    mesh = build_device_mesh(spec, "cpu")
+    mesh = build_device_mesh(spec, device_type)
     par = strategy.parallelize(model.describe(), mesh, device, microbatches=microbatches)
     par.materialize(lambda part: part.init_weights())
     par.load_full_state_dict(weights)
@@ -83,8 +84,8 @@ def parallel(cfg, layout):
     tokens, targets = batch()
     per_rank = BATCH // par.data_world
     rows = slice(par.data_rank * per_rank, (par.data_rank + 1) * per_rank)
-    tokens, targets = tokens[rows], targets[rows]
-    count = par.sum_over_data(torch.tensor(float(targets.numel())))
+    tokens, targets = tokens[rows].to(device), targets[rows].to(device)
+    count = par.sum_over_data(torch.tensor(float(targets.numel()), device=device))
     losses, norms = [], []
     for _ in range(STEPS):
         local = par.forward_backward(tokens, targets, loss_sum, scale=1.0 / count.item())
