@@ -37,6 +37,7 @@ def test_builtin_plugins_are_healthy():
     assert {("command", name, "data_pack") for name in ["data"]} <= rows
     assert {("command", name, "checkpoint") for name in ["export", "checkpoints"]} <= rows
     assert {("tokenizer", name, "data_pack") for name in ["bytes", "hf", "tiktoken"]} <= rows
+    assert ("parallel", "default", "parallel") in rows
     listed = json.loads(run(["llmtrain", "plugins", "--json"]).stdout)
     assert listed["problems"] == []
 

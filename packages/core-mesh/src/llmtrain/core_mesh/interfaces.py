@@ -55,8 +55,8 @@ class ModelDescription:
       name ("colwise", "rowwise", "sequence_parallel", ...); the parallel package maps names to
       torch styles.
     - `flops_per_token(seq_len)`: training FLOPs per token (6N + 12·L·H·Q·T), for MFU.
-    - `tied_embeddings`: the output projection reuses the input embedding's weight (tensor and
-      pipeline parallelism refuse such a model with a message saying so).
+    - `tied_embeddings`: the output projection reuses the input embedding's weight (pipeline
+      parallelism refuses such a model with a message saying so).
     - `trim_to_stage(module, block_ids, first, last)`: cut `module` (or a deep copy of it) down to
       one pipeline stage in place: keep the blocks at those indices into `blocks`, the input
       layers only when `first`, the output layers only when `last`. A stage without input layers

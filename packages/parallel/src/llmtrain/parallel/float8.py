@@ -17,6 +17,8 @@ def float8_problem(device_type: str) -> str | None:
         return f"float8 training needs a CUDA GPU; this run is on {device_type}"
     import torch
 
+    if not torch.cuda.is_available():
+        return "float8 training needs a CUDA GPU; none is available here"
     capability = torch.cuda.get_device_capability()
     if capability < MIN_CAPABILITY:
         return (

@@ -31,7 +31,7 @@ def check_layout(
         mesh = mesh.resolve(world_size)
     except MeshError as e:
         problems.append(str(e))
-    problems += _tensor_parallel(mesh, model)
+    problems += _tensor_parallel(options, mesh, model, seq_len)
     problems += _pipeline(options, mesh, model, microbatches)
     problems += _context_parallel(options, mesh, seq_len, document_masking)
     if options.float8 and (why := float8_problem(device_type)):
@@ -43,8 +43,18 @@ def check_layout(
     return mesh
 
 
-def _tensor_parallel(mesh: MeshSpec, model: ModelDescription) -> list[str]:
+def _tensor_parallel(
+    options: ParallelOptions, mesh: MeshSpec, model: ModelDescription, seq_len: int
+) -> list[str]:
     problems = []
+    local = seq_len // mesh.cp
+    if options.sequence_parallel and mesh.tp > 1 and local % mesh.tp:
+        problems.append(
+            f"mesh.tp={mesh.tp}: with parallel.sequence_parallel the sequence length {local}"
+            + (" (per cp rank)" if mesh.cp > 1 else "")
+            + f" must be divisible by {mesh.tp}; change the length or set "
+            "parallel.sequence_parallel: false"
+        )
     for count, what in ((model.n_heads, "attention heads"), (model.n_kv_heads, "key/value heads")):
         if count % mesh.tp:
             problems.append(
@@ -89,7 +99,8 @@ def _pipeline(
     if microbatches < mesh.pp:
         problems.append(
             f"{microbatches} micro-batches per step cannot fill a pipeline of {mesh.pp} ranks; "
-            f"use at least {mesh.pp} (gradient accumulation steps) so every stage has work"
+            f"set the gradient accumulation (data.grad_accum) to at least {mesh.pp} so every "
+            "stage has work"
         )
     return problems
 

@@ -59,7 +59,8 @@ class Pipeline:
 
     The blocks are split into `pp x stages_per_rank` contiguous stages of balanced cost, where the
     first stage's embedding counts as `first_stage_weight` blocks and the last stage's norm and
-    head as `last_stage_weight` blocks. `microbatches` defaults to the run's gradient accumulation.
+    head as `last_stage_weight` blocks. The pipeline's micro-batches are the run's gradient
+    accumulation steps.
     """
 
     schedule: Literal[PIPELINE_SCHEDULES] = attrs.field(  # type: ignore[valid-type]

@@ -34,7 +34,7 @@ from llmtrain.parallel.float8 import convert_to_float8, precompute_float8_scales
 from llmtrain.parallel.grad_norm import clip_grad_norm_
 from llmtrain.parallel.layout import check_layout
 from llmtrain.parallel.options import V_SCHEDULES, ParallelOptions
-from llmtrain.parallel.tensor_parallel import apply_tensor_parallel
+from llmtrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_plan
 
 # loss_fn(logits, targets) -> the summed loss over those targets (a scalar tensor)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -60,10 +60,17 @@ class Parallelized:
     has_last_stage: bool = True
     _pp_loss: tuple[LossFn, float] | None = None
     _cp_seq_len: int = 0
+    _dims: dict[str, Any] = attrs.field(factory=dict)
 
     # --- the layout ---
+    def dim(self, name: str) -> Any:
+        """The 1-D mesh of one dimension (pp, dp_replicate, dp_shard, cp, tp, dp, dp_cp, ...)."""
+        if name not in self._dims:
+            self._dims[name] = self.mesh[name]
+        return self._dims[name]
+
     def size(self, dim: str) -> int:
-        return self.mesh[dim].size()
+        return self.dim(dim).size()
 
     @property
     def spec(self) -> MeshSpec:
@@ -72,7 +79,7 @@ class Parallelized:
     @property
     def data_rank(self) -> int:
         """Which slice of the global batch this rank reads (ranks that share data share it)."""
-        return self.mesh["dp"].get_local_rank()
+        return self.dim("dp").get_local_rank()
 
     @property
     def data_world(self) -> int:
@@ -133,12 +140,12 @@ class Parallelized:
         """Sum a per-batch number (a loss sum, a token count) over the data-parallel ranks."""
         value = value.clone()
         if self.size("dp") > 1:
-            dist.all_reduce(value, group=self.mesh["dp"].get_group())
+            dist.all_reduce(value, group=self.dim("dp").get_group())
         return value
 
     def clip_grad_norm_(self, max_norm: float | None) -> float:
         """Clip to a global L2 norm across all ranks and stages (None: only measure it)."""
-        pp_group = self.mesh["pp"].get_group() if self.size("pp") > 1 else None
+        pp_group = self.dim("pp").get_group() if self.size("pp") > 1 else None
         return clip_grad_norm_(self.parameters(), max_norm, pp_group)
 
     def after_optimizer_step(self) -> None:
@@ -177,7 +184,7 @@ class Parallelized:
                 raise ValueError("context parallelism does not support document masking")
             index = context_parallel.shard_index(
                 tokens.size(1),
-                self.mesh["cp"].get_local_rank(),
+                self.dim("cp").get_local_rank(),
                 self.size("cp"),
                 self.options.context_parallel.load_balance,
             ).to(tokens.device)
@@ -196,9 +203,9 @@ class Parallelized:
             yield
             return
         with context_parallel.attention_over(
-            self.mesh["cp"].get_group(),
+            self.dim("cp").get_group(),
             self._cp_seq_len,
-            self.mesh["cp"].get_local_rank(),
+            self.dim("cp").get_local_rank(),
             self.size("cp"),
             self.options.context_parallel.load_balance,
             self.device,
@@ -252,7 +259,8 @@ class Parallelized:
             self.schedule.step(*args, target=target, losses=losses, **kwargs)
         elif self.options.pipeline.schedule in V_SCHEDULES:
             # torch's eval() of the V schedules still runs their backward actions; run a
-            # training step whose gradient is zero instead (costs a backward, changes nothing)
+            # training step whose gradient is zero instead (costs a backward; gradients keep
+            # their values, parameters without one get zeros)
             scale = 1.0
             self._pp_loss = (loss_fn, 0.0)
             with torch.enable_grad():
@@ -271,7 +279,7 @@ class Parallelized:
         loss) and context-parallel shards."""
         for dim in ("pp", "cp"):
             if self.size(dim) > 1:
-                dist.all_reduce(total, group=self.mesh[dim].get_group())
+                dist.all_reduce(total, group=self.dim(dim).get_group())
         return total
 
 
@@ -288,6 +296,8 @@ class DefaultStrategy:
     ) -> Parallelized:
         options = self.options
         size = {name: device_mesh[name].size() for name in DIM_NAMES}
+        if size["tp"] > 1:
+            resolve_plan(model.module, dict(model.tp_plan))  # whole model: every entry must match
         names = {id(m): n for n, m in model.module.named_modules()}
         block_paths = [names[id(b)] for b in model.blocks]
         parts, stage_ids, ranges = [model.module], [0], [range(len(block_paths))]
@@ -342,6 +352,7 @@ class DefaultStrategy:
                 device_mesh["tp"],
                 sequence_parallel=options.sequence_parallel,
                 loss_parallel=options.loss_parallel,
+                strict=False,
             )
         apply_activation_checkpointing(
             [b for i, b in blocks], options.activation_checkpointing, [i for i, b in blocks]

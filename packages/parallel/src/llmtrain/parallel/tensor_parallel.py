@@ -37,9 +37,18 @@ STYLES = (
 )
 
 
-def resolve_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Module path -> style for every module a plan entry (glob) names; unknown styles and
-    entries that match nothing are errors (a plan out of step with its model)."""
+def _matches(name: str, pattern: str) -> bool:
+    """Glob match per path component: `blocks.*.wq` matches `blocks.3.wq`, not `blocks.3.x.wq`."""
+    parts, globs = name.split("."), pattern.split(".")
+    return len(parts) == len(globs) and all(
+        fnmatch.fnmatchcase(p, g) for p, g in zip(parts, globs, strict=True)
+    )
+
+
+def resolve_plan(module: nn.Module, plan: dict[str, str], *, strict: bool = True) -> dict[str, str]:
+    """Module path -> style for every module a plan entry (glob) names. Unknown styles are
+    errors; so are entries that match nothing when `strict` (a plan out of step with its
+    model). A pipeline stage resolves leniently: its missing layers live on other stages."""
     names = [name for name, _ in module.named_modules() if name]
     resolved: dict[str, str] = {}
     for pattern, style in plan.items():
@@ -47,7 +56,9 @@ def resolve_plan(module: nn.Module, plan: dict[str, str]) -> dict[str, str]:
             raise ValueError(
                 f"tp_plan entry {pattern!r}: unknown style {style!r}; known: {', '.join(STYLES)}"
             )
-        matches = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        matches = [n for n in names if _matches(n, pattern)]
+        if strict and not matches:
+            raise ValueError(f"tp_plan entry {pattern!r} matches no module of the model")
         for name in matches:
             resolved[name] = style
     return resolved
@@ -91,9 +102,10 @@ def apply_tensor_parallel(
     *,
     sequence_parallel: bool,
     loss_parallel: bool,
+    strict: bool = True,
 ) -> None:
-    """Shard `module` in place over `tp_mesh` following its plan."""
-    for path, style_name in resolve_plan(module, plan).items():
+    """Shard `module` in place over `tp_mesh` following its plan (`strict`: see resolve_plan)."""
+    for path, style_name in resolve_plan(module, plan, strict=strict).items():
         target = module.get_submodule(path)
         if style_name == "gather_input":
             if sequence_parallel:
