@@ -16,30 +16,64 @@ from torch.distributed.checkpoint.state_dict import (
 
 
 class ModelState:
-    """A model and (optionally) its optimizers, through torch's distributed state-dict helpers,
-    so plain, DDP, FSDP2 and tensor-parallel models all save as fully-qualified sharded tensors
-    and load at any layout."""
+    """A model (or the parts of it this rank holds: pipeline stages) and its optimizers, through
+    torch's distributed state-dict helpers, so plain, DDP, FSDP2, tensor- and pipeline-parallel
+    models all save as fully-qualified sharded tensors and load at any layout.
 
-    def __init__(self, model: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()):
-        self.model = model
-        self.optimizers = list(optimizers)
+    `optimizers`: for one module, its optimizers; for a list of parts, one list per part.
+    Optimizer state is saved per parameter name (flattened), so it also reloads when the parts
+    are cut differently.
+    """
+
+    def __init__(self, model: Any, optimizers: Sequence[Any] = ()):
+        self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
+        optimizers = list(optimizers)
+        if optimizers and not isinstance(optimizers[0], (list, tuple)):
+            optimizers = [optimizers]
+        if optimizers and len(optimizers) != len(self.parts):
+            raise ValueError(f"{len(self.parts)} model parts but {len(optimizers)} optimizer lists")
+        self.optimizers = [list(opts) for opts in optimizers]
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parts[0]
 
     def state_dict(self) -> dict[str, Any]:
-        if not self.optimizers:
-            return {"model": get_model_state_dict(self.model)}
-        model, optim = get_state_dict(self.model, self.optimizers)
-        return {"model": model, "optim": optim}
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for i, part in enumerate(self.parts):
+            if self.optimizers:
+                m, o = get_state_dict(part, self.optimizers[i], options=_OPTIONS)
+                optim.update(o)
+            else:
+                m = get_model_state_dict(part)
+            model.update(m)
+        return {"model": model, "optim": optim} if self.optimizers else {"model": model}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not self.optimizers:
-            set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=True))
-            return
-        set_state_dict(
-            self.model,
-            self.optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
+        for i, part in enumerate(self.parts):
+            own = get_model_state_dict(part).keys()
+            model = {k: state["model"][k] for k in own}
+            if not self.optimizers:
+                set_model_state_dict(part, model, options=StateDictOptions(strict=True))
+                continue
+            params = {name for name, _ in part.named_parameters()}
+            optim = {k: v for k, v in state["optim"].items() if _param_of(k) in params}
+            set_state_dict(
+                part,
+                self.optimizers[i],
+                model_state_dict=model,
+                optim_state_dict=optim,
+                options=_OPTIONS,
+            )
+
+
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _param_of(flat_key: str) -> str:
+    """`state.blocks.0.wq.weight.exp_avg` / `param_groups.blocks.0.wq.weight.lr` -> the name."""
+    return flat_key.split(".", 1)[1].rsplit(".", 1)[0]
 
 
 class Values:

@@ -85,3 +85,18 @@ class MetricsSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
+
+
+@attrs.frozen
+class RunInfo:
+    """What a logger plugin is told about the run it logs: built as `target(options, run)`.
+
+    `start_step` is where this process starts (a resumed run starts after its checkpoint; a
+    logger that appends to a file drops what it had written past that step).
+    """
+
+    name: str
+    run_dir: str
+    total_steps: int
+    start_step: int
+    config: Mapping[str, Any]

@@ -1,4 +1,6 @@
-"""train-loop's plugin (entry point `train_loop`): the `llmtrain config` commands."""
+"""train-loop's plugin (entry point `train_loop`): the run-level commands (`run`, `eval`,
+`generate`, `quickstart`, `config`), the optimizers, lr schedules and loggers. Loading it
+imports no torch."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.train_loop import commands, loggers, optim, quickstart, schedules
 from llmtrain.train_loop.run_config import RunConfig
 
 
@@ -55,3 +58,68 @@ def llmtrain_commands(register):
     register(
         "config", Command(help="validate or show a run config", configure=_configure, run=_run)
     )
+    register(
+        "run",
+        Command(
+            help="train from a run config (one process or under torchrun)",
+            configure=commands.configure_run,
+            run=commands.run_run,
+        ),
+    )
+    register(
+        "eval",
+        Command(
+            help="loss and perplexity of a checkpoint on a packed dataset",
+            configure=commands.configure_eval,
+            run=commands.run_eval,
+        ),
+    )
+    register(
+        "generate",
+        Command(
+            help="sample text from a checkpoint",
+            configure=commands.configure_generate,
+            run=commands.run_generate,
+        ),
+    )
+    register(
+        "quickstart",
+        Command(
+            help="make data, pack it, train a tiny model on CPU, evaluate and sample",
+            configure=quickstart.configure,
+            run=quickstart.run,
+        ),
+    )
+
+
+@hookimpl
+def llmtrain_optimizers(register):
+    register("adamw", optim.adamw, options=optim.AdamOptions, help="AdamW (fused on CUDA)")
+    register("adam", optim.adam, options=optim.AdamOptions, help="Adam, L2 weight decay")
+    register("sgd", optim.sgd, options=optim.SGDOptions, help="SGD with (Nesterov) momentum")
+    register(
+        "muon",
+        optim.muon,
+        options=optim.MuonOptions,
+        help="Muon for hidden matrices, AdamW for the rest",
+    )
+
+
+@hookimpl
+def llmtrain_lr_schedulers(register):
+    register(
+        "constant", schedules.constant, options=schedules.WarmupOptions, help="warmup, then flat"
+    )
+    register(
+        "cosine", schedules.cosine, options=schedules.WarmupOptions, help="warmup + cosine decay"
+    )
+    register(
+        "linear", schedules.linear, options=schedules.WarmupOptions, help="warmup + linear decay"
+    )
+    register("wsd", schedules.wsd, options=schedules.WSDOptions, help="warmup-stable-decay")
+
+
+@hookimpl
+def llmtrain_loggers(register):
+    register("console", loggers.ConsoleSink, options=loggers.ConsoleOptions, help="progress line")
+    register("jsonl", loggers.JsonlSink, options=loggers.JsonlOptions, help="metrics.jsonl")

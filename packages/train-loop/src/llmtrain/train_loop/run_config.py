@@ -1,20 +1,29 @@
 """The run config: one YAML file that describes a whole training run.
 
-Components (model, optimizer, lr schedule, loggers) are chosen by `kind:` among the installed
-plugins; each plugin's own options class validates the rest of its section.
+Components (model, parallel strategy, optimizer, lr schedule, loggers) are chosen by `kind:`
+among the installed plugins; each plugin's own options class validates the rest of its section.
+Checks that need several sections at once (batch arithmetic, steps or tokens) live in
+`RunConfig.__attrs_post_init__` and name the keys involved.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
-from llmtrain.core_mesh.config import Choice
+from llmtrain.core_mesh.config import Choice, ConfigValueError
 from llmtrain.core_mesh.mesh import MeshSpec
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
+def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and value < 0:
+        raise ValueError(f"must be at least 0, got {value}")
 
 
 def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -25,18 +34,143 @@ def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class DatasetRef:
+    """A packed dataset (`llmtrain data pack`) and its share of a mixture."""
+
+    path: str
+    weight: float = attrs.field(default=1.0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class EvalData:
+    """A held-out packed dataset, read in order: `batches` global batches every `every` steps."""
+
+    path: str
+    every: int = attrs.field(default=100, validator=_positive)
+    batches: int = attrs.field(default=10, validator=_positive)
+
+
+@attrs.frozen(kw_only=True)
+class DataConfig:
+    """Windows of `seq_len + 1` tokens. Per step the run reads `global_batch` sequences, each
+    data-parallel rank `global_batch / dp` of them in micro-batches of `micro_batch`.
+    Give `global_batch` (or `global_batch_tokens`), or `grad_accum`, not both."""
+
+    train: list[DatasetRef]
+    seq_len: int = attrs.field(validator=_positive)
+    micro_batch: int = attrs.field(default=8, validator=_positive)
+    grad_accum: int | None = attrs.field(default=None, validator=_positive)
+    global_batch: int | None = attrs.field(default=None, validator=_positive)
+    global_batch_tokens: int | None = attrs.field(default=None, validator=_positive)
+    eval: EvalData | None = None
+    seed: int | None = None
+    shuffle: bool = True
+    cache_mib: int = attrs.field(default=512, validator=_positive)
+    storage_options: dict[str, str] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.train:
+            raise ConfigValueError("train", "needs at least one dataset")
+        given = [
+            name
+            for name in ("grad_accum", "global_batch", "global_batch_tokens")
+            if getattr(self, name) is not None
+        ]
+        if len(given) > 1:
+            raise ConfigValueError(given[1], f"give only one of {', '.join(given)}")
+        if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_len:
+            raise ConfigValueError(
+                "global_batch_tokens",
+                f"{self.global_batch_tokens} tokens is not a whole number of sequences of "
+                f"seq_len={self.seq_len}",
+            )
+
+    def batch_sizes(self, dp: int) -> tuple[int, int]:
+        """(global batch in sequences, gradient accumulation steps) for `dp` data ranks."""
+        if self.global_batch_tokens is not None:
+            global_batch = self.global_batch_tokens // self.seq_len
+        elif self.global_batch is not None:
+            global_batch = self.global_batch
+        else:
+            global_batch = self.micro_batch * (self.grad_accum or 1) * dp
+        per_step = self.micro_batch * dp
+        if global_batch % per_step:
+            raise ConfigValueError(
+                "global_batch",
+                f"{global_batch} sequences per step do not divide into {dp} data-parallel "
+                f"ranks x micro_batch {self.micro_batch}; use a multiple of {per_step}",
+            )
+        return global_batch, global_batch // per_step
+
+
+@attrs.frozen(kw_only=True)
+class NonFinite:
+    """What a NaN or infinite loss or gradient does: `stop` (after keeping the last good
+    checkpoint) or `skip` the step, at most `max_skips` times in a run."""
+
+    action: Literal["stop", "skip"] = attrs.field(
+        default="stop", validator=attrs.validators.in_(("stop", "skip"))
+    )
+    max_skips: int = attrs.field(default=10, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
 class TrainingConfig:
-    steps: int = attrs.field(validator=_positive)
+    """How long and how often. The target is `steps` or `tokens` (one of them)."""
+
+    steps: int | None = attrs.field(default=None, validator=_positive)
+    tokens: int | None = attrs.field(default=None, validator=_positive)
     log_every: int = attrs.field(default=10, validator=_positive)
+    checkpoint_every: int | None = attrs.field(default=None, validator=_positive)
+    max_grad_norm: float | None = attrs.field(default=1.0, validator=_non_negative)
+    z_loss: float = attrs.field(default=0.0, validator=_non_negative)
+    non_finite: NonFinite = attrs.Factory(NonFinite)
+    peak_tflops: float | None = attrs.field(default=None, validator=_non_negative)  # MFU reference
+
+    def __attrs_post_init__(self) -> None:
+        if (self.steps is None) == (self.tokens is None):
+            raise ConfigValueError(
+                "steps", "give exactly one of training.steps and training.tokens"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointConfig:
+    """Where and how checkpoints go; `dir` defaults to `<run dir>/checkpoints` (any fsspec URL)."""
+
+    dir: str | None = None
+    keep_last: int | None = attrs.field(default=3, validator=_positive)
+    keep_every: int | None = attrs.field(default=None, validator=_positive)
+    async_save: bool = False
+    resume: Literal["auto", "never"] = attrs.field(
+        default="auto", validator=attrs.validators.in_(("auto", "never"))
+    )
+    storage_options: dict[str, str] = attrs.Factory(dict)
+
+
+def _default_parallel():
+    return Choice.of("parallel")(kind="default")
+
+
+def _default_loggers():
+    logger = Choice.of("logger")
+    return [logger(kind="console"), logger(kind="jsonl")]
 
 
 @attrs.frozen(kw_only=True)
 class RunConfig:
     name: str = attrs.field(validator=_name)
     seed: int = 0
+    run_dir: str = "runs"
+    device: Literal["auto", "cpu", "cuda"] = attrs.field(
+        default="auto", validator=attrs.validators.in_(("auto", "cpu", "cuda"))
+    )
     model: Choice.of("model")  # type: ignore[valid-type]
+    data: DataConfig
     optimizer: Choice.of("optimizer")  # type: ignore[valid-type]
     lr_scheduler: Choice.of("lr_scheduler") | None = None  # type: ignore[valid-type]
-    loggers: list[Choice.of("logger")] = attrs.Factory(list)  # type: ignore[valid-type]
+    loggers: list[Choice.of("logger")] = attrs.Factory(_default_loggers)  # type: ignore[valid-type]
     mesh: MeshSpec = attrs.Factory(MeshSpec)
+    parallel: Choice.of("parallel") = attrs.Factory(_default_parallel)  # type: ignore[valid-type]
     training: TrainingConfig
+    checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)

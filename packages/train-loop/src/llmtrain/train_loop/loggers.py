@@ -1,0 +1,91 @@
+"""Logger plugins (metrics sinks): `console` (a live progress line on rank 0) and `jsonl`
+(`<run dir>/metrics.jsonl`, one JSON object per logged step). A logger's target is called as
+`target(options, run_info)` and returns a `MetricsSink`."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from llmtrain.core_mesh.interfaces import RunInfo
+
+
+@attrs.frozen(kw_only=True)
+class ConsoleOptions:
+    progress_bar: bool = True  # a tqdm bar; false: one plain line per logged step
+
+
+@attrs.frozen(kw_only=True)
+class JsonlOptions:
+    file: str = "metrics.jsonl"  # relative to the run directory
+
+
+def _fmt(key: str, value: float) -> str:
+    if key == "lr":
+        return f"{value:.2e}"
+    if key in ("tokens_per_s",):
+        return f"{value:,.0f}"
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+SHOWN = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu")
+
+
+class ConsoleSink:
+    def __init__(self, options: ConsoleOptions, run: RunInfo):
+        self.bar = None
+        if options.progress_bar and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=run.total_steps, initial=run.start_step, desc=run.name, unit="step"
+            )
+        self.last = run.start_step
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        shown = {k: _fmt(k, metrics[k]) for k in SHOWN if k in metrics}
+        if self.bar is not None:
+            self.bar.update(step - self.last)
+            self.bar.set_postfix(shown, refresh=True)
+        else:
+            print(f"step {step} " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+        self.last = step
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class JsonlSink:
+    """Appends; on a resumed run first drops lines past the step it resumes from, so the file
+    reads as one uninterrupted run."""
+
+    def __init__(self, options: JsonlOptions, run: RunInfo):
+        self.path = Path(run.run_dir) / options.file
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists():
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= run.start_step
+            ]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+        self.file = self.path.open("a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()

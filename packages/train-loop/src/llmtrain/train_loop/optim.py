@@ -1,0 +1,172 @@
+"""Optimizer plugins: AdamW (fused where the device has it), Adam, SGD and Muon.
+
+Weight decay applies to matrices only: parameters with fewer than two dimensions (norm scales,
+biases) and embedding tables are excluded by rule. An optimizer plugin's target is called as
+`target(options, module)` and returns a list of torch optimizers over the module's parameters
+(Muon returns two: Muon for hidden matrices, AdamW for the rest).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from llmtrain.core_mesh.config import ConfigValueError
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"must be positive, got {value}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be at least 0, got {value}")
+
+
+def _beta(instance: object, attribute: attrs.Attribute, value: tuple[float, float]) -> None:
+    if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
+        raise ValueError(f"must be two numbers in [0, 1), got {list(value)}")
+
+
+@attrs.frozen(kw_only=True)
+class AdamOptions:
+    lr: float = attrs.field(default=3e-4, validator=_positive)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.95), validator=_beta)
+    eps: float = attrs.field(default=1e-8, validator=_positive)
+    weight_decay: float = attrs.field(default=0.1, validator=_non_negative)
+    fused: bool | None = None  # None: fused on CUDA, foreach elsewhere
+
+
+@attrs.frozen(kw_only=True)
+class SGDOptions:
+    lr: float = attrs.field(default=0.1, validator=_positive)
+    momentum: float = attrs.field(default=0.9, validator=_non_negative)
+    nesterov: bool = False
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+
+    def __attrs_post_init__(self) -> None:
+        if self.nesterov and self.momentum == 0:
+            raise ConfigValueError("nesterov", "Nesterov momentum needs momentum > 0")
+
+
+@attrs.frozen(kw_only=True)
+class MuonOptions:
+    """Muon (orthogonalised momentum) for the hidden weight matrices; AdamW (`adamw_lr`, the
+    betas, eps) for embeddings, the output layer, norms and biases."""
+
+    lr: float = attrs.field(default=0.02, validator=_positive)
+    momentum: float = attrs.field(default=0.95, validator=_non_negative)
+    weight_decay: float = attrs.field(default=0.1, validator=_non_negative)
+    adamw_lr: float = attrs.field(default=3e-4, validator=_positive)
+    betas: tuple[float, float] = attrs.field(default=(0.9, 0.95), validator=_beta)
+    eps: float = attrs.field(default=1e-8, validator=_positive)
+
+
+def decay_groups(module: Any, weight_decay: float) -> list[dict[str, Any]]:
+    """Two parameter groups: matrices with weight decay, everything else without."""
+    from torch import nn
+
+    embedding_params = {
+        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if not p.requires_grad:
+            continue
+        exempt = p.ndim < 2 or id(p) in embedding_params
+        (no_decay if exempt else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    groups.append({"params": no_decay, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
+def _implementation(fused: bool | None, module: Any) -> dict[str, bool]:
+    if fused is not None:
+        return {"fused": fused}
+    on_cuda = any(p.device.type == "cuda" for p in module.parameters())
+    return {"fused": True} if on_cuda else {"foreach": True}
+
+
+def adamw(options: AdamOptions, module: Any) -> list[Any]:
+    import torch
+
+    return [
+        torch.optim.AdamW(
+            decay_groups(module, options.weight_decay),
+            lr=options.lr,
+            betas=options.betas,
+            eps=options.eps,
+            **_implementation(options.fused, module),
+        )
+    ]
+
+
+def adam(options: AdamOptions, module: Any) -> list[Any]:
+    """Adam with L2-style weight decay folded into the gradient (torch.optim.Adam)."""
+    import torch
+
+    return [
+        torch.optim.Adam(
+            decay_groups(module, options.weight_decay),
+            lr=options.lr,
+            betas=options.betas,
+            eps=options.eps,
+            **_implementation(options.fused, module),
+        )
+    ]
+
+
+def sgd(options: SGDOptions, module: Any) -> list[Any]:
+    import torch
+
+    return [
+        torch.optim.SGD(
+            decay_groups(module, options.weight_decay),
+            lr=options.lr,
+            momentum=options.momentum,
+            nesterov=options.nesterov,
+        )
+    ]
+
+
+def muon(options: MuonOptions, module: Any) -> list[Any]:
+    import torch
+    from torch import nn
+
+    if not hasattr(torch.optim, "Muon"):
+        raise ConfigValueError("kind", f"torch {torch.__version__} has no torch.optim.Muon")
+    outer = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head = getattr(module, "head", None)
+    if isinstance(head, nn.Module):
+        outer |= {id(p) for p in head.parameters()}
+    hidden = [p for p in module.parameters() if p.ndim == 2 and id(p) not in outer]
+    hidden_ids = {id(p) for p in hidden}
+    rest = [p for p in module.parameters() if id(p) not in hidden_ids]
+    rest_module = nn.ParameterList(rest)
+    optimizers = []
+    if hidden:
+        optimizers.append(
+            torch.optim.Muon(
+                hidden, lr=options.lr, momentum=options.momentum, weight_decay=options.weight_decay
+            )
+        )
+    if rest:
+        groups = [
+            {
+                "params": [p for p in rest if p.ndim >= 2 and id(p) not in outer],
+                "weight_decay": options.weight_decay,
+            },
+            {"params": [p for p in rest if p.ndim < 2 or id(p) in outer], "weight_decay": 0.0},
+        ]
+        optimizers.append(
+            torch.optim.AdamW(
+                [g for g in groups if g["params"]],
+                lr=options.adamw_lr,
+                betas=options.betas,
+                eps=options.eps,
+                **_implementation(None, rest_module),
+            )
+        )
+    return optimizers

@@ -1,0 +1,97 @@
+"""Learning-rate schedule plugins. A schedule's target is called as `target(options, total_steps)`
+and returns the multiplier of the optimizer's base lr at each step (0-based)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be at least 0, got {value}")
+
+
+def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"must be in [0, 1], got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class WarmupOptions:
+    """`warmup_steps` of linear warmup from 0, then the schedule; it ends at `min_ratio` x lr."""
+
+    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    min_ratio: float = attrs.field(default=0.1, validator=_fraction)
+
+
+@attrs.frozen(kw_only=True)
+class WSDOptions:
+    """Warmup, a stable phase at the full lr, then a decay over the last `decay_fraction` of the
+    steps (`linear`, `cosine` or `sqrt`) down to `min_ratio`."""
+
+    warmup_steps: int = attrs.field(default=0, validator=_non_negative)
+    decay_fraction: float = attrs.field(default=0.2, validator=_fraction)
+    decay: str = attrs.field(
+        default="linear", validator=attrs.validators.in_(("linear", "cosine", "sqrt"))
+    )
+    min_ratio: float = attrs.field(default=0.0, validator=_fraction)
+
+
+Schedule = Callable[[int], float]
+
+
+def _warmup(step: int, warmup: int) -> float | None:
+    return (step + 1) / warmup if step < warmup else None
+
+
+def constant(options: WarmupOptions, total_steps: int) -> Schedule:
+    def factor(step: int) -> float:
+        return _warmup(step, options.warmup_steps) or 1.0
+
+    return factor
+
+
+def _decaying(shape: Callable[[float], float]):
+    """A schedule that warms up, then follows shape(progress) from 1 to 0, scaled to min_ratio."""
+
+    def build(options: WarmupOptions, total_steps: int) -> Schedule:
+        def factor(step: int) -> float:
+            warm = _warmup(step, options.warmup_steps)
+            if warm is not None:
+                return warm
+            span = max(1, total_steps - options.warmup_steps)
+            progress = min(1.0, (step - options.warmup_steps) / span)
+            return options.min_ratio + (1 - options.min_ratio) * shape(progress)
+
+        return factor
+
+    return build
+
+
+cosine = _decaying(lambda p: 0.5 * (1 + math.cos(math.pi * p)))
+linear = _decaying(lambda p: 1.0 - p)
+
+_DECAYS = {
+    "linear": lambda p: 1.0 - p,
+    "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
+    "sqrt": lambda p: 1.0 - math.sqrt(p),
+}
+
+
+def wsd(options: WSDOptions, total_steps: int) -> Schedule:
+    decay_steps = round(total_steps * options.decay_fraction)
+    decay_start = total_steps - decay_steps
+
+    def factor(step: int) -> float:
+        warm = _warmup(step, options.warmup_steps)
+        if warm is not None:
+            return warm
+        if step < decay_start or decay_steps == 0:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / decay_steps)
+        return options.min_ratio + (1 - options.min_ratio) * _DECAYS[options.decay](progress)
+
+    return factor
