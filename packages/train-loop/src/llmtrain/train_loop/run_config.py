@@ -126,6 +126,12 @@ class TrainingConfig:
     z_loss: float = attrs.field(default=0.0, validator=_non_negative)
     non_finite: NonFinite = attrs.Factory(NonFinite)
     peak_tflops: float | None = attrs.field(default=None, validator=_non_negative)  # MFU reference
+    # full: every process initialises the whole model on CPU from the seed and keeps its shards,
+    # so the initial weights are the same at any layout (host memory: one model per process);
+    # sharded: each process initialises only its shards on the device (light, layout-dependent)
+    init: Literal["full", "sharded"] = attrs.field(
+        default="full", validator=attrs.validators.in_(("full", "sharded"))
+    )
 
     def __attrs_post_init__(self) -> None:
         if (self.steps is None) == (self.tokens is None):

@@ -198,6 +198,8 @@ class Trainer:
             self.description, mesh, self.device, microbatches=self.accum
         )
         self.model.materialize(_init_weights)
+        if c.training.init == "full":
+            self.model.load_full_state_dict(self._initial_weights())
         self.loss_fn = cross_entropy_sum(c.training.z_loss)
 
         # optimizers (one list per model part) and the lr schedule, a pure function of the step
@@ -303,6 +305,15 @@ class Trainer:
             )
         step = self.checkpoints.load(self.state, step=latest)
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
+
+    def _initial_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model initialised on CPU from the run seed: the same on every process."""
+        with torch.device("meta"):
+            full = build(self.plugins, "model", self.config.model)
+        full.to_empty(device="cpu")
+        torch.manual_seed(self.config.seed)
+        _init_weights(full)
+        return full.state_dict()
 
     def _peak_flops(self) -> float | None:
         if self.config.training.peak_tflops is not None:
