@@ -318,8 +318,12 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
             with attrs.validators.disabled():
                 try:
                     obj = base(value, cls)
-                except BaseValidationError:
-                    raise
+                except BaseValidationError as exc:
+                    # report the fields that did structure but fail their validators too
+                    failed = {getattr(note, "name", None) for _, note in exc.group_exceptions()[0]}
+                    problems = list(_problems_from(exc, (), None))
+                    problems += _field_problems(conv, cls, value, skip=failed)
+                    raise _NestedProblems(problems) from None
                 except ConfigValueError as exc:  # a cross-field check in __attrs_post_init__
                     raise _NestedProblems([Problem((exc.field,), str(exc))]) from None
             problems = []
@@ -392,6 +396,25 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
         lambda cls: lambda c: {"kind": c.kind, **(conv.unstructure(c.options) or {})},
     )
     return conv
+
+
+def _field_problems(
+    conv: cattrs.Converter, cls: type, value: Mapping, *, skip: set
+) -> list[Problem]:
+    """Validator problems of the fields of `value` that structure on their own."""
+    problems = []
+    for a in attrs.fields(cls):
+        key = a.alias or a.name
+        if a.validator is None or key in skip or key not in value:
+            continue
+        try:
+            field = conv.structure(value[key], a.type)
+            a.validator(None, a, field)
+        except (ValueError, TypeError) as exc:
+            problems.append(Problem((key,), _validator_message(exc)))
+        except Exception:  # noqa: BLE001 - structuring errors are reported by cattrs already
+            continue
+    return problems
 
 
 def _validator_message(exc: Exception) -> str:

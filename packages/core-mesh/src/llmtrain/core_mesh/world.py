@@ -6,6 +6,7 @@ functions that start or stop a process group, so this module loads without torch
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping
 from datetime import timedelta
@@ -131,11 +132,16 @@ def init_distributed(
     return device
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(*, barrier: bool = True) -> None:
+    """Stop the process group. With `barrier` every rank first finishes its collectives (a rank
+    leaving early aborts a peer whose background work still uses the group); a failing rank
+    passes False, as its peers may never reach the barrier."""
     import torch.distributed as dist
 
     if dist.is_initialized():
-        # every rank finishes its collectives before any rank tears the group down; a rank
-        # leaving early aborts a peer whose background work still uses the group
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
+        # groups still referenced by device meshes would otherwise be freed during interpreter
+        # exit, where gloo's threads can abort the process
+        gc.collect()

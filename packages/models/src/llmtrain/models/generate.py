@@ -45,12 +45,14 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     eod_id: int | None = None,
+    vocab_size: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Continue `prompt` (1, T) by up to `max_new_tokens`, stopping after `eod_id` is emitted.
 
-    temperature 0 is greedy. Generation also stops at the model's max_seq_len.
+    temperature 0 is greedy. Generation also stops at the model's max_seq_len. `vocab_size`
+    (the tokenizer's) keeps sampling to ids the tokenizer has when the model's table is larger.
     """
     if prompt.dim() != 2 or prompt.size(0) != 1:
         raise ValueError(f"prompt must have shape (1, T), got {tuple(prompt.shape)}")
@@ -68,7 +70,7 @@ def generate(
     for _ in range(max_new_tokens):
         nxt = sample_next(
             logits,
-            vocab_size=cfg.vocab_size,
+            vocab_size=min(cfg.vocab_size, vocab_size or cfg.vocab_size),
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,

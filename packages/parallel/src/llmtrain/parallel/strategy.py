@@ -58,6 +58,7 @@ class Parallelized:
     schedule: Any = None
     has_first_stage: bool = True
     has_last_stage: bool = True
+    autocast_dtype: torch.dtype | None = None
     _pp_loss: tuple[LossFn, float] | None = None
     _cp_seq_len: int = 0
     _dims: dict[str, Any] = attrs.field(factory=dict)
@@ -111,7 +112,7 @@ class Parallelized:
         """Forward and backward over this rank's batch (B, T) in `microbatches` pieces; returns
         the summed loss over these targets (the same on every rank that shares the batch)."""
         tokens, targets, kwargs = self._shard_sequence(tokens, targets, doc_starts)
-        with self._attention(), self._loss_parallel():
+        with self._attention(), self._loss_parallel(), self._autocast():
             if self.schedule is not None:
                 total = self._pipeline_step(tokens, targets, loss_fn, scale, kwargs, train=True)
             else:
@@ -129,7 +130,7 @@ class Parallelized:
     ) -> torch.Tensor:
         """The summed loss over these targets, without gradients."""
         tokens, targets, kwargs = self._shard_sequence(tokens, targets, doc_starts)
-        with self._attention(), self._loss_parallel():
+        with self._attention(), self._loss_parallel(), self._autocast():
             if self.schedule is not None:
                 total = self._pipeline_step(tokens, targets, loss_fn, 1.0, kwargs, train=False)
             else:
@@ -211,6 +212,13 @@ class Parallelized:
             self.device,
         ):
             yield
+
+    def _autocast(self):
+        """Low-precision compute where no FSDP/DDP wrapper casts the parameters (one process,
+        TP or PP without data parallelism): the same param_dtype through autocast."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def _loss_parallel(self):
         use = self.options.loss_parallel and self.size("tp") > 1
@@ -326,6 +334,7 @@ class DefaultStrategy:
             microbatches=microbatches,
             has_first_stage=0 in stage_ids,
             has_last_stage=len(ranges) - 1 in stage_ids,
+            autocast_dtype=self._autocast_dtype(size),
         )
         if size["pp"] > 1:
             result.schedule = pipeline.build_schedule(
@@ -339,6 +348,11 @@ class DefaultStrategy:
                 group=device_mesh["pp"].get_group(),
             )
         return result
+
+    def _autocast_dtype(self, size: dict[str, int]) -> torch.dtype | None:
+        wrapped = size["dp_shard"] * size["cp"] > 1 or size["dp_replicate"] > 1
+        dtype = getattr(torch, self.options.param_dtype)
+        return None if wrapped or dtype == torch.float32 else dtype
 
     def _apply(self, part, blocks, model, device_mesh, size) -> None:
         options = self.options

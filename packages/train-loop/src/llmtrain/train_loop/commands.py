@@ -134,6 +134,7 @@ def sample_text(
         top_k=top_k,
         top_p=top_p,
         eod_id=tokenizer.eod_id,
+        vocab_size=tokenizer.vocab_size,
         generator=torch.Generator().manual_seed(seed),
     )
     new = [t for t in out[0, len(ids) :].tolist() if t != tokenizer.eod_id]

@@ -57,7 +57,8 @@ class ConsoleSink:
             self.bar.update(step - self.last)
             self.bar.set_postfix(shown, refresh=True)
         else:
-            print(f"step {step} " + " ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+            line = f"step {step} " + " ".join(f"{k}={v}" for k, v in shown.items())
+            print(line, file=sys.stderr, flush=True)
         self.last = step
 
     def close(self) -> None:
@@ -74,10 +75,9 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
             kept = [
-                line
-                for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= run.start_step
+                line for line in self.path.read_text().splitlines() if _step_of(line) is not None
             ]
+            kept = [line for line in kept if _step_of(line) <= run.start_step]
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
@@ -89,3 +89,11 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _step_of(line: str) -> int | None:
+    """The step of a metrics line; None for a blank or half-written one (a killed run)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -64,18 +64,21 @@ class MuonOptions:
     eps: float = attrs.field(default=1e-8, validator=_positive)
 
 
-def decay_groups(module: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """Two parameter groups: matrices with weight decay, everything else without."""
+def _embedding_ids(module: Any) -> set[int]:
     from torch import nn
 
-    embedding_params = {
-        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
+    return {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+
+
+def decay_groups(module: Any, weight_decay: float, params: Any = None) -> list[dict[str, Any]]:
+    """Two parameter groups of `params` (default: all of the module's): matrices with weight
+    decay; vectors (norm scales, biases) and embedding tables without."""
+    embeddings = _embedding_ids(module)
     decay, no_decay = [], []
-    for p in module.parameters():
+    for p in module.parameters() if params is None else params:
         if not p.requires_grad:
             continue
-        exempt = p.ndim < 2 or id(p) in embedding_params
+        exempt = p.ndim < 2 or id(p) in embeddings
         (no_decay if exempt else decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}]
     groups.append({"params": no_decay, "weight_decay": 0.0})
@@ -137,14 +140,14 @@ def muon(options: MuonOptions, module: Any) -> list[Any]:
 
     if not hasattr(torch.optim, "Muon"):
         raise ConfigValueError("kind", f"torch {torch.__version__} has no torch.optim.Muon")
-    outer = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    # Muon orthogonalises hidden matrices; the embedding and output layers stay with AdamW
+    outer = _embedding_ids(module)
     head = getattr(module, "head", None)
     if isinstance(head, nn.Module):
         outer |= {id(p) for p in head.parameters()}
     hidden = [p for p in module.parameters() if p.ndim == 2 and id(p) not in outer]
     hidden_ids = {id(p) for p in hidden}
     rest = [p for p in module.parameters() if id(p) not in hidden_ids]
-    rest_module = nn.ParameterList(rest)
     optimizers = []
     if hidden:
         optimizers.append(
@@ -153,20 +156,13 @@ def muon(options: MuonOptions, module: Any) -> list[Any]:
             )
         )
     if rest:
-        groups = [
-            {
-                "params": [p for p in rest if p.ndim >= 2 and id(p) not in outer],
-                "weight_decay": options.weight_decay,
-            },
-            {"params": [p for p in rest if p.ndim < 2 or id(p) in outer], "weight_decay": 0.0},
-        ]
         optimizers.append(
             torch.optim.AdamW(
-                [g for g in groups if g["params"]],
+                decay_groups(module, options.weight_decay, rest),
                 lr=options.adamw_lr,
                 betas=options.betas,
                 eps=options.eps,
-                **_implementation(None, rest_module),
+                **_implementation(None, nn.ParameterList(rest)),
             )
         )
     return optimizers

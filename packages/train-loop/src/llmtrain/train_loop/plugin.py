@@ -9,6 +9,7 @@ import argparse
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.config import (
     ConfigError,
+    ConfigValueError,
     Problem,
     dump_config,
     load_config,
@@ -17,7 +18,7 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.train_loop import commands, loggers, optim, quickstart, schedules
-from llmtrain.train_loop.run_config import RunConfig
+from llmtrain.train_loop.run_config import RunConfig, resolved
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +42,17 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace, ctx: Context) -> int:
     config = load_config(args.file, RunConfig, plugins=ctx.plugins, overrides=args.overrides)
+    config = resolved(config, ctx.plugins)
     if args.world_size is not None:
         try:
-            config.mesh.resolve(args.world_size)
+            dp = config.mesh.resolve(args.world_size).dp
         except MeshError as exc:
             raise ConfigError([Problem(("mesh",), str(exc), args.file)], args.file) from None
+        try:
+            config.data.batch_sizes(dp)
+        except ConfigValueError as exc:
+            problem = Problem(("data", exc.field), str(exc), args.file)
+            raise ConfigError([problem], args.file) from None
     if args.action == "show":
         print(dump_config(config, converter=make_converter(ctx.plugins)), end="")
     else:

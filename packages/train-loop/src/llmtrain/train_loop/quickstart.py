@@ -40,6 +40,7 @@ def write_corpus(path: str | Path, documents: int, seed: int = 0) -> None:
 
 
 def run_config(work: Path, steps: int, vocab_size: int) -> str:
+    eval_every = max(10, steps // 4 // 10 * 10)  # on logged steps (every 10)
     return f"""\
 name: quickstart
 run_dir: {work / "runs"}
@@ -47,7 +48,7 @@ device: cpu
 model: {{kind: tiny, vocab_size: {vocab_size}, max_seq_len: 128}}
 data:
   train: [{{path: {work / "train.zarr"}}}]
-  eval: {{path: {work / "valid.zarr"}, every: {max(steps // 4, 1)}, batches: 4}}
+  eval: {{path: {work / "valid.zarr"}, every: {eval_every}, batches: 4}}
   seq_len: 128
   micro_batch: 16
 optimizer: {{kind: adamw, lr: 3.0e-3, weight_decay: 0.1}}
@@ -67,12 +68,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.core_mesh.config import load_config
+    from llmtrain.core_mesh.logs import configure_logging
     from llmtrain.data_pack.pack import pack
     from llmtrain.data_pack.train_tokenizer import train_tokenizer
     from llmtrain.train_loop.commands import load_model, sample_text, tokenizer_of
     from llmtrain.train_loop.run_config import RunConfig
     from llmtrain.train_loop.trainer import Trainer
 
+    configure_logging(console=sys.stderr)  # stdout carries only the sample
     work = Path(args.dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     say = lambda text: print(f"[quickstart] {text}", file=sys.stderr, flush=True)  # noqa: E731

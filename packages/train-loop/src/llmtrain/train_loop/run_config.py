@@ -8,7 +8,7 @@ Checks that need several sections at once (batch arithmetic, steps or tokens) li
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -78,7 +78,11 @@ class DataConfig:
         ]
         if len(given) > 1:
             raise ConfigValueError(given[1], f"give only one of {', '.join(given)}")
-        if self.global_batch_tokens is not None and self.global_batch_tokens % self.seq_len:
+        if (
+            self.global_batch_tokens is not None
+            and self.seq_len >= 1
+            and self.global_batch_tokens % self.seq_len
+        ):
             raise ConfigValueError(
                 "global_batch_tokens",
                 f"{self.global_batch_tokens} tokens is not a whole number of sequences of "
@@ -87,8 +91,9 @@ class DataConfig:
 
     def batch_sizes(self, dp: int) -> tuple[int, int]:
         """(global batch in sequences, gradient accumulation steps) for `dp` data ranks."""
+        key = "global_batch"
         if self.global_batch_tokens is not None:
-            global_batch = self.global_batch_tokens // self.seq_len
+            global_batch, key = self.global_batch_tokens // self.seq_len, "global_batch_tokens"
         elif self.global_batch is not None:
             global_batch = self.global_batch
         else:
@@ -96,7 +101,7 @@ class DataConfig:
         per_step = self.micro_batch * dp
         if global_batch % per_step:
             raise ConfigValueError(
-                "global_batch",
+                key,
                 f"{global_batch} sequences per step do not divide into {dp} data-parallel "
                 f"ranks x micro_batch {self.micro_batch}; use a multiple of {per_step}",
             )
@@ -180,3 +185,24 @@ class RunConfig:
     parallel: Choice.of("parallel") = attrs.Factory(_default_parallel)  # type: ignore[valid-type]
     training: TrainingConfig
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
+
+
+def resolved(config: RunConfig, plugins: Any) -> RunConfig:
+    """The config with every chosen component's options filled in (defaults included), so the
+    written config reads back to the same run even if a default changes later."""
+
+    def fill(kind: str, choice: Any) -> Any:
+        if choice is None or choice.options is not None:
+            return choice
+        entry = plugins.registry(kind).get(choice.kind)
+        options = entry.options(**entry.defaults) if entry.options is not None else None
+        return attrs.evolve(choice, options=options)
+
+    return attrs.evolve(
+        config,
+        model=fill("model", config.model),
+        optimizer=fill("optimizer", config.optimizer),
+        lr_scheduler=fill("lr_scheduler", config.lr_scheduler),
+        parallel=fill("parallel", config.parallel),
+        loggers=[fill("logger", choice) for choice in config.loggers],
+    )

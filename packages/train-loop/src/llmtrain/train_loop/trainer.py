@@ -23,7 +23,7 @@ import torch
 from llmtrain.checkpoint.manager import Checkpointer, KeepPolicy
 from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
-from llmtrain.core_mesh.config import dump_config, make_converter, unstructure
+from llmtrain.core_mesh.config import ConfigValueError, dump_config, make_converter, unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.logs import configure_logging
@@ -38,7 +38,7 @@ from llmtrain.core_mesh.world import (
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.sampling import BatchPlan
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
-from llmtrain.train_loop.run_config import RunConfig
+from llmtrain.train_loop.run_config import RunConfig, resolved
 from llmtrain.train_loop.schedules import WarmupOptions, constant
 
 log = structlog.get_logger("llmtrain.train")
@@ -120,7 +120,7 @@ class Trainer:
         resume: bool | None = None,
         console: Any = None,
     ):
-        c = self.config = config
+        c = self.config = resolved(config, plugins)
         self.plugins = plugins
         self.run_dir = Path(c.run_dir) / c.name
 
@@ -141,7 +141,10 @@ class Trainer:
             )
         self.strategy = build(plugins, "parallel", c.parallel)
         dp = c.mesh.resolve(self.world.world_size).dp
-        self.global_batch, self.accum = c.data.batch_sizes(dp)
+        try:
+            self.global_batch, self.accum = c.data.batch_sizes(dp)
+        except ConfigValueError as exc:
+            raise UserError(f"data.{exc.field}: {exc}") from None
         self.doc_masking = bool(getattr(self.model_options, "doc_masking", False))
         spec = self.strategy.check(
             c.mesh,
@@ -157,15 +160,31 @@ class Trainer:
         self.train_data = self._open(
             [d.path for d in c.data.train], [d.weight for d in c.data.train]
         )
-        self.eval_data = (
-            self._open([c.data.eval.path], None, shuffle=False) if c.data.eval else None
-        )
+        self.eval_data = None
+        if c.data.eval:
+            self.eval_data = self._open([c.data.eval.path], None, shuffle=False)
+            packed = self.eval_data.sources[0].dataset.fingerprint
+            trained = self.train_data.sources[0].dataset.fingerprint
+            if packed != trained:
+                raise UserError(
+                    f"data.eval.path: {c.data.eval.path} was packed with another tokenizer "
+                    f"({packed}) than the training data ({trained}); pack it with the same one"
+                )
         tokens_per_step = self.global_batch * c.data.seq_len
         self.total_steps = c.training.steps or math.ceil(c.training.tokens / tokens_per_step)
         epochs = self.total_steps * self.global_batch / len(self.train_data)
 
-        # process group, logs, seeds
+        # process group, logs, seeds; from here on a failure also stops the process group
         self.device = init_distributed(self.world, self.device_type)
+        try:
+            self._build(spec, epochs, tokens_per_step, console, resume)
+        except BaseException:
+            shutdown_distributed(barrier=False)
+            raise
+
+    def _build(self, spec, epochs, tokens_per_step, console, resume: bool | None) -> None:
+        """The recipe after the process group: logs, seeds, model, optimizers, resume, loggers."""
+        c, plugins = self.config, self.plugins
         configure_logging(
             rank=self.world.rank,
             world_size=self.world.world_size,
@@ -247,7 +266,7 @@ class Trainer:
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             text = dump_config(c, converter=make_converter(plugins))
-            (self.run_dir / "config.yaml").write_text(text)
+            (self.run_dir / "config.yaml").write_text(provenance_header() + text)
             run = RunInfo(
                 name=c.name,
                 run_dir=str(self.run_dir),
@@ -348,13 +367,16 @@ class Trainer:
                 window["steps"] += 1
                 if c.data.eval and self.step % c.data.eval.every == 0:
                     metrics.update(self.evaluate())
-                if self.step % c.training.log_every == 0 or self.step == self.total_steps:
+                log_now = self.step % c.training.log_every == 0 or self.step == self.total_steps
+                if log_now or "eval_loss" in metrics:
                     self._log(metrics, window)
                 every = c.training.checkpoint_every
                 if every and self.step % every == 0:
                     self.save()
                 if preemption.should_stop():
-                    self.save(blocking=True)
+                    if self.saved_step != self.step:
+                        self.save(blocking=True)
+                    self.checkpoints.wait()
                     log.warning(
                         "run.preempted",
                         message=f"stopped by a signal after step {self.step}; the checkpoint is "
@@ -411,6 +433,7 @@ class Trainer:
         if policy.action == "skip" and skipped <= policy.max_skips:
             log.warning("step.skipped", step=self.step, reason=what, skipped=skipped)
             return
+        self.checkpoints.wait()
         last = self.checkpoints.latest_step()
         kept = f"the last good checkpoint is step {last}" if last else "no checkpoint was saved"
         limit = f" after {policy.max_skips} skipped steps" if policy.action == "skip" else ""
@@ -442,7 +465,8 @@ class Trainer:
         loss = (self.model.sum_over_data(total) / self.model.sum_over_data(count)).item()
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
-    def save(self, *, blocking: bool = False) -> None:
+    def save(self, *, blocking: bool | None = None) -> None:
+        """Save this step (in the background when checkpoint.async_save; `blocking` overrides)."""
         self.checkpoints.save(self.step, self.state, info=self.info, blocking=blocking)
         self.saved_step = self.step
 
@@ -470,6 +494,30 @@ class Trainer:
         for sink in self.sinks:
             sink.close()
         shutdown_distributed()
+
+
+def provenance_header() -> str:
+    """YAML comment lines: the llmtrain package versions and the git commit, if any."""
+    import subprocess
+
+    import importlib_metadata
+
+    lines = ["# written by llmtrain run"]
+    for dist in importlib_metadata.distributions():
+        name = dist.metadata["Name"] or ""
+        if name.startswith("llmtrain") or name == "torch":
+            lines.append(f"# {name} {dist.version}")
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        lines.append(f"# git {sha}{' (uncommitted changes)' if dirty else ''}")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "\n".join([lines[0], *sorted(set(lines[1:]))]) + "\n"
 
 
 def _init_weights(part: torch.nn.Module) -> None:
