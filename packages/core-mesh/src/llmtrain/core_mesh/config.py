@@ -409,11 +409,12 @@ def _field_problems(
             continue
         try:
             field = conv.structure(value[key], a.type)
+        except Exception:  # noqa: BLE001, S112 - cattrs reports this field's own error
+            continue
+        try:
             a.validator(None, a, field)
         except (ValueError, TypeError) as exc:
             problems.append(Problem((key,), _validator_message(exc)))
-        except Exception:  # noqa: BLE001 - structuring errors are reported by cattrs already
-            continue
     return problems
 
 
