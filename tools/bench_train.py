@@ -59,10 +59,10 @@ def make_data(work: Path, plugins: PluginManager) -> str:
     return str(out)
 
 
-def config_text(work: Path, data: str, model: dict, args, steps: int) -> str:
+def config_text(work: Path, data: str, model: dict, args, steps: int, run: int = 0) -> str:
     model_yaml = ", ".join(f"{k}: {v}" for k, v in {**model, "max_seq_len": args.seq_len}.items())
     return f"""\
-name: bench-{model["kind"]}-{model.get("d_model", 64)}
+name: bench-{model["kind"]}-{model.get("d_model", 64)}-{run}
 run_dir: {work / "runs"}
 device: cpu
 model: {{{model_yaml}}}
@@ -74,11 +74,13 @@ loggers: [{{kind: jsonl}}]
 """
 
 
-def trainer_run(work: Path, data: str, model: dict, args, plugins) -> tuple[float, float, int]:
+def trainer_run(
+    work: Path, data: str, model: dict, args, plugins, run: int = 0
+) -> tuple[float, float, int]:
     """(tokens/s, data-wait share) over the steps after warm-up, from the run's own metrics."""
     steps = args.warmup + args.steps
     path = work / f"{model.get('d_model', 64)}.yaml"
-    path.write_text(config_text(work, data, model, args, steps))
+    path.write_text(config_text(work, data, model, args, steps, run))
     config = load_config(str(path), RunConfig, plugins=plugins)
     torch.manual_seed(0)
     trainer = Trainer(config, plugins, resume=False)
@@ -148,8 +150,8 @@ def main() -> None:
         for name in args.models.split(","):
             model = MODELS[name]
             run, bare, waits = 0.0, 0.0, []
-            for _ in range(args.repeats):  # alternate, so drift on a shared machine hits both
-                tps, wait, params = trainer_run(work, data, model, args, plugins)
+            for repeat in range(args.repeats):  # alternate: drift on a shared machine hits both
+                tps, wait, params = trainer_run(work, data, model, args, plugins, repeat)
                 run, waits = max(run, tps), [*waits, wait]
                 bare = max(bare, bare_run(data, model, args))
             rows.append((name, params, run, bare, min(waits)))

@@ -415,6 +415,8 @@ def _field_problems(
             a.validator(None, a, field)
         except (ValueError, TypeError) as exc:
             problems.append(Problem((key,), _validator_message(exc)))
+        except AttributeError:  # a validator that reads other fields waits for the whole object
+            pass
     return problems
 
 
