@@ -92,11 +92,12 @@ def _implementation(fused: bool | None, module: Any) -> dict[str, bool]:
     return {"fused": True} if on_cuda else {"foreach": True}
 
 
-def adamw(options: AdamOptions, module: Any) -> list[Any]:
+def _adam_family(name: str, options: AdamOptions, module: Any) -> list[Any]:
     import torch
 
+    cls = getattr(torch.optim, name)
     return [
-        torch.optim.AdamW(
+        cls(
             decay_groups(module, options.weight_decay),
             lr=options.lr,
             betas=options.betas,
@@ -104,21 +105,16 @@ def adamw(options: AdamOptions, module: Any) -> list[Any]:
             **_implementation(options.fused, module),
         )
     ]
+
+
+def adamw(options: AdamOptions, module: Any) -> list[Any]:
+    """AdamW: weight decay applied to the weights, apart from the adaptive step."""
+    return _adam_family("AdamW", options, module)
 
 
 def adam(options: AdamOptions, module: Any) -> list[Any]:
     """Adam with L2-style weight decay folded into the gradient (torch.optim.Adam)."""
-    import torch
-
-    return [
-        torch.optim.Adam(
-            decay_groups(module, options.weight_decay),
-            lr=options.lr,
-            betas=options.betas,
-            eps=options.eps,
-            **_implementation(options.fused, module),
-        )
-    ]
+    return _adam_family("Adam", options, module)
 
 
 def sgd(options: SGDOptions, module: Any) -> list[Any]:
