@@ -17,7 +17,7 @@ CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
 PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop"]
 SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint"]}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
-EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]"}
+EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "train-loop": "[plot]"}
 TEST_GROUPS = {
     "data-pack": ["object-store"],
     "checkpoint": ["object-store"],

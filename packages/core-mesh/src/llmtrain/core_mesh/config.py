@@ -180,47 +180,40 @@ def parse_override(text: str) -> tuple[PathParts, Any]:
 
 
 def apply_overrides(raw: Any, overrides: Iterable[str]) -> tuple[Any, dict[PathParts, str]]:
-    """Apply dotted overrides to parsed YAML; returns the new data and the overridden paths."""
+    """Apply dotted overrides to parsed YAML; returns the new data and, for each overridden
+    path, where it was set (`override 'a.b=1'`), for `structure(overridden=...)`."""
     raw = {} if raw is None else raw
     applied: dict[PathParts, str] = {}
     for text in overrides:
         path, value = parse_override(text)
-        node = raw
-        for i, part in enumerate(path[:-1]):
-            if isinstance(node, list) and isinstance(part, int) and part < len(node):
-                node = node[part]
-            elif isinstance(node, dict):
-                nxt = node.get(part)
-                if nxt is None:
-                    nxt = node[part] = {}
-                node = nxt
-            else:
-                raise ConfigError(
-                    [
-                        Problem(
-                            path[: i + 1],
-                            "cannot set a key inside this value",
-                            f"override {text!r}",
-                        )
-                    ]
-                )
-            if not isinstance(node, (dict, list)):
-                raise ConfigError(
-                    [
-                        Problem(
-                            path[: i + 1],
-                            "is not a mapping; cannot set a key inside it",
-                            f"override {text!r}",
-                        )
-                    ]
-                )
-        last = path[-1]
-        if isinstance(node, list):
-            if not isinstance(last, int) or last >= len(node):
-                raise ConfigError([Problem(path, "list index out of range", f"override {text!r}")])
-        node[last] = value
-        applied[path] = text
+        applied[path] = f"override {text!r}"
+        set_value(raw, path, value, where=applied[path])
     return raw, applied
+
+
+def set_value(raw: Any, path: PathParts, value: Any, *, where: str) -> None:
+    """Set `value` at `path` in parsed YAML, making mappings on the way; `where` names the
+    source of the change in errors (list indexes must exist)."""
+    node = raw
+    for i, part in enumerate(path[:-1]):
+        if isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        elif isinstance(node, dict):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            node = nxt
+        else:
+            raise ConfigError([Problem(path[: i + 1], "cannot set a key inside this value", where)])
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(
+                [Problem(path[: i + 1], "is not a mapping; cannot set a key inside it", where)]
+            )
+    last = path[-1]
+    if isinstance(node, list):
+        if not isinstance(last, int) or last >= len(node):
+            raise ConfigError([Problem(path, "list index out of range", where)])
+    node[last] = value
 
 
 # -- the kind-selected component ---------------------------------------------------------------
@@ -479,9 +472,9 @@ def structure(
 def _locate(
     problem: Problem, raw: Any, source: str | None, overridden: Mapping[PathParts, str]
 ) -> Problem:
-    for path, text in overridden.items():
+    for path, where in overridden.items():
         if problem.path[: len(path)] == path:
-            return attrs.evolve(problem, where=f"override {text!r}")
+            return attrs.evolve(problem, where=where)
     line = _line_of(raw, problem.path)
     if source is None:
         return problem

@@ -1,6 +1,6 @@
 """train-loop's plugin (entry point `train_loop`): the run-level commands (`run`, `eval`,
-`generate`, `quickstart`, `config`), the optimizers, lr schedules and loggers. Loading it
-imports no torch."""
+`generate`, `quickstart`, `config`, `sweep`, `compare`, `plot`), the optimizers, lr schedules
+and loggers. Loading it imports no torch."""
 
 from __future__ import annotations
 
@@ -17,7 +17,16 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
-from llmtrain.train_loop import commands, loggers, optim, quickstart, schedules
+from llmtrain.train_loop import (
+    commands,
+    compare,
+    loggers,
+    optim,
+    plot,
+    quickstart,
+    schedules,
+    sweep,
+)
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
 
@@ -95,6 +104,31 @@ def llmtrain_commands(register):
             help="make data, pack it, train a tiny model on CPU, evaluate and sample",
             configure=quickstart.configure,
             run=quickstart.run,
+        ),
+    )
+    register(
+        "sweep",
+        Command(
+            help="an ablation: expand a grid of overrides into runs and run them (or print / "
+            "write a SLURM array)",
+            configure=sweep.configure,
+            run=sweep.run,
+        ),
+    )
+    register(
+        "compare",
+        Command(
+            help="a table of runs or sweeps: what varies, eval loss, tokens/s, MFU, wall time",
+            configure=compare.configure,
+            run=compare.run,
+        ),
+    )
+    register(
+        "plot",
+        Command(
+            help="loss curves of runs or sweeps (PNG/SVG; needs matplotlib)",
+            configure=plot.configure,
+            run=plot.run,
         ),
     )
 

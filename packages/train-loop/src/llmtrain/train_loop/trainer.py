@@ -7,6 +7,7 @@ resume → loggers. `train()` is the loop; `train_step()` is one optimizer step.
 
 from __future__ import annotations
 
+import json
 import math
 import queue
 import resource
@@ -237,7 +238,7 @@ class Trainer:
 
         # this rank's data order; checkpoint resume
         self.plan = BatchPlan(self.global_batch, self.model.data_world, self.model.data_rank)
-        self.counters = Values(step=0, tokens=0, skipped=0, consumed=0)
+        self.counters = Values(step=0, tokens=0, skipped=0, consumed=0, elapsed_s=0.0)
         self.checkpoints = Checkpointer(
             c.checkpoint.dir or str(self.run_dir / "checkpoints"),
             keep=KeepPolicy(last=c.checkpoint.keep_last, every=c.checkpoint.keep_every),
@@ -351,11 +352,26 @@ class Trainer:
 
     # --- the loop ---
     def train(self) -> int:
-        """Run to the target; returns the last step. Saves on preemption (SIGTERM/SIGUSR1)."""
+        """Run to the target; returns the last step. Saves on preemption (SIGTERM/SIGUSR1).
+        Rank 0 ends by writing `summary.json` (finished, stopped, failed or interrupted)."""
+        summary = self.run_dir / "summary.json"
+        if self.world.is_main:
+            summary.unlink(missing_ok=True)  # absent while running (or after a hard kill)
+        try:
+            step = self._train()
+        except BaseException as exc:
+            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            self._write_summary(status, error=f"{type(exc).__name__}: {exc}")
+            raise
+        self._write_summary("finished" if step >= self.total_steps else "stopped")
+        return step
+
+    def _train(self) -> int:
         c = self.config
         preemption = Preemption(device=self.device)
         data = Prefetcher(self.train_data, self.plan, self.step)
         window = {"time": time.perf_counter(), "wait": 0.0, "tokens": 0, "steps": 0}
+        started, elapsed = time.perf_counter(), float(self.counters["elapsed_s"])
         try:
             while self.step < self.total_steps:
                 waited = time.perf_counter()
@@ -367,6 +383,7 @@ class Trainer:
                 window["steps"] += 1
                 if c.data.eval and self.step % c.data.eval.every == 0:
                     metrics.update(self.evaluate())
+                self.counters["elapsed_s"] = elapsed + time.perf_counter() - started
                 log_now = self.step % c.training.log_every == 0 or self.step == self.total_steps
                 if log_now or "eval_loss" in metrics:
                     self._log(metrics, window)
@@ -390,6 +407,24 @@ class Trainer:
             data.close()
             preemption.restore()
             self.checkpoints.close()
+
+    def _write_summary(self, status: str, error: str | None = None) -> None:
+        """`summary.json` beside the metrics: how the run ended (sweeps skip finished runs)."""
+        if not self.world.is_main:
+            return
+        summary = {
+            "status": status,
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "tokens": self.step * self.global_batch * self.config.data.seq_len,
+            "wall_time_s": round(float(self.counters["elapsed_s"]), 3),
+            "world_size": self.world.world_size,
+            "error": error,
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.replace(self.run_dir / "summary.json")
 
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step over this rank's share of the global batch."""

@@ -1,0 +1,200 @@
+"""Reading finished (or running) runs back: a run directory holds `config.yaml` (the resolved
+config), `metrics.jsonl` and, once the run has ended, `summary.json`. `llmtrain compare` and
+`llmtrain plot` take run directories, sweep directories (with `manifest.json`) or any folder of
+runs; this module finds the runs, reads them and works out which settings differ."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from llmtrain.core_mesh.errors import UserError
+
+# keys that name where a run lives, not what it does
+PLACE_KEYS = ("name", "run_dir", "checkpoint.dir")
+SEED_KEYS = ("seed", "data.seed")
+
+
+@attrs.frozen
+class Run:
+    path: Path
+    config: dict[str, Any]
+    metrics: list[dict[str, Any]]
+    summary: dict[str, Any] | None
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The config flattened to dotted keys (lists by index)."""
+        return flatten(self.config)
+
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """(x values, values) of one metric over the logged steps that have it."""
+        points = [(m[x], m[key]) for m in self.metrics if key in m and x in m]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    @property
+    def status(self) -> str:
+        if self.summary is not None:
+            return str(self.summary.get("status", "unknown"))
+        return "incomplete" if self.metrics else "not started"
+
+    @property
+    def finished(self) -> bool:
+        return self.summary is not None and self.summary.get("status") == "finished"
+
+
+def read_run(path: str | Path) -> Run:
+    path = Path(path)
+    config_file = path / "config.yaml"
+    try:
+        config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise UserError(f"{path}: not a run directory (cannot read config.yaml: {exc})") from None
+    except yaml.YAMLError as exc:
+        raise UserError(f"{config_file}: not valid YAML ({exc})") from None
+    return Run(path, config, read_metrics(path / "metrics.jsonl"), read_summary(path))
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The logged lines in order; a half-written last line (a killed run) is left out."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "step" in row:
+            rows.append(row)
+    return rows
+
+
+def read_summary(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def find_runs(paths: Sequence[str | Path]) -> list[Run]:
+    """The runs named by `paths`: a run directory, a sweep (its manifest's runs, in order), or
+    a folder whose sub-folders are runs (sorted by name)."""
+    runs: list[Run] = []
+    seen: set[Path] = set()
+    for given in paths:
+        path = Path(given)
+        if not path.is_dir():
+            raise UserError(f"{path}: no such run or sweep directory")
+        if (path / "config.yaml").exists():
+            found = [path]
+        elif (path / "manifest.json").exists():
+            manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
+            found = [path / run["id"] for run in manifest.get("runs", [])]
+            found = [p for p in found if (p / "config.yaml").exists()]
+        else:
+            found = sorted(p for p in path.iterdir() if (p / "config.yaml").exists())
+        if not found:
+            raise UserError(
+                f"{path}: holds no runs (a run directory has config.yaml; a sweep manifest.json)"
+            )
+        for run_path in found:
+            if run_path.resolve() not in seen:
+                seen.add(run_path.resolve())
+                runs.append(read_run(run_path))
+    return runs
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": [1, {"c": 2}]}} -> {"a.b.0": 1, "a.b.1.c": 2}."""
+    if isinstance(value, dict) and value:
+        out: dict[str, Any] = {}
+        for key, sub in value.items():
+            out.update(flatten(sub, f"{prefix}{key}."))
+        return out
+    if isinstance(value, list) and value:
+        out = {}
+        for i, sub in enumerate(value):
+            out.update(flatten(sub, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: value}
+
+
+def varied_keys(runs: Sequence[Run]) -> list[str]:
+    """Dotted keys whose value differs between the runs (where they live excluded), in config
+    order, the seeds last."""
+    flat = [run.settings for run in runs]
+    keys = list(dict.fromkeys(k for f in flat for k in f))
+    missing = object()
+    varied = [
+        k
+        for k in keys
+        if not k.startswith(PLACE_KEYS) and len({_key(f.get(k, missing)) for f in flat}) > 1
+    ]
+    return [k for k in varied if k not in SEED_KEYS] + [k for k in varied if k in SEED_KEYS]
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=repr)
+
+
+def short_keys(keys: Iterable[str]) -> dict[str, str]:
+    """Each dotted key's shortest trailing part that no other key ends with:
+    model.n_layers -> n_layers, but data.train.0.weight and data.train.1.weight keep 0./1."""
+    keys = list(keys)
+    short = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = ".".join(parts[-n:])
+            if not any(
+                other != key and (other == tail or other.endswith("." + tail)) for other in keys
+            ):
+                break
+        short[key] = tail
+    return short
+
+
+def shown(value: Any) -> str:
+    """A compact text for a setting's value: 0.0003, 4, [0.2, 0.8] -> 0.2-0.8."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}" if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return "-".join(shown(v) for v in value)
+    if isinstance(value, dict):
+        return "-".join(f"{k}:{shown(v)}" for k, v in value.items())
+    return "null" if value is None else str(value)
+
+
+def label(settings: dict[str, Any], short: dict[str, str]) -> str:
+    return " ".join(f"{short.get(k, k)}={shown(v)}" for k, v in settings.items()) or "base"
+
+
+def group_by_settings(runs: Sequence[Run], keys: Sequence[str]) -> list[tuple[dict, list[Run]]]:
+    """Runs that differ only in their seeds, together (first-seen order)."""
+    groups: dict[str, tuple[dict, list[Run]]] = {}
+    for run in runs:
+        flat = run.settings
+        settings = {k: flat.get(k) for k in keys if k not in SEED_KEYS}
+        groups.setdefault(_key(settings), (settings, []))[1].append(run)
+    return list(groups.values())
+
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._=+,-]+")
+
+
+def safe_name(text: str) -> str:
+    return _UNSAFE.sub("_", text).strip("_") or "base"

@@ -1,0 +1,563 @@
+"""`llmtrain sweep`: an ablation as one command.
+
+A base config and axes (`--grid KEY=V1,V2` crossed with each other, `--zip KEY=V1,V2` stepped
+together, `--seeds N`) expand into runs. Every run gets its own resolved config in
+`<dir>/<sweep>/<run-id>/config.yaml` (reproducible alone: `llmtrain run` on it resumes or repeats
+it) and the sweep a `manifest.json`. All configs are checked before anything runs. Then the runs
+go one after another here, or their torchrun commands are printed, or a SLURM job-array script
+is written. A run whose `summary.json` says finished is skipped; one with checkpoints resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import itertools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import yaml
+
+from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.config import (
+    ConfigError,
+    ConfigValueError,
+    Problem,
+    dump_config,
+    make_converter,
+    parse_yaml,
+    set_value,
+    structure,
+)
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.train_loop.run_config import RunConfig, resolved
+from llmtrain.train_loop.runs import flatten, read_summary, safe_name, short_keys, shown
+
+WEIGHTS = "data.weights"  # one list per run: the weight of each dataset in data.train, in order
+MAX_ID = 100
+
+
+@attrs.frozen
+class Axis:
+    """Keys that step together (one key for --grid, all --zip keys for the zip axis)."""
+
+    keys: tuple[str, ...]
+    rows: list[tuple[Any, ...]]
+    flags: tuple[str, ...]  # the command-line text of each key, for errors
+
+
+@attrs.frozen
+class PlannedRun:
+    id: str
+    settings: dict[str, Any]
+    config: RunConfig
+    text: str  # the resolved config as written
+
+    def path(self, sweep_dir: Path) -> Path:
+        return sweep_dir / self.id
+
+
+def parse_axis_values(text: str, flag: str) -> tuple[str, list[Any]]:
+    """`model.n_layers=2,4,8` -> ("model.n_layers", [2, 4, 8]). Values are YAML, so lists and
+    quoted strings work: `data.weights=[0.2,0.8],[0.5,0.5]`."""
+    key, sep, values = text.partition("=")
+    key = key.strip()
+    where = f"{flag} {text!r}"
+    if not sep or not key or not values.strip():
+        raise UserError(f"{where}: write it as key.path=value1,value2,...")
+    if any(part == "" for part in key.split(".")):
+        raise UserError(f"{where}: empty key in the dotted path")
+    try:
+        parsed = parse_yaml(f"[{values}]", where)
+    except ConfigError as exc:
+        raise UserError(
+            f"{where}: the values are not a YAML list ({exc.problems[0].message})"
+        ) from None
+    if not isinstance(parsed, list) or not parsed:
+        raise UserError(f"{where}: give at least one value after '='")
+    if len({json.dumps(v, sort_keys=True, default=repr) for v in parsed}) < len(parsed):
+        raise UserError(f"{where}: a value is given twice")
+    return key, [_plain(v) for v in parsed]
+
+
+def _plain(value: Any) -> Any:
+    """Parsed YAML (dict/list subclasses that remember lines) as plain data."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def axes_from(grid: Sequence[str], zipped: Sequence[str], seeds: int | None) -> list[Axis]:
+    axes, keys = [], set()
+
+    def claim(key: str, flag: str) -> None:
+        if key in keys:
+            raise UserError(f"{flag}: {key} is swept twice")
+        keys.add(key)
+
+    for text in grid:
+        key, values = parse_axis_values(text, "--grid")
+        claim(key, f"--grid {text!r}")
+        axes.append(Axis((key,), [(v,) for v in values], (f"--grid {text!r}",)))
+    if zipped:
+        parsed = [parse_axis_values(text, "--zip") for text in zipped]
+        lengths = {len(values) for _, values in parsed}
+        if len(lengths) > 1:
+            sizes = ", ".join(f"{key} has {len(values)}" for key, values in parsed)
+            raise UserError(f"--zip: the zipped lists must have the same length: {sizes}")
+        for (key, _), text in zip(parsed, zipped, strict=True):
+            claim(key, f"--zip {text!r}")
+        axes.append(
+            Axis(
+                tuple(key for key, _ in parsed),
+                list(zip(*(values for _, values in parsed), strict=True)),
+                tuple(f"--zip {text!r}" for text in zipped),
+            )
+        )
+    if seeds is not None:
+        if seeds < 1:
+            raise UserError(f"--seeds must be at least 1, got {seeds}")
+        claim("seed", "--seeds")
+        axes.append(Axis(("seed",), [(s,) for s in range(seeds)], (f"--seeds {seeds}",)))
+    return axes
+
+
+def expand(axes: Sequence[Axis]) -> list[dict[str, Any]]:
+    """The product of the axes, the last varying fastest: one {key: value} per run."""
+    runs = []
+    for combo in itertools.product(*(axis.rows for axis in axes)):
+        settings: dict[str, Any] = {}
+        for axis, row in zip(axes, combo, strict=True):
+            settings.update(zip(axis.keys, row, strict=True))
+        runs.append(settings)
+    return runs
+
+
+def run_ids(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """Readable ids from what varies (`n_layers=4,lr=0.001,seed=0`); long or clashing ones get
+    a hash of their settings."""
+    keys = list(dict.fromkeys(k for settings in runs for k in settings))
+    short = short_keys(keys)
+    ids = []
+    for settings in runs:
+        text = ",".join(f"{short[k]}={shown(v)}" for k, v in settings.items())
+        ids.append(safe_name(text) if text else "base")
+    clashing = {run_id for run_id in ids if ids.count(run_id) > 1}
+    for i, (run_id, settings) in enumerate(zip(list(ids), runs, strict=True)):
+        if len(run_id) > MAX_ID or run_id in clashing:
+            digest = hashlib.sha256(
+                json.dumps(settings, sort_keys=True, default=repr).encode()
+            ).hexdigest()[:8]
+            ids[i] = f"{run_id[: MAX_ID - 9]}-{digest}"
+    return ids
+
+
+def plan(
+    base: str,
+    axes: Sequence[Axis],
+    *,
+    name: str,
+    sweep_dir: Path,
+    plugins: Any,
+    world_size: int,
+) -> list[PlannedRun]:
+    """Every run's resolved config, all checked; one ConfigError lists every problem."""
+    try:
+        text = Path(base).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([Problem((), f"cannot read the config file: {exc}")], base) from None
+    base_raw = parse_yaml(text, base) or {}
+    if not isinstance(base_raw, dict):
+        raise ConfigError([Problem((), "a run config is a mapping")], base)
+    flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
+    all_settings = expand(axes)
+    ids = run_ids(all_settings)
+    converter = make_converter(plugins)
+    problems: dict[str, Problem] = {}
+    planned = []
+    for run_id, settings in zip(ids, all_settings, strict=True):
+        raw = copy.deepcopy(base_raw)
+        overridden: dict[tuple, str] = {}
+        try:
+            for key, value in settings.items():
+                for path, item in _assignments(raw, key, value, flags[key]):
+                    set_value(raw, path, copy.deepcopy(item), where=flags[key])
+                    overridden[path] = flags[key]
+            _place(raw, run_id, sweep_dir)
+            config = structure(raw, RunConfig, plugins=plugins, source=base, overridden=overridden)
+            config = resolved(config, plugins)
+            _check_layout(config, world_size, base)
+        except ConfigError as exc:
+            for problem in exc.problems:
+                problems.setdefault(str(problem), problem)
+            continue
+        planned.append(
+            PlannedRun(run_id, settings, config, dump_config(config, converter=converter))
+        )
+    if problems:
+        raise ConfigError(list(problems.values()), f"sweep {name} (base {base})")
+    return planned
+
+
+def _assignments(raw: dict, key: str, value: Any, flag: str) -> list[tuple[tuple, Any]]:
+    """(path, value) pairs a swept key sets; `data.weights` sets each dataset's weight."""
+    if key != WEIGHTS:
+        return [(tuple(int(p) if p.isdigit() else p for p in key.split(".")), value)]
+    train = raw.get("data", {}).get("train") if isinstance(raw.get("data"), dict) else None
+    if not isinstance(train, list) or not train:
+        raise ConfigError([Problem(("data", "train"), "no dataset list to weight", flag)])
+    if not isinstance(value, list) or len(value) != len(train):
+        raise ConfigError(
+            [
+                Problem(
+                    ("data", "weights"),
+                    f"each value must list {len(train)} weights (one per data.train entry), "
+                    f"got {value!r}",
+                    flag,
+                )
+            ]
+        )
+    return [(("data", "train", i, "weight"), weight) for i, weight in enumerate(value)]
+
+
+def _place(raw: dict, run_id: str, sweep_dir: Path) -> None:
+    """Each run lives in <sweep dir>/<run id>; a shared checkpoint.dir gets the same suffix."""
+    raw["name"] = run_id
+    raw["run_dir"] = str(sweep_dir)
+    checkpoint = raw.get("checkpoint")
+    if isinstance(checkpoint, dict) and checkpoint.get("dir"):
+        checkpoint["dir"] = f"{str(checkpoint['dir']).rstrip('/')}/{sweep_dir.name}/{run_id}"
+
+
+def _check_layout(config: RunConfig, world_size: int, source: str) -> None:
+    try:
+        dp = config.mesh.resolve(world_size).dp
+    except MeshError as exc:
+        raise ConfigError([Problem(("mesh",), str(exc), source)], source) from None
+    try:
+        config.data.batch_sizes(dp)
+    except ConfigValueError as exc:
+        raise ConfigError([Problem(("data", exc.field), str(exc), source)], source) from None
+
+
+# --- writing the sweep ---
+
+
+def write(planned: Sequence[PlannedRun], sweep_dir: Path, meta: dict[str, Any]) -> None:
+    """Each run's config.yaml (kept if the run exists with the same config; a run that exists
+    with another config is an error, before anything is written) and manifest.json."""
+    clashes = []
+    for run in planned:
+        existing = run.path(sweep_dir) / "config.yaml"
+        if existing.exists():
+            old = flatten(yaml.safe_load(existing.read_text(encoding="utf-8")) or {})
+            new = flatten(yaml.safe_load(run.text))
+            changed = [k for k in dict.fromkeys([*old, *new]) if old.get(k) != new.get(k)]
+            if changed:
+                clashes.append(f"{run.id} (differs in {', '.join(changed[:5])})")
+    if clashes:
+        raise UserError(
+            f"sweep {sweep_dir} already has runs with other configs: {'; '.join(clashes)}. "
+            "The base config or a value changed since; give the sweep another --name, or delete "
+            "those runs"
+        )
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    for run in planned:
+        path = run.path(sweep_dir)
+        path.mkdir(exist_ok=True)
+        if not (path / "config.yaml").exists():
+            _atomic_write(path / "config.yaml", run.text)
+    manifest_file = sweep_dir / "manifest.json"
+    entries: dict[str, dict[str, Any]] = {}
+    if manifest_file.exists():
+        for entry in json.loads(manifest_file.read_text(encoding="utf-8")).get("runs", []):
+            entries[entry["id"]] = entry
+    for run in planned:
+        entries[run.id] = {"id": run.id, "settings": run.settings}
+    varied = list(dict.fromkeys(k for e in entries.values() for k in e["settings"]))
+    manifest = {**meta, "varied": varied, "runs": list(entries.values())}
+    _atomic_write(manifest_file, json.dumps(manifest, indent=1) + "\n")
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+# --- launching ---
+
+
+def run_command(config: Path, nproc: int, *, executable: bool) -> list[str]:
+    """`llmtrain run CONFIG --resume`, under torchrun for several processes. `executable`: with
+    this Python (`-m`), for running here; else the console scripts, for printing."""
+    if nproc == 1:
+        head = [sys.executable, "-m", "llmtrain"] if executable else ["llmtrain"]
+    else:
+        torchrun = [sys.executable, "-m", "torch.distributed.run"] if executable else ["torchrun"]
+        head = [*torchrun, "--standalone", f"--nproc-per-node={nproc}", "-m", "llmtrain"]
+    return [*head, "run", str(config), "--resume"]
+
+
+def slurm_script(
+    name: str,
+    configs: Sequence[Path],
+    *,
+    nodes: int,
+    nproc: int,
+    options: Sequence[str],
+    max_parallel: int | None,
+    sweep_dir: Path,
+) -> str:
+    """A job array: task i runs configs[i] with torchrun on `nodes` nodes; preempted or
+    requeued tasks resume from their checkpoints."""
+    throttle = f"%{max_parallel}" if max_parallel else ""
+    lines = [
+        "#!/bin/bash",
+        f"# llmtrain sweep {name}: {len(configs)} runs, one array task each",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --array=0-{len(configs) - 1}{throttle}",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={sweep_dir}/slurm-%A_%a.out",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
+    ]
+    for option in options:
+        key, sep, value = option.partition("=")
+        lines.append(f"#SBATCH --{key.lstrip('-')}{'=' + value if sep else ''}")
+    lines += [
+        "set -euo pipefail",
+        f"cd {shlex.quote(str(Path.cwd()))}",
+        "CONFIGS=(",
+        *(f"  {shlex.quote(str(c))}" for c in configs),
+        ")",
+        'CONFIG="${CONFIGS[$SLURM_ARRAY_TASK_ID]}"',
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "# 5 minutes before the time limit: SIGTERM reaches every rank through srun and torchrun,",
+        "# each finishes its step, saves and exits; the task is requeued and resumes from there",
+        "on_usr1() {",
+        '    kill -TERM "$pid"; wait "$pid" || true',
+        '    scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+        "}",
+        "trap on_usr1 USR1",
+        "srun --kill-on-bad-exit=1 torchrun \\",
+        f'    --nnodes="$SLURM_NNODES" --nproc-per-node={nproc} \\',
+        '    --rdzv-backend=c10d --rdzv-endpoint="$head:29500" \\',
+        '    --rdzv-id="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" \\',
+        '    -m llmtrain run "$CONFIG" --resume &',
+        "pid=$!",
+        'wait "$pid"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _last_error(log_file: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no output"
+    lines = [ln for ln in lines if ln]
+    for line in reversed(lines):
+        if line.startswith("error:"):
+            return line[len("error:") :].strip()
+    return lines[-1] if lines else "no output"
+
+
+def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list[tuple[str, str]]:
+    """Run the unfinished runs one after another; returns (run id, why) of the failed ones."""
+    failed = []
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    for i, run in enumerate(planned, 1):
+        path = run.path(sweep_dir)
+        prefix = f"[{i}/{len(planned)}] {run.id}"
+        summary = read_summary(path)
+        if summary is not None and summary.get("status") == "finished":
+            say(f"{prefix}: finished before, skipped")
+            continue
+        resuming = (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir())
+        log_file = path / "output.log"
+        say(f"{prefix}: {'resuming' if resuming else 'running'} (output: {log_file})")
+        started = time.perf_counter()
+        command = run_command(path / "config.yaml", nproc, executable=True)
+        with log_file.open("a", encoding="utf-8") as out:
+            out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
+            out.flush()
+            proc = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code = proc.wait()
+            except KeyboardInterrupt:
+                # the run saves a checkpoint on SIGTERM; the next `llmtrain sweep` resumes it
+                say(f"{prefix}: interrupted; stopping the run (it saves, then exits)")
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+                raise
+        seconds = time.perf_counter() - started
+        summary = read_summary(path)
+        if code == 0 and summary is not None and summary.get("status") == "finished":
+            say(f"{prefix}: finished in {seconds:.0f} s{_result(path)}")
+        else:
+            why = (summary or {}).get("error") or _last_error(log_file)
+            if summary is None or summary.get("status") != "failed":
+                # failed before training started (or killed): say so where compare looks
+                record = {"status": "failed", "step": 0, "error": why, "exit_code": code}
+                _atomic_write(path / "summary.json", json.dumps(record, indent=1) + "\n")
+            failed.append((run.id, f"exit code {code}: {why}"))
+            say(f"{prefix}: FAILED (exit code {code}) after {seconds:.0f} s: {why}")
+    return failed
+
+
+def _result(path: Path) -> str:
+    from llmtrain.train_loop.runs import read_metrics
+
+    evals = [m["eval_loss"] for m in read_metrics(path / "metrics.jsonl") if "eval_loss" in m]
+    return f", eval loss {evals[-1]:.4f}" if evals else ""
+
+
+# --- the command ---
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="the base run config (YAML)")
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="sweep a key over values; several --grid are crossed (data.weights=[..],[..] sets "
+        "the mixture weights)",
+    )
+    parser.add_argument(
+        "--zip",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="keys stepped together (same number of values), crossed with the --grid axes",
+    )
+    parser.add_argument("--seeds", type=int, default=None, help="repeat each run with seeds 0..N-1")
+    parser.add_argument("--name", default=None, help="sweep name (default: the base config's name)")
+    parser.add_argument("--dir", default="sweeps", help="where sweeps go (default: sweeps)")
+    parser.add_argument(
+        "--launch",
+        choices=("here", "print", "slurm"),
+        default="here",
+        help="here: run one after another in this shell (default); print: print the commands; "
+        "slurm: write a job-array script",
+    )
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=1, help="processes per run (torchrun when > 1)"
+    )
+    parser.add_argument("--nodes", type=int, default=1, help="nodes per run (slurm)")
+    parser.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="an extra #SBATCH line, e.g. --slurm partition=gpu --slurm time=04:00:00",
+    )
+    parser.add_argument(
+        "--max-parallel", type=int, default=None, help="slurm: at most this many runs at once"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check and list the runs; write and run nothing"
+    )
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.nproc_per_node < 1 or args.nodes < 1:
+        raise UserError("--nproc-per-node and --nodes must be at least 1")
+    if args.nodes > 1 and args.launch != "slurm":
+        raise UserError("--nodes > 1 needs --launch slurm (a run here or printed is one node)")
+    axes = axes_from(args.grid, args.zip, args.seeds)
+    name = args.name or _base_name(args.config)
+    if not name or "/" in name:
+        raise UserError(f"--name must be a name without '/', got {name!r}")
+    sweep_dir = (Path(args.dir) / name).resolve()
+    world = args.nproc_per_node * args.nodes
+    planned = plan(
+        args.config, axes, name=name, sweep_dir=sweep_dir, plugins=ctx.plugins, world_size=world
+    )
+    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
+    if args.dry_run:
+        for run in planned:
+            print(run.id)
+        return 0
+    meta = {
+        "name": name,
+        "base": str(Path(args.config).resolve()),
+        "command": shlex.join(["llmtrain", "sweep", *sys.argv[2:]]) if sys.argv[1:2] else "",
+        "axes": [{"keys": list(a.keys), "values": [list(r) for r in a.rows]} for a in axes],
+    }
+    write(planned, sweep_dir, meta)
+    pending = [r for r in planned if not _finished(r.path(sweep_dir))]
+    if args.launch == "print":
+        for run in pending:
+            print(
+                shlex.join(
+                    run_command(run.path(sweep_dir) / "config.yaml", world, executable=False)
+                )
+            )
+        say(f"{len(planned) - len(pending)} finished, {len(pending)} to run")
+        return 0
+    if args.launch == "slurm":
+        if not pending:
+            say("every run has finished; no script written")
+            return 0
+        script = sweep_dir / "sweep.sbatch"
+        _atomic_write(
+            script,
+            slurm_script(
+                name,
+                [r.path(sweep_dir) / "config.yaml" for r in pending],
+                nodes=args.nodes,
+                nproc=args.nproc_per_node,
+                options=args.slurm,
+                max_parallel=args.max_parallel,
+                sweep_dir=sweep_dir,
+            ),
+        )
+        say(f"{len(pending)} runs to go ({len(planned) - len(pending)} finished); submit with:")
+        print(f"sbatch {shlex.quote(str(script))}")
+        return 0
+    failed = run_here(planned, sweep_dir, args.nproc_per_node)
+    done = len(planned) - len(failed)
+    if failed:
+        say(f"sweep {name}: {done} of {len(planned)} runs finished; {len(failed)} failed:")
+        for run_id, why in failed:
+            say(f"  {run_id}: {why}")
+        say("fix the cause and run the same `llmtrain sweep` again: finished runs are skipped")
+        return 1
+    say(
+        f"sweep {name}: all {len(planned)} runs finished; compare with: llmtrain compare {sweep_dir}"
+    )
+    return 0
+
+
+def _finished(path: Path) -> bool:
+    summary = read_summary(path)
+    return summary is not None and summary.get("status") == "finished"
+
+
+def _base_name(config: str) -> str:
+    try:
+        raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        raw = None
+    name = raw.get("name") if isinstance(raw, dict) else None
+    return str(name) if name else Path(config).stem
