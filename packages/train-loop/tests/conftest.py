@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from shared_fixtures import run_cli  # noqa: F401
 
 from llmtrain.core_mesh.plugins import PluginManager
 

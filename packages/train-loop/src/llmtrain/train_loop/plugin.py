@@ -20,10 +20,12 @@ from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.train_loop import (
     commands,
     compare,
+    estimate,
     loggers,
     optim,
     plot,
     quickstart,
+    reports,
     schedules,
     sweep,
 )
@@ -113,6 +115,30 @@ def llmtrain_commands(register):
             "write a SLURM array)",
             configure=sweep.configure,
             run=sweep.run,
+        ),
+    )
+    register(
+        "estimate",
+        Command(
+            help="memory per rank for a config and world size, without allocating it",
+            configure=estimate.configure,
+            run=estimate.run,
+        ),
+    )
+    register(
+        "profile",
+        Command(
+            help="the top operators by self time in a run's profiler trace",
+            configure=reports.configure_profile,
+            run=reports.run_profile,
+        ),
+    )
+    register(
+        "ranks",
+        Command(
+            help="per-rank step time, data and sync wait, memory: which rank is the slowest",
+            configure=reports.configure_ranks,
+            run=reports.run_ranks,
         ),
     )
     register(

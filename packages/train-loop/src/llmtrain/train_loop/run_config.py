@@ -159,6 +159,54 @@ class CheckpointConfig:
     storage_options: dict[str, str] = attrs.Factory(dict)
 
 
+@attrs.frozen(kw_only=True)
+class ProfileConfig:
+    """torch.profiler windows: every `every` steps, `warmup` steps run under the profiler
+    unrecorded, then `active` steps are recorded into one Chrome/Perfetto trace per rank
+    (`<run dir>/profiles/step-N/rank<k>.json`). Steps outside a window run without it."""
+
+    every: int = attrs.field(default=100, validator=_positive)
+    active: int = attrs.field(default=2, validator=_positive)
+    warmup: int = attrs.field(default=1, validator=_non_negative)
+    ranks: list[int] | None = None  # default: every rank
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.warmup + self.active > self.every:
+            raise ConfigValueError(
+                "every",
+                f"a window of warmup {self.warmup} + active {self.active} steps does not fit "
+                f"in every {self.every} steps",
+            )
+
+
+@attrs.frozen(kw_only=True)
+class WatchdogConfig:
+    """A step slower than `multiple` x the median of the recent steps (and at least
+    `min_seconds`) makes every rank write its Python stacks to its log. Until `warmup_steps`
+    steps have run, and during eval and saves, the limit is `startup_seconds`."""
+
+    enabled: bool = True
+    multiple: float = attrs.field(default=10.0, validator=_non_negative)
+    min_seconds: float = attrs.field(default=60.0, validator=_non_negative)
+    warmup_steps: int = attrs.field(default=3, validator=_positive)
+    startup_seconds: float = attrs.field(default=900.0, validator=_non_negative)
+
+
+@attrs.frozen(kw_only=True)
+class DebugConfig:
+    # torch.use_deterministic_algorithms and every seed: bitwise repeatable on one machine;
+    # slower kernels on GPU, and ops without a deterministic kernel raise
+    deterministic: bool = False
+    watchdog: WatchdogConfig = attrs.Factory(WatchdogConfig)
+    # CUDA: record every allocation's stack for the out-of-memory snapshot (slows allocation)
+    memory_history: bool = False
+    # NCCL: keep a ring of recent collectives and dump it on a timeout (off: no trace on hangs)
+    flight_recorder: bool = True
+
+
 def _default_parallel():
     return Choice.of("parallel")(kind="default")
 
@@ -185,6 +233,8 @@ class RunConfig:
     parallel: Choice.of("parallel") = attrs.Factory(_default_parallel)  # type: ignore[valid-type]
     training: TrainingConfig
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
+    profile: ProfileConfig | None = None
+    debug: DebugConfig = attrs.Factory(DebugConfig)
 
 
 def resolved(config: RunConfig, plugins: Any) -> RunConfig:

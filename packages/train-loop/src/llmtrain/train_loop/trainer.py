@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import queue
-import resource
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from llmtrain.core_mesh.world import (
 )
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.sampling import BatchPlan
+from llmtrain.train_loop import observe
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 from llmtrain.train_loop.run_config import RunConfig, resolved
 from llmtrain.train_loop.schedules import WarmupOptions, constant
@@ -69,12 +69,6 @@ def model_info(plugins: PluginManager, choice: Any) -> dict[str, Any]:
     """The model section as plain data (stored in checkpoints to rebuild the model)."""
     options = options_of(plugins, "model", choice)
     return {"kind": choice.kind, **(unstructure(options) if options is not None else {})}
-
-
-def peak_memory_mib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 class Prefetcher:
@@ -176,6 +170,8 @@ class Trainer:
         epochs = self.total_steps * self.global_batch / len(self.train_data)
 
         # process group, logs, seeds; from here on a failure also stops the process group
+        if self.device_type == "cuda":
+            observe.flight_recorder_env(c.debug, self.run_dir / "logs")
         self.device = init_distributed(self.world, self.device_type)
         try:
             self._build(spec, epochs, tokens_per_step, console, resume)
@@ -210,7 +206,8 @@ class Trainer:
                 message=f"{self.total_steps} steps read {epochs:.2f} epochs of the training data "
                 f"({len(self.train_data)} windows); samples repeat in a new order each epoch",
             )
-        torch.manual_seed(c.seed)
+        observe.seed_everything(c.seed, c.debug)
+        observe.start_memory_history(self.device, c.debug)
 
         # the model: parallelize on the meta device, then allocate and initialise
         mesh = build_device_mesh(spec, self.device_type)
@@ -278,6 +275,9 @@ class Trainer:
             self.sinks = [build(plugins, "logger", choice, run) for choice in c.loggers]
         self.flops_per_token = self.description.flops_per_token(c.data.seq_len)
         self.peak_flops = self._peak_flops()
+        self.sync_wait = 0.0
+        self.profiler = observe.StepProfiler(c.profile, self.run_dir, self.world.rank, self.device)
+        self.watchdog = observe.Watchdog(c.debug.watchdog, self.run_dir / "logs", self.world.rank)
 
     # --- setup helpers ---
     def _open(self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None):
@@ -359,6 +359,9 @@ class Trainer:
             summary.unlink(missing_ok=True)  # absent while running (or after a hard kill)
         try:
             step = self._train()
+        except torch.OutOfMemoryError as exc:
+            self._write_summary("failed", error=f"OutOfMemoryError: {exc}")
+            raise self._out_of_memory(exc) from None
         except BaseException as exc:
             status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
             self._write_summary(status, error=f"{type(exc).__name__}: {exc}")
@@ -374,15 +377,21 @@ class Trainer:
         started, elapsed = time.perf_counter(), float(self.counters["elapsed_s"])
         try:
             while self.step < self.total_steps:
+                self.watchdog.start("step", self.step + 1)
+                self.profiler.before_step(self.step + 1, self.total_steps)
                 waited = time.perf_counter()
                 data_step, batch = data.next()
                 window["wait"] += time.perf_counter() - waited
                 assert data_step == self.step, (data_step, self.step)
                 metrics = self.train_step(batch)
+                self.profiler.after_step()
+                self.watchdog.end()
                 window["tokens"] += self.global_batch * c.data.seq_len
                 window["steps"] += 1
                 if c.data.eval and self.step % c.data.eval.every == 0:
+                    self.watchdog.start("eval", self.step)
                     metrics.update(self.evaluate())
+                    self.watchdog.end()
                 self.counters["elapsed_s"] = elapsed + time.perf_counter() - started
                 log_now = self.step % c.training.log_every == 0 or self.step == self.total_steps
                 if log_now or "eval_loss" in metrics:
@@ -404,9 +413,30 @@ class Trainer:
                 self.save(blocking=True)
             return self.step
         finally:
+            self.watchdog.end()
+            self.profiler.close()
             data.close()
             preemption.restore()
             self.checkpoints.close()
+
+    def _out_of_memory(self, exc: BaseException) -> UserError:
+        where = ""
+        if self.device.type == "cuda":
+            path = self.run_dir / "memory" / f"oom-step{self.step + 1}-rank{self.world.rank}.pickle"
+            if observe.dump_memory_snapshot(path) is not None:
+                where = (
+                    f" A memory snapshot is in {path} (drag it into https://pytorch.org/memory_viz"
+                )
+                if not self.config.debug.memory_history:
+                    where += (
+                        "; set debug.memory_history: true to record where each block was allocated"
+                    )
+                where += ")."
+        return UserError(
+            f"rank {self.world.rank}: out of memory in step {self.step + 1} ({exc}).{where} "
+            "Lower data.micro_batch, turn on parallel.activation_checkpointing, shard more "
+            "(mesh.dp_shard, tp), and compare with `llmtrain estimate`"
+        )
 
     def _write_summary(self, status: str, error: str | None = None) -> None:
         """`summary.json` beside the metrics: how the run ended (sweeps skip finished runs)."""
@@ -434,13 +464,16 @@ class Trainer:
         doc_starts = None
         if self.doc_masking:
             doc_starts = torch.from_numpy(batch["doc_starts"]).to(self.device)
-        count = self.model.sum_over_data((targets != IGNORE).sum().float())
+        # the first collective of the step: ranks that got here early wait for the slowest
+        waited = time.perf_counter()
+        count = self.model.sum_over_data((targets != IGNORE).sum().float()).item()
+        self.sync_wait += time.perf_counter() - waited
         lr_factor = self.lr_factor(self.step)
         for opt in self._all_optimizers():
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_factor
         local = self.model.forward_backward(
-            inputs, targets, self.loss_fn, scale=1.0 / count.item(), doc_starts=doc_starts
+            inputs, targets, self.loss_fn, scale=1.0 / count, doc_starts=doc_starts
         )
         loss = (self.model.sum_over_data(local) / count).item()
         grad_norm = self.model.clip_grad_norm_(c.training.max_grad_norm)
@@ -502,7 +535,9 @@ class Trainer:
 
     def save(self, *, blocking: bool | None = None) -> None:
         """Save this step (in the background when checkpoint.async_save; `blocking` overrides)."""
+        self.watchdog.start("save", self.step)
         self.checkpoints.save(self.step, self.state, info=self.info, blocking=blocking)
+        self.watchdog.end()
         self.saved_step = self.step
 
     def _log(self, metrics: dict[str, float], window: dict[str, float]) -> None:
@@ -515,12 +550,25 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "step_time_s": elapsed / max(window["steps"], 1),
             "data_wait": window["wait"] / elapsed,
-            "peak_memory_mib": peak_memory_mib(self.device),
+            "sync_wait": self.sync_wait / elapsed,
+            **observe.memory_mib(self.device),
         }
+        self.sync_wait = 0.0
         if self.peak_flops:
             world = self.world.world_size
             metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * world)
+        # this rank's own numbers go to its JSON log; the metrics get the worst rank's
         log.debug("step", step=self.step, **{k: round(v, 6) for k, v in metrics.items()})
+        if self.world.world_size > 1:
+            ranks = observe.gather_floats(
+                [metrics[k] for k in ("step_time_s", "data_wait", "sync_wait", "peak_memory_mib")],
+                self.device,
+            )
+            # the others wait for the slowest rank, so it is the one that waits least
+            slowest = min(range(len(ranks)), key=lambda r: ranks[r][2])
+            metrics["slowest_rank"] = slowest
+            metrics["data_wait_max"] = max(r[1] for r in ranks)
+            metrics["peak_memory_mib"] = max(r[3] for r in ranks)
         for sink in self.sinks:
             sink.log(self.step, metrics)
         window.update(time=now, wait=0.0, tokens=0, steps=0)
@@ -528,6 +576,7 @@ class Trainer:
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
+        self.watchdog.close()
         shutdown_distributed()
 
 

@@ -1,0 +1,259 @@
+"""`llmtrain estimate cfg.yaml [--world N]`: memory per rank before anything runs.
+
+The model is built on the meta device (no memory), so sizes are exact where they can be:
+- parameters and gradients: counted per module, divided the way the layout divides them
+  (TP over tp, pipeline stages over pp, FSDP over dp_shard x cp);
+- optimizer state: the configured optimizer takes one step on the meta model, and its state is
+  measured;
+- activations: a forward of one micro-batch on the meta device records every tensor autograd
+  saves for backward, block by block; activation checkpointing, pipeline micro-batches in flight,
+  sequence parallelism and context parallelism then scale that;
+- transients: the logits and their gradient, one block's backward working set, and FSDP's
+  gathered blocks.
+Nothing is allocated and no process group is needed. CPU numbers leave out the runtime itself
+(the Python process and torch: a few hundred MiB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+import attrs
+import torch
+
+from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, load_config
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.train_loop.run_config import RunConfig, resolved
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MIB = 2**20
+
+
+@attrs.frozen
+class Estimate:
+    """Bytes per rank (the most loaded rank where ranks differ)."""
+
+    world: int
+    layout: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    n_params: int
+    rank_params: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer),
+            ("activations", self.activations),
+            ("transient (logits, backward)", self.transient),
+            ("total", self.total),
+        ]
+
+
+def _bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def saved_activation_bytes(
+    model: torch.nn.Module, blocks: list[torch.nn.Module], batch: int, seq_len: int
+) -> tuple[list[int], int, int, int]:
+    """(bytes saved for backward inside each block, bytes saved outside the blocks, bytes of one
+    block's input, elements of the output) for one forward of [batch, seq_len] tokens on the
+    meta device."""
+    saved: list[int] = [0]
+    seen: set[int] = set()
+    keep: list[torch.Tensor] = []
+    per_block: list[int] = []
+    marks: dict[int, int] = {}
+    block_input: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t if t._base is None else t._base  # a view shares its base's memory
+        if id(base) not in seen and not isinstance(base, torch.nn.Parameter):
+            seen.add(id(base))
+            keep.append(base)  # ids stay unique while the forward runs
+            saved[0] += base.numel() * base.element_size()
+        return t
+
+    def before(module, args):
+        marks[id(module)] = saved[0]
+        if not block_input and args and torch.is_tensor(args[0]):
+            block_input.append(args[0].numel() * args[0].element_size())
+
+    def after(module, args, out):
+        per_block.append(saved[0] - marks[id(module)])
+
+    hooks = []
+    for block in blocks:
+        hooks.append(block.register_forward_pre_hook(before))
+        hooks.append(block.register_forward_hook(after))
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    outside = saved[0] - sum(per_block)
+    return per_block, outside, block_input[0] if block_input else 0, logits.numel()
+
+
+def optimizer_state_bytes(plugins: Any, config: RunConfig, model: torch.nn.Module) -> int:
+    """Build the configured optimizer on the meta model, step once with meta gradients, and
+    measure its state."""
+    from llmtrain.train_loop.trainer import build
+
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    total = 0
+    for opt in build(plugins, "optimizer", config.optimizer, model):
+        opt.step()
+        for state in opt.state.values():
+            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    for p in model.parameters():
+        p.grad = None
+    return total
+
+
+def estimate(config: RunConfig, plugins: Any, world: int) -> Estimate:
+    from llmtrain.train_loop.trainer import build, options_of
+
+    config = resolved(config, plugins)
+    spec = config.mesh.resolve(world)
+    dp = spec.dp
+    _, accum = config.data.batch_sizes(dp)
+    micro, seq = config.data.micro_batch, config.data.seq_len
+    options = options_of(plugins, "parallel", config.parallel)
+    ac = getattr(options, "activation_checkpointing", None)
+    ac_mode = getattr(ac, "mode", "none")
+    ac_every = getattr(ac, "every", 2)
+    param_bytes = DTYPE_BYTES[getattr(options, "param_dtype", "float32")]
+    reduce_bytes = DTYPE_BYTES[getattr(options, "reduce_dtype", "float32")]
+    sp = getattr(options, "sequence_parallel", True)
+    reshard = getattr(options, "reshard_after_forward", "default")
+    pipeline = getattr(options, "pipeline", None)
+    schedule = getattr(pipeline, "schedule", "1F1B") if pipeline is not None else "1F1B"
+
+    with torch.device("meta"):
+        model = build(plugins, "model", config.model)
+    desc = model.describe()
+    blocks = list(desc.blocks)
+    n_blocks = len(blocks)
+    n_params = _count(model)
+    block_params = [_count(b) for b in blocks]
+    other_params = n_params - sum(block_params)
+
+    # this rank's parameters: a pipeline stage (the heaviest), a TP shard, an FSDP shard
+    pp, tp, cp = spec.pp, spec.tp, spec.cp
+    shard = spec.dp_shard * cp
+    stage_blocks = math.ceil(n_blocks / pp)
+    biggest_block = max(block_params, default=0)
+    stage_params = stage_blocks * biggest_block + (other_params if pp == 1 else other_params // 2)
+    rank_params = math.ceil(stage_params / tp)
+    fraction = rank_params / max(n_params, 1)
+    params = math.ceil(rank_params / shard) * 4  # fp32 master weights
+    grads = params
+    optimizer = math.ceil(optimizer_state_bytes(plugins, config, model) * fraction / shard)
+
+    # activations of one micro-batch on this rank, then how many are alive at once
+    per_block, outside, block_input, logit_count = saved_activation_bytes(model, blocks, micro, seq)
+    scale = (param_bytes / 4) / cp  # autocast / FSDP compute dtype; a cp-th of each sequence
+    blocks_here = per_block[:stage_blocks]
+    tp_div = tp if sp else 1  # without SP the norms' activations are whole on every TP rank
+    kept = []
+    for i, size in enumerate(blocks_here):
+        size = size / tp if tp > 1 else size
+        if ac_mode == "full" or (ac_mode == "blocks" and i % ac_every == 0):
+            kept.append(block_input / tp_div)
+        elif ac_mode == "ops":
+            kept.append(size / 2)  # roughly: matmul and attention outputs kept, the rest recomputed
+        else:
+            kept.append(size)
+    recompute = max(per_block[:stage_blocks], default=0) / tp if ac_mode != "none" else 0
+    one_micro = (sum(kept) + outside / max(pp, 1) / tp_div) * scale
+    in_flight = 1 if pp == 1 else (accum if schedule == "GPipe" else min(accum, pp))
+    activations = math.ceil(one_micro * in_flight + recompute * scale)
+
+    # transients: logits (fp32), their log-softmax and gradient; FSDP's gathered blocks
+    loss_tp = tp if getattr(options, "loss_parallel", False) else 1
+    logits = logit_count / cp * 4 * 3 / loss_tp
+    gathered = 0
+    if shard > 1:
+        unsharded_blocks = stage_blocks if reshard == "never" else 2
+        gathered = unsharded_blocks * biggest_block / tp * (param_bytes + reduce_bytes)
+    # backward's own working set: the gradients flowing through one block's ops
+    backward = max(per_block[:stage_blocks], default=0) / tp * scale
+    transient = math.ceil(logits + gathered + backward)
+
+    layout = (
+        f"world {world}: dp_replicate {spec.dp_replicate} x dp_shard {spec.dp_shard} x cp {cp} "
+        f"x tp {tp} x pp {pp}; micro-batch {micro} x seq {seq}, {accum} micro-batches per step, "
+        f"activation checkpointing {ac_mode}, params {getattr(options, 'param_dtype', 'float32')}"
+    )
+    notes = []
+    if config.training.init == "full":
+        notes.append(
+            "training.init: full also builds one whole fp32 model per process on the host at start "
+            f"({n_params * 4 / MIB:,.0f} MiB, freed before training)"
+        )
+    return Estimate(
+        world=world,
+        layout=layout,
+        params=params,
+        grads=grads,
+        optimizer=optimizer,
+        activations=activations,
+        transient=transient,
+        n_params=n_params,
+        rank_params=rank_params,
+        notes=tuple(notes),
+    )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="the run config (YAML)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. data.micro_batch=4")
+    parser.add_argument(
+        "--world", type=int, default=1, help="the number of processes to estimate for"
+    )
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.world < 1:
+        raise UserError(f"--world must be at least 1, got {args.world}")
+    config = load_config(args.config, RunConfig, plugins=ctx.plugins, overrides=args.overrides)
+    try:
+        est = estimate(config, ctx.plugins, args.world)
+    except MeshError as exc:
+        raise ConfigError([Problem(("mesh",), str(exc), args.config)], args.config) from None
+    except ConfigValueError as exc:
+        problem = Problem(("data", exc.field), str(exc), args.config)
+        raise ConfigError([problem], args.config) from None
+    print(
+        f"{config.name}: {est.n_params:,} parameters, {est.rank_params:,} on the busiest rank before FSDP"
+    )
+    print(est.layout)
+    for name, size in est.rows():
+        line = f"  {name:<28} {size / MIB:>12,.1f} MiB"
+        print(("  " + "-" * 43 + "\n" if name == "total" else "") + line)
+    for note in est.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return 0

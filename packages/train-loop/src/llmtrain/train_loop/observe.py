@@ -1,0 +1,249 @@
+"""What a run tells about itself while it runs: profiler windows, memory per rank, a hang
+watchdog, per-rank step times, NCCL's flight recorder and the determinism switch."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import random
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from llmtrain.train_loop.run_config import DebugConfig, ProfileConfig, WatchdogConfig
+
+log = structlog.get_logger("llmtrain.train_loop")
+
+
+# --- memory ---
+def memory_mib(device: torch.device) -> dict[str, float]:
+    """peak / active / reserved memory of this process: the CUDA caching allocator's numbers on
+    a GPU; on CPU peak and current resident set size (no reserved)."""
+    if device.type == "cuda":
+        return {
+            "peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20,
+            "active_memory_mib": torch.cuda.memory_allocated(device) / 2**20,
+            "reserved_memory_mib": torch.cuda.memory_reserved(device) / 2**20,
+        }
+    current = _current_rss_mib()
+    if current is None:
+        return {"peak_memory_mib": _peak_rss_mib()}
+    # the kernel updates the peak lazily; the current size can be a page or two ahead
+    return {"peak_memory_mib": max(_peak_rss_mib(), current), "active_memory_mib": current}
+
+
+def _peak_rss_mib() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, else KiB
+
+
+def _current_rss_mib() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def start_memory_history(device: torch.device, debug: DebugConfig) -> None:
+    if device.type == "cuda" and debug.memory_history:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+
+
+def dump_memory_snapshot(path: Path) -> Path | None:
+    """The CUDA allocator's state (and allocation stacks if recorded) for pytorch.org/memory_viz."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(path))
+    except Exception as exc:  # noqa: BLE001 - best effort while handling an OOM
+        log.warning("memory.snapshot_failed", error=str(exc))
+        return None
+    return path
+
+
+# --- per-rank numbers, gathered at log steps ---
+def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (same length on all ranks), in rank order."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [values]
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
+
+
+# --- determinism and NCCL's flight recorder (both before any CUDA work) ---
+def seed_everything(seed: int, debug: DebugConfig) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if debug.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        log.info("debug.deterministic", message="deterministic algorithms on; every seed set")
+
+
+def flight_recorder_env(debug: DebugConfig, log_dir: Path) -> None:
+    """NCCL keeps a ring of recent collectives per rank and writes it out when a collective
+    times out (`logs/nccl_trace_rank_<k>`); users' own settings win."""
+    if not debug.flight_recorder:
+        return
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(log_dir / "nccl_trace_rank_"))
+
+
+# --- the profiler ---
+class StepProfiler:
+    """Opens torch.profiler for `warmup + active` steps every `every` steps; otherwise costs
+    one modulo per step."""
+
+    def __init__(self, config: ProfileConfig | None, run_dir: Path, rank: int, device: Any):
+        self.config = config
+        self.run_dir = run_dir
+        self.rank = rank
+        self.device = device
+        self.prof = None
+        self.left = 0
+        self.enabled = config is not None and (config.ranks is None or rank in config.ranks)
+
+    def before_step(self, step: int, last_step: int) -> None:
+        """`step`: the 1-based number of the step about to run; a window that would not end by
+        `last_step` is not opened."""
+        if not self.enabled or self.prof is not None or step % self.config.every:
+            return
+        if step + self.config.warmup + self.config.active - 1 > last_step:
+            return
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        c = self.config
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        first = step + c.warmup
+        self.prof = profile(
+            activities=activities,
+            schedule=schedule(wait=0, warmup=c.warmup, active=c.active, repeat=1),
+            on_trace_ready=lambda prof: self._export(prof, first),
+            record_shapes=c.record_shapes,
+            profile_memory=c.profile_memory,
+            with_stack=c.with_stack,
+        )
+        self.prof.start()
+        self.left = c.warmup + c.active
+
+    def after_step(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.step()
+        self.left -= 1
+        if self.left == 0:
+            self.close()
+
+    def _export(self, prof: Any, first: int) -> None:
+        last = first + self.config.active - 1
+        path = self.run_dir / "profiles" / f"step-{first}" / f"rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        prof.export_chrome_trace(str(tmp))
+        tmp.replace(path)
+        log.info("profile.written", steps=f"{first}-{last}", trace=str(path))
+
+    def close(self) -> None:
+        if self.prof is not None:
+            prof, self.prof = self.prof, None
+            prof.stop()
+
+
+# --- the hang watchdog ---
+class Watchdog:
+    """A thread that watches the current activity (a step, an eval, a save). One that runs past
+    its limit gets every thread's Python stack written to `logs/stacks-rank<k>.txt` (faulthandler)
+    and an error line in the rank's JSON log naming the file. Each activity is reported once."""
+
+    def __init__(self, config: WatchdogConfig, log_dir: Path, rank: int):
+        self.config = config
+        self.file = log_dir / f"stacks-rank{rank}.txt"
+        self.rank = rank
+        self.recent: deque[float] = deque(maxlen=50)
+        self.lock = threading.Lock()
+        self.current: tuple[str, int, float, float] | None = None  # what, step, start, limit
+        self.reported = False
+        self.stalls = 0
+        self.stop_event = threading.Event()
+        self.thread = None
+        if config.enabled:
+            self.thread = threading.Thread(target=self._run, name="llmtrain-watchdog", daemon=True)
+            self.thread.start()
+
+    def limit(self, what: str) -> float:
+        c = self.config
+        if what != "step" or len(self.recent) < c.warmup_steps:
+            return c.startup_seconds
+        return max(c.min_seconds, c.multiple * statistics.median(self.recent))
+
+    def start(self, what: str, step: int) -> None:
+        with self.lock:
+            self.current = (what, step, time.monotonic(), self.limit(what))
+            self.reported = False
+
+    def end(self) -> None:
+        with self.lock:
+            if self.current is not None and self.current[0] == "step":
+                self.recent.append(time.monotonic() - self.current[2])
+            self.current = None
+
+    def _run(self) -> None:
+        while not self.stop_event.wait(0.25):
+            with self.lock:
+                if self.current is None or self.reported:
+                    continue
+                what, step, start, limit = self.current
+                elapsed = time.monotonic() - start
+                if elapsed <= limit:
+                    continue
+                self.reported = True
+                self.stalls += 1
+            self._report(what, step, elapsed, limit)
+
+    def _report(self, what: str, step: int, elapsed: float, limit: float) -> None:
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.file, "a") as f:
+            f.write(
+                f"=== rank {self.rank}: {what} of step {step} running for {elapsed:.1f} s "
+                f"(limit {limit:.1f} s) at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n"
+            )
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.write("\n")
+        median = statistics.median(self.recent) if self.recent else None
+        log.error(
+            "watchdog.stall",
+            message=f"rank {self.rank}: {what} of step {step} has run {elapsed:.1f} s, over its "
+            f"limit of {limit:.1f} s; every thread's stack is in {self.file}",
+            step=step,
+            activity=what,
+            seconds=round(elapsed, 3),
+            limit_s=round(limit, 3),
+            median_step_s=None if median is None else round(median, 6),
+            stacks=str(self.file),
+        )
+
+    def close(self) -> None:
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=2)

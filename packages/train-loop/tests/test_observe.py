@@ -1,0 +1,227 @@
+"""Profiler windows, the hang watchdog, trace and rank-log reports, and the memory estimate's
+exact parts, in one process (the multi-rank runs are in integration_tests/test_observe.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from llmtrain.core_mesh.config import ConfigError, structure
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.train_loop import estimate, observe, reports
+from llmtrain.train_loop.run_config import ProfileConfig, RunConfig, WatchdogConfig
+
+
+# --- the profiler ---
+def test_profile_windows_and_traces(tmp_path):
+    config = ProfileConfig(every=4, active=2, warmup=1)
+    prof = observe.StepProfiler(config, tmp_path, rank=3, device=torch.device("cpu"))
+    layer = torch.nn.Linear(8, 8)
+    for step in range(1, 15):  # steps 1..14; windows open at 4, 8 and 12 (12+1+2-1 = 14 fits)
+        prof.before_step(step, last_step=14)
+        layer(torch.randn(4, 8)).sum().backward()
+        prof.after_step()
+    prof.close()
+    windows = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert windows == ["step-13", "step-5", "step-9"]
+    trace = json.loads((tmp_path / "profiles" / "step-5" / "rank3.json").read_text())
+    steps = [
+        e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")
+    ]
+    assert len(steps) == 2  # the active steps only
+    assert any(e.get("name") == "aten::addmm" for e in trace["traceEvents"])
+
+
+def test_profile_window_that_does_not_fit_is_not_opened(tmp_path):
+    prof = observe.StepProfiler(ProfileConfig(every=4, active=2), tmp_path, 0, torch.device("cpu"))
+    for step in range(1, 6):  # a window at 4 would record 5 and 6, past the last step 5
+        prof.before_step(step, last_step=5)
+        prof.after_step()
+    prof.close()
+    assert not (tmp_path / "profiles").exists()
+
+
+def test_profile_only_on_chosen_ranks(tmp_path):
+    config = ProfileConfig(every=2, active=1, ranks=[1])
+    prof = observe.StepProfiler(config, tmp_path, rank=0, device=torch.device("cpu"))
+    prof.before_step(2, last_step=10)
+    assert prof.prof is None
+
+
+def test_profile_config_window_must_fit():
+    with pytest.raises(ConfigError, match="does not fit in every 2 steps"):
+        structure({"every": 2, "active": 2, "warmup": 1}, ProfileConfig)
+
+
+# --- trace reading ---
+def test_top_ops_self_time_subtracts_nested_events():
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    trace = {
+        "traceEvents": [
+            op("ProfilerStep#3", 0, 1000, cat="user_annotation"),  # the step marker is left out
+            op("aten::linear", 10, 100),
+            op("aten::addmm", 20, 60),  # inside linear
+            op("aten::copy_", 30, 10),  # inside addmm
+            op("aten::linear", 200, 50),
+            op("aten::mul", 210, 20, tid=2),  # another thread: not nested in linear
+            op("kernel_x", 5, 40, cat="kernel"),
+            {"ph": "M", "name": "thread_name"},
+        ]
+    }
+    ops = {(o.name, o.device): o for o in reports.top_ops(trace)}
+    assert ops[("aten::linear", "cpu")].self_us == pytest.approx(40 + 50)
+    assert ops[("aten::linear", "cpu")].calls == 2
+    assert ops[("aten::linear", "cpu")].total_us == 150
+    assert ops[("aten::addmm", "cpu")].self_us == pytest.approx(50)
+    assert ops[("aten::copy_", "cpu")].self_us == 10
+    assert ops[("aten::mul", "cpu")].self_us == 20
+    assert ops[("kernel_x", "gpu")].self_us == 40
+    assert ("ProfilerStep#3", "cpu") not in ops
+    assert next(o.name for o in reports.top_ops(trace)) == "aten::linear"
+
+
+def test_profile_command_errors(tmp_path, run_cli):
+    (tmp_path / "run").mkdir()
+    code, _, err = run_cli("profile", tmp_path / "run")
+    assert code == 2 and "profile: {every: N, active: K}" in err
+    window = tmp_path / "run" / "profiles" / "step-5"
+    window.mkdir(parents=True)
+    (window / "rank0.json").write_text("{not json")
+    code, _, err = run_cli("profile", tmp_path / "run", "--step", "7")
+    assert code == 2 and "traces start at 5" in err
+    code, _, err = run_cli("profile", tmp_path / "run", "--rank", "1")
+    assert code == 2 and "this window has rank0" in err
+    code, _, err = run_cli("profile", tmp_path / "run")
+    assert code == 2 and "not a readable Chrome trace" in err
+
+
+# --- stragglers from the rank logs ---
+def write_rank_log(path, rank, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"event": "run.start", "rank": rank})]
+    lines += [json.dumps({"event": "step", "rank": rank, **row}) for row in rows]
+    path.write_text("\n".join(lines) + "\n{torn")
+
+
+def test_rank_stats_and_the_slowest_rank(tmp_path, run_cli):
+    for rank, sync in ((0, 0.30), (1, 0.02), (2, 0.28)):
+        rows = [
+            {"step": s, "step_time_s": 0.1 + 0.01 * s, "data_wait": 0.01 * rank, "sync_wait": sync}
+            for s in range(1, 6)
+        ]
+        rows[0]["step_time_s"] = 9.0  # start-up window: left out
+        for row in rows:
+            row["peak_memory_mib"] = 100.0 + rank
+        write_rank_log(tmp_path / "logs" / f"rank{rank}.jsonl", rank, rows)
+    stats = reports.rank_stats(tmp_path)
+    assert [s.rank for s in stats] == [0, 1, 2]
+    assert stats[0].windows == 4
+    assert stats[0].step_time_s == pytest.approx(0.135)  # median of 0.12..0.15
+    assert stats[2].data_wait == pytest.approx(0.02)
+    assert stats[1].peak_memory_mib == 101.0
+    assert reports.slowest_rank(stats).rank == 1
+    code, out, _ = run_cli("ranks", tmp_path)
+    assert code == 0
+    row1 = next(line for line in out.splitlines() if line.strip().startswith("1 "))
+    assert row1.endswith("<- slowest")
+    assert "slowest: rank 1; the other ranks spend 29.0% of their time waiting for it" in out
+
+
+# --- the watchdog ---
+def test_watchdog_dumps_every_stack_once_per_stalled_step(tmp_path, monkeypatch):
+    config = WatchdogConfig(multiple=3.0, min_seconds=0.2, warmup_steps=2, startup_seconds=30)
+    dog = observe.Watchdog(config, tmp_path, rank=5)
+    try:
+        assert dog.limit("step") == 30  # no median yet
+        for step in (1, 2, 3):
+            dog.start("step", step)
+            time.sleep(0.01)
+            dog.end()
+        assert dog.limit("step") == pytest.approx(0.2)  # max(min_seconds, 3 x ~0.01)
+        assert dog.limit("eval") == 30
+        dog.start("step", 4)
+        deadline = time.monotonic() + 5
+        while dog.stalls == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.6)  # still stuck: no second report for the same step
+        dog.end()
+    finally:
+        dog.close()
+    assert dog.stalls == 1
+    text = (tmp_path / "stacks-rank5.txt").read_text()
+    assert text.startswith("=== rank 5: step of step 4 running for")
+    assert "test_watchdog_dumps_every_stack_once_per_stalled_step" in text  # this thread's frame
+    assert "llmtrain-watchdog" in text or "Thread" in text
+
+
+def test_watchdog_can_be_off(tmp_path):
+    dog = observe.Watchdog(WatchdogConfig(enabled=False), tmp_path, 0)
+    assert dog.thread is None
+    dog.start("step", 1)
+    dog.end()
+    dog.close()
+
+
+# --- memory ---
+def test_memory_on_cpu_is_resident_set_size():
+    mem = observe.memory_mib(torch.device("cpu"))
+    assert mem["peak_memory_mib"] >= mem["active_memory_mib"] > 10
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    grown = observe.memory_mib(torch.device("cpu"))
+    assert grown["active_memory_mib"] - mem["active_memory_mib"] > 50
+    del block
+
+
+# --- the estimate's exact parts ---
+@pytest.fixture(scope="module")
+def plugins():
+    return PluginManager().load_entry_points()
+
+
+def small_config(plugins, **extra):
+    model = {"kind": "tiny", "vocab_size": 320, "max_seq_len": 64, "tied_embeddings": False}
+    raw = {
+        "name": "e",
+        "model": {**model, "n_layers": 8},
+        "data": {"train": [{"path": "unused.zarr"}], "seq_len": 64, "micro_batch": 4},
+        "optimizer": {"kind": "adamw", "lr": 1e-3},
+        "training": {"steps": 1},
+        **extra,
+    }
+    return structure(raw, RunConfig, plugins=plugins)
+
+
+def test_estimate_parameters_gradients_and_adam_state_are_exact(plugins):
+    from llmtrain.train_loop.trainer import build
+
+    config = small_config(plugins)
+    est = estimate.estimate(config, plugins, world=1)
+    with torch.device("meta"):
+        model = build(plugins, "model", config.model)
+    n = sum(p.numel() for p in model.parameters())
+    assert est.n_params == n
+    assert est.params == est.grads == 4 * n
+    steps = len(list(model.parameters())) * 4  # AdamW's per-parameter step counter (fp32 scalar)
+    assert est.optimizer == 2 * 4 * n + steps  # exp_avg and exp_avg_sq
+    assert est.activations > 0 and est.total == sum(size for _, size in est.rows()[:-1])
+
+
+def test_estimate_scales_with_the_layout(plugins):
+    base = estimate.estimate(small_config(plugins), plugins, world=1)
+    fsdp = estimate.estimate(small_config(plugins), plugins, world=4)  # dp_shard 4
+    assert fsdp.params == pytest.approx(base.params / 4, abs=4)
+    assert fsdp.optimizer == pytest.approx(base.optimizer / 4, rel=0.01)
+    assert fsdp.activations == base.activations  # same micro-batch per rank
+    ac = small_config(
+        plugins, parallel={"kind": "default", "activation_checkpointing": {"mode": "full"}}
+    )
+    assert estimate.estimate(ac, plugins, world=1).activations < base.activations / 2
+    bf16 = small_config(plugins, parallel={"kind": "default", "param_dtype": "bfloat16"})
+    assert estimate.estimate(bf16, plugins, world=1).activations == pytest.approx(
+        base.activations / 2, rel=0.01
+    )
