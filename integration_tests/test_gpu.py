@@ -60,3 +60,51 @@ def test_parallel_layouts_nccl_bf16(tmp_path):
         rel = 2e-2 if bf16 else 1e-3
         assert got["losses"] == pytest.approx(want["losses"], rel=rel), layout
         assert got["final_loss"] == pytest.approx(want["final_loss"], rel=rel), layout
+
+
+# --- observability on CUDA: the out-of-memory snapshot, CUDA memory metrics, profiles ---
+def _gpu_run_config(tmp_path: Path, **extra) -> Path:
+    import train_support as ts
+
+    data = ts.pack_corpus(tmp_path / "data")
+    config = ts.run_config(data, tmp_path / "runs", name="gpu")
+    config.update(device="cuda", **extra)
+    config["training"] = {"steps": 6, "log_every": 1}
+    config["data"].pop("eval")
+    return ts.write_config(tmp_path / "run.yaml", config)
+
+
+def test_cuda_oom_writes_a_memory_snapshot(tmp_path):
+    import train_support as ts
+
+    free, _ = torch.cuda.mem_get_info()
+    # a micro-batch whose logits alone do not fit: vocab x seq x batch x 4 bytes > free memory
+    batch = int(free / (320 * 32 * 4)) + 1024
+    path = _gpu_run_config(tmp_path, debug={"memory_history": True})
+    proc = ts.run(
+        ts.llmtrain("run", path, f"data.micro_batch={batch}", f"data.global_batch={batch}"),
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    snapshots = list((tmp_path / "runs" / "gpu" / "memory").glob("oom-step1-rank0.pickle"))
+    assert snapshots and snapshots[0].stat().st_size > 0
+    assert "out of memory in step 1" in proc.stderr and str(snapshots[0]) in proc.stderr
+    summary = json.loads((tmp_path / "runs" / "gpu" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+
+
+def test_cuda_memory_metrics_and_profile(tmp_path):
+    import train_support as ts
+
+    path = _gpu_run_config(tmp_path, profile={"every": 3, "active": 1, "warmup": 1})
+    ts.run(ts.llmtrain("run", path), timeout=300)
+    metrics = ts.read_metrics(tmp_path / "runs" / "gpu")
+    last = metrics[-1]
+    assert last["reserved_memory_mib"] >= last["peak_memory_mib"] >= last["active_memory_mib"] > 0
+    trace = json.loads(
+        (tmp_path / "runs" / "gpu" / "profiles" / "step-4" / "rank0.json").read_text()
+    )
+    assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+    out = ts.run(ts.llmtrain("profile", tmp_path / "runs" / "gpu", "--top", "5"), timeout=60)
+    assert " gpu " in out.stdout
