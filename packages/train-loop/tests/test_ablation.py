@@ -58,6 +58,13 @@ def test_zip_lengths_must_match():
         sweep.axes_from([], ["a=1,2", "b=1,2,3"], None)
 
 
+def test_a_zipped_list_may_repeat_a_value_but_not_a_row():
+    runs = sweep.expand(sweep.axes_from([], ["d=32,64,64", "n=1,1,2"], None))
+    assert runs == [{"d": 32, "n": 1}, {"d": 64, "n": 1}, {"d": 64, "n": 2}]
+    with pytest.raises(UserError, match="two zipped rows are the same run"):
+        sweep.axes_from([], ["d=32,64,64", "n=1,2,2"], None)
+
+
 def test_a_key_is_swept_once():
     with pytest.raises(UserError, match="a is swept twice"):
         sweep.axes_from(["a=1,2"], ["a=3,4"], None)

@@ -22,7 +22,6 @@ import sys
 from typing import Any
 
 import attrs
-import torch
 
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, load_config
@@ -64,28 +63,26 @@ class Estimate:
         ]
 
 
-def _bytes(params: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-def _count(module: torch.nn.Module) -> int:
+def _count(module: Any) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
 def saved_activation_bytes(
-    model: torch.nn.Module, blocks: list[torch.nn.Module], batch: int, seq_len: int
+    model: Any, blocks: list[Any], batch: int, seq_len: int
 ) -> tuple[list[int], int, int, int]:
     """(bytes saved for backward inside each block, bytes saved outside the blocks, bytes of one
     block's input, elements of the output) for one forward of [batch, seq_len] tokens on the
     meta device."""
+    import torch
+
     saved: list[int] = [0]
     seen: set[int] = set()
-    keep: list[torch.Tensor] = []
+    keep: list[Any] = []
     per_block: list[int] = []
     marks: dict[int, int] = {}
     block_input: list[int] = []
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: Any) -> Any:
         base = t if t._base is None else t._base  # a view shares its base's memory
         if id(base) not in seen and not isinstance(base, torch.nn.Parameter):
             seen.add(id(base))
@@ -116,9 +113,11 @@ def saved_activation_bytes(
     return per_block, outside, block_input[0] if block_input else 0, logits.numel()
 
 
-def optimizer_state_bytes(plugins: Any, config: RunConfig, model: torch.nn.Module) -> int:
+def optimizer_state_bytes(plugins: Any, config: RunConfig, model: Any) -> int:
     """Build the configured optimizer on the meta model, step once with meta gradients, and
     measure its state."""
+    import torch
+
     from llmtrain.train_loop.trainer import build
 
     for p in model.parameters():
@@ -134,6 +133,8 @@ def optimizer_state_bytes(plugins: Any, config: RunConfig, model: torch.nn.Modul
 
 
 def estimate(config: RunConfig, plugins: Any, world: int) -> Estimate:
+    import torch
+
     from llmtrain.train_loop.trainer import build, options_of
 
     config = resolved(config, plugins)

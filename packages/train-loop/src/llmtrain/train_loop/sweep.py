@@ -11,6 +11,7 @@ is written. A run whose `summary.json` says finished is skipped; one with checkp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import itertools
@@ -68,7 +69,7 @@ class PlannedRun:
         return sweep_dir / self.id
 
 
-def parse_axis_values(text: str, flag: str) -> tuple[str, list[Any]]:
+def parse_axis_values(text: str, flag: str, *, distinct: bool = True) -> tuple[str, list[Any]]:
     """`model.n_layers=2,4,8` -> ("model.n_layers", [2, 4, 8]). Values are YAML, so lists and
     quoted strings work: `data.weights=[0.2,0.8],[0.5,0.5]`."""
     key, sep, values = text.partition("=")
@@ -86,9 +87,13 @@ def parse_axis_values(text: str, flag: str) -> tuple[str, list[Any]]:
         ) from None
     if not isinstance(parsed, list) or not parsed:
         raise UserError(f"{where}: give at least one value after '='")
-    if len({json.dumps(v, sort_keys=True, default=repr) for v in parsed}) < len(parsed):
+    if distinct and len(_distinct(parsed)) < len(parsed):
         raise UserError(f"{where}: a value is given twice")
     return key, [_plain(v) for v in parsed]
+
+
+def _distinct(values: list[Any]) -> set[str]:
+    return {json.dumps(v, sort_keys=True, default=repr) for v in values}
 
 
 def _plain(value: Any) -> Any:
@@ -113,17 +118,21 @@ def axes_from(grid: Sequence[str], zipped: Sequence[str], seeds: int | None) -> 
         claim(key, f"--grid {text!r}")
         axes.append(Axis((key,), [(v,) for v in values], (f"--grid {text!r}",)))
     if zipped:
-        parsed = [parse_axis_values(text, "--zip") for text in zipped]
+        # one list may repeat a value; the zipped rows may not
+        parsed = [parse_axis_values(text, "--zip", distinct=False) for text in zipped]
         lengths = {len(values) for _, values in parsed}
         if len(lengths) > 1:
             sizes = ", ".join(f"{key} has {len(values)}" for key, values in parsed)
             raise UserError(f"--zip: the zipped lists must have the same length: {sizes}")
         for (key, _), text in zip(parsed, zipped, strict=True):
             claim(key, f"--zip {text!r}")
+        rows = list(zip(*(values for _, values in parsed), strict=True))
+        if len(_distinct([list(r) for r in rows])) < len(rows):
+            raise UserError("--zip: two zipped rows are the same run")
         axes.append(
             Axis(
                 tuple(key for key, _ in parsed),
-                list(zip(*(values for _, values in parsed), strict=True)),
+                rows,
                 tuple(f"--zip {text!r}" for text in zipped),
             )
         )
@@ -346,7 +355,8 @@ def slurm_script(
         *(f"  {shlex.quote(str(c))}" for c in configs),
         ")",
         'CONFIG="${CONFIGS[$SLURM_ARRAY_TASK_ID]}"',
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
+        'head="${nodes[0]}"',
         "# 5 minutes before the time limit: SIGTERM reaches every rank through srun and torchrun,",
         "# each finishes its step, saves and exits; the task is requeued and resumes from there",
         "on_usr1() {",
@@ -388,7 +398,7 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
         if summary is not None and summary.get("status") == "finished":
             say(f"{prefix}: finished before, skipped")
             continue
-        resuming = (path / "checkpoints").is_dir() and any((path / "checkpoints").iterdir())
+        resuming = _has_checkpoints(run)
         log_file = path / "output.log"
         say(f"{prefix}: {'resuming' if resuming else 'running'} (output: {log_file})")
         started = time.perf_counter()
@@ -400,7 +410,8 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
                 command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
             try:
-                code = proc.wait()
+                with _signals_interrupt():
+                    code = proc.wait()
             except KeyboardInterrupt:
                 # the run saves a checkpoint on SIGTERM; the next `llmtrain sweep` resumes it
                 say(f"{prefix}: interrupted; stopping the run (it saves, then exits)")
@@ -420,6 +431,34 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
             failed.append((run.id, f"exit code {code}: {why}"))
             say(f"{prefix}: FAILED (exit code {code}) after {seconds:.0f} s: {why}")
     return failed
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGHUP stop the sweep like Ctrl-C, so the running run is stopped with it
+    (it runs in a session of its own and would not get the signal)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _has_checkpoints(run: PlannedRun) -> bool:
+    from fsspec.core import url_to_fs
+
+    checkpoint = run.config.checkpoint
+    url = checkpoint.dir or str(Path(run.config.run_dir) / run.id / "checkpoints")
+    try:
+        fs, root = url_to_fs(url, **checkpoint.storage_options)
+        return any(fs.exists(f"{d}/COMMITTED") for d in fs.ls(root, detail=False))
+    except (OSError, ValueError):
+        return False
 
 
 def _result(path: Path) -> str:
@@ -501,7 +540,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     meta = {
         "name": name,
         "base": str(Path(args.config).resolve()),
-        "command": shlex.join(["llmtrain", "sweep", *sys.argv[2:]]) if sys.argv[1:2] else "",
+        "command": shlex.join(_command_of(args)),
         "axes": [{"keys": list(a.keys), "values": [list(r) for r in a.rows]} for a in axes],
     }
     write(planned, sweep_dir, meta)
@@ -547,6 +586,19 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         f"sweep {name}: all {len(planned)} runs finished; compare with: llmtrain compare {sweep_dir}"
     )
     return 0
+
+
+def _command_of(args: argparse.Namespace) -> list[str]:
+    """The sweep's own command line, from its parsed arguments (for the manifest)."""
+    words = ["llmtrain", "sweep", args.config]
+    for flag in ("grid", "zip"):
+        for text in getattr(args, flag):
+            words += [f"--{flag}", text]
+    if args.seeds is not None:
+        words += ["--seeds", str(args.seeds)]
+    if args.name:
+        words += ["--name", args.name]
+    return [*words, "--dir", args.dir]
 
 
 def _finished(path: Path) -> bool:

@@ -442,11 +442,12 @@ class Trainer:
         """`summary.json` beside the metrics: how the run ended (sweeps skip finished runs)."""
         if not self.world.is_main:
             return
+        step = int(self.counters["step"])  # applied steps (a rejected non-finite one is not)
         summary = {
             "status": status,
-            "step": self.step,
+            "step": step,
             "total_steps": self.total_steps,
-            "tokens": self.step * self.global_batch * self.config.data.seq_len,
+            "tokens": step * self.global_batch * self.config.data.seq_len,
             "wall_time_s": round(float(self.counters["elapsed_s"]), 3),
             "world_size": self.world.world_size,
             "error": error,

@@ -1,0 +1,615 @@
+"""`llmtrain sweep`, `compare` and `plot` end to end on CPU: a real 4-run sweep trains every run
+from its own config (each repeatable alone), compare's means and stds are the runs' numbers, a
+restarted sweep skips what finished and resumes a run killed mid-way to the same losses, failed
+runs are reported while the rest go on, bad axes are refused before anything is written, and
+the SLURM job array covers the unfinished runs. Sweeps and runs are real `python -m llmtrain`
+subprocesses; the sweeps are shared by the tests through module-scoped fixtures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shlex
+import shutil
+import statistics
+import struct
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import train_support as ts
+import yaml
+
+STEPS = 12  # per run: eval and a checkpoint at steps 6 and 12, ~2 s with the process start
+TOKENS = STEPS * 8 * 32  # global batch 8 of seq_len 32
+RTOL = 1e-6
+KEYS = ("loss", "lr", "grad_norm", "eval_loss", "tokens")
+IDS = ["n_layers=1,seed=0", "n_layers=1,seed=1", "n_layers=2,seed=0", "n_layers=2,seed=1"]
+
+
+def small_config(data: SimpleNamespace, name: str, *, steps: int = STEPS) -> dict:
+    """The shared run config cut to `steps` steps, eval and checkpoint every 6."""
+    config = ts.run_config(data, data.dir / "unused", name)  # the sweep sets run_dir
+    config["data"]["eval"]["every"] = 6
+    config["training"].update(steps=steps, log_every=1, checkpoint_every=6)
+    return config
+
+
+def sweep_cmd(base: Path, sweeps: Path, *args: object) -> list[str]:
+    return ts.llmtrain("sweep", base, *args, "--dir", sweeps)
+
+
+def timed(cmd: list[str], *, timeout: float = 240, check: bool = True):
+    started = time.perf_counter()
+    proc = ts.run(cmd, timeout=timeout, check=check)
+    return proc, time.perf_counter() - started
+
+
+def metrics_of(run_dir: Path) -> dict[int, dict]:
+    return ts.by_step(ts.read_metrics(run_dir))
+
+
+def final_eval_loss(run_dir: Path) -> float:
+    return [m["eval_loss"] for m in ts.read_metrics(run_dir) if "eval_loss" in m][-1]
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def config_of(run_dir: Path) -> dict:
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def slurm_configs(script: Path) -> list[str]:
+    """The CONFIGS array of a job script, as bash reads it."""
+    shell = f'source <(sed -n "/^CONFIGS=(/,/^)/p" {shlex.quote(str(script))}); '
+    shell += 'printf "%s\\n" "${CONFIGS[@]}"'
+    out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    return struct.unpack(">II", path.read_bytes()[16:24])
+
+
+def refused(cmd: list[str]) -> str:
+    proc = ts.run(cmd, check=False, timeout=60)
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert ts.error_lines(proc.stderr), proc.stderr
+    return proc.stderr
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return ts.pack_corpus(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def bases(data, tmp_path_factory):
+    """Base configs: `small` (12 steps), `long` (60 steps: a kill lands mid-run), `big` (a
+    global batch of 64, which 2 nodes x 8 ranks x micro-batch 4 divide), and `mix` (two
+    datasets: the train and the valid corpus, with seed 0 and 2 layers like run
+    `n_layers=2,seed=0` of the 4-run sweep)."""
+    tmp = tmp_path_factory.mktemp("bases")
+    big = small_config(data, "big")
+    big["data"]["global_batch"] = 64
+    mix = small_config(data, "mix")
+    mix["seed"] = 0
+    mix["model"]["n_layers"] = 2
+    mix["data"]["train"] = [{"path": data.train}, {"path": data.valid}]
+    configs = {
+        "small": small_config(data, "abl"),
+        "long": small_config(data, "long", steps=60),
+        "big": big,
+        "mix": mix,
+    }
+    return SimpleNamespace(
+        **{name: ts.write_config(tmp / f"{name}.yaml", c) for name, c in configs.items()}
+    )
+
+
+@pytest.fixture(scope="module")
+def sweep(bases, tmp_path_factory):
+    """`llmtrain sweep --grid model.n_layers=1,2 --seeds 2`: 4 runs, named by the base (abl)."""
+    sweeps = tmp_path_factory.mktemp("sweep") / "sweeps"
+    cmd = sweep_cmd(bases.small, sweeps, "--grid", "model.n_layers=1,2", "--seeds", 2)
+    proc, seconds = timed(cmd)
+    return SimpleNamespace(
+        cmd=cmd, proc=proc, seconds=seconds, dir=(sweeps / "abl").resolve(), sweeps=sweeps
+    )
+
+
+@pytest.fixture(scope="module")
+def failed(bases, tmp_path_factory):
+    """Three zipped runs: one good, one whose lr of 1e9 makes a gradient non-finite, one whose
+    seq_len is longer than the model's max_seq_len (it fails as it starts). No list repeats a
+    value: --zip refuses one given twice, even where the zipped rows all differ."""
+    sweeps = tmp_path_factory.mktemp("failed") / "sweeps"
+    axes = ("--zip", "optimizer.lr=1e-3,1e9,2e-3", "--zip", "data.seq_len=32,16,100")
+    proc, _ = timed(sweep_cmd(bases.small, sweeps, *axes, "--name", "f"), check=False)
+    ids = ["lr=0.001,seq_len=32", "lr=1e+09,seq_len=16", "lr=0.002,seq_len=100"]
+    return SimpleNamespace(
+        proc=proc, dir=(sweeps / "f").resolve(), sweeps=sweeps, base=bases.small, axes=axes, ids=ids
+    )
+
+
+def compare(*args: object) -> subprocess.CompletedProcess:
+    return ts.run(ts.llmtrain("compare", *args), timeout=60)
+
+
+# --- 1. the sweep itself ---
+
+
+def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
+    err = sweep.proc.stderr
+    assert "Traceback" not in err
+    assert f"sweep abl: 4 runs in {sweep.dir}" in err
+    for i, run_id in enumerate(IDS, 1):
+        assert f"[{i}/4] {run_id}: finished in " in err, err
+    assert "sweep abl: all 4 runs finished" in err
+    assert sorted(p.name for p in sweep.dir.iterdir() if p.is_dir()) == sorted(IDS)
+
+    manifest = json.loads((sweep.dir / "manifest.json").read_text())
+    assert manifest["name"] == "abl"
+    assert manifest["varied"] == ["model.n_layers", "seed"]
+    assert manifest["runs"] == [
+        {"id": f"n_layers={n},seed={s}", "settings": {"model.n_layers": n, "seed": s}}
+        for n in (1, 2)
+        for s in (0, 1)
+    ]
+
+    first_losses = {}
+    for run_id in IDS:
+        n_layers, seed = (int(part.split("=")[1]) for part in run_id.split(","))
+        run_dir = sweep.dir / run_id
+        config = config_of(run_dir)
+        assert config["name"] == run_id
+        assert config["model"]["n_layers"] == n_layers and config["seed"] == seed
+        assert Path(config["run_dir"]).resolve() == sweep.dir
+        assert config["optimizer"]["lr"] == 3e-3 and config["training"]["steps"] == STEPS
+
+        summary = summary_of(run_dir)
+        assert summary["status"] == "finished", summary
+        assert summary["step"] == summary["total_steps"] == STEPS
+        assert summary["tokens"] == TOKENS and summary["world_size"] == 1
+        assert summary["error"] is None and summary["wall_time_s"] > 0
+
+        metrics = metrics_of(run_dir)
+        assert list(metrics) == list(range(1, STEPS + 1)), run_id
+        assert metrics[1]["loss"] == pytest.approx(math.log(320), rel=0.05)  # near uniform
+        assert metrics[STEPS]["loss"] < metrics[1]["loss"] - 0.5, run_id
+        assert [s for s, m in metrics.items() if "eval_loss" in m] == [6, 12]
+        assert metrics[12]["eval_loss"] < metrics[6]["eval_loss"] < metrics[1]["loss"]
+        assert metrics[STEPS]["tokens"] == TOKENS
+        assert ts.committed_steps(run_dir / "checkpoints") == [6, 12]
+        first_losses[run_id] = metrics[1]["loss"]
+    # another seed or depth is another initialisation: the first losses all differ
+    assert len(set(first_losses.values())) == 4, first_losses
+
+
+def test_a_run_repeats_alone_from_its_config_yaml(sweep, tmp_path):
+    run_dir = sweep.dir / "n_layers=2,seed=1"
+    copy = tmp_path / "copy.yaml"
+    shutil.copy(run_dir / "config.yaml", copy)
+    ts.run(ts.llmtrain("run", copy, f"run_dir={tmp_path / 'alone'}", "name=again"), timeout=120)
+    alone = metrics_of(tmp_path / "alone" / "again")
+    swept = metrics_of(run_dir)
+    assert list(alone) == list(swept)
+    ts.assert_close_runs(swept, alone, RTOL, KEYS)
+
+
+# --- 2. compare ---
+
+
+def test_compare_shows_each_setting_once_with_mean_and_std_over_seeds(sweep, tmp_path):
+    finals = {run_id: final_eval_loss(sweep.dir / run_id) for run_id in IDS}
+    by_layers = {n: [finals[f"n_layers={n},seed={s}"] for s in (0, 1)] for n in (1, 2)}
+
+    lines = compare(sweep.dir).stdout.splitlines()
+    assert lines[0].split()[:3] == ["n_layers", "runs", "status"]
+    rows = lines[2:]
+    assert [row.split()[:4] for row in rows] == [
+        ["1", "2", "2", "finished"],
+        ["2", "2", "2", "finished"],
+    ]
+    for row, n in zip(rows, (1, 2), strict=True):
+        mean = statistics.fmean(by_layers[n])
+        assert "±" in row
+        assert f"{mean:.4f} ± {statistics.stdev(by_layers[n]):.4f}" in row, row
+
+    out = tmp_path / "x.csv"
+    proc = compare(sweep.dir, "--format", "csv", "-o", out)
+    assert proc.stdout == "" and f"4 runs in 2 rows -> {out}" in proc.stderr
+    table = list(csv.DictReader(out.open()))
+    assert [row["model.n_layers"] for row in table] == ["1", "2"]
+    for row, n in zip(table, (1, 2), strict=True):
+        assert row["runs"] == "2" and row["status"] == "2 finished"
+        assert row["run_dirs"].split(";") == [
+            str(sweep.dir / f"n_layers={n},seed={s}") for s in (0, 1)
+        ]
+        assert float(row["final_eval_loss"]) == pytest.approx(
+            statistics.fmean(by_layers[n]), rel=1e-12
+        )
+        assert float(row["final_eval_loss_std"]) == pytest.approx(
+            statistics.stdev(by_layers[n]), rel=1e-12
+        )
+        assert float(row["tokens"]) == TOKENS and float(row["tokens_std"]) == 0
+
+    markdown = compare(sweep.dir, "--per-run", "--format", "markdown").stdout.splitlines()
+    assert markdown[0].startswith("| n_layers | seed | status")
+    assert set(markdown[1]) == {"|", "-"}
+    body = [[cell.strip() for cell in line.strip("|").split("|")] for line in markdown[2:]]
+    assert len(body) == 4 and all(line.startswith("| ") for line in markdown[2:])
+    assert [cells[:3] for cells in body] == [
+        [str(n), str(s), "finished"] for n in (1, 2) for s in (0, 1)
+    ]
+    assert [cells[3] for cells in body] == [f"{finals[run_id]:.4f}" for run_id in IDS]
+
+
+def test_compare_sorts_rows_by_a_result(sweep):
+    finals = {str(sweep.dir / run_id): final_eval_loss(sweep.dir / run_id) for run_id in IDS}
+    text = compare(sweep.dir, "--per-run", "--format", "csv", "--sort", "final_eval_loss").stdout
+    rows = list(csv.DictReader(text.splitlines()))
+    assert [row["run_dirs"] for row in rows] == sorted(finals, key=finals.get)
+    values = [float(row["final_eval_loss"]) for row in rows]
+    assert values == sorted(finals.values())
+
+    grouped = compare(sweep.dir, "--format", "csv", "--sort", "final_eval_loss").stdout
+    means = [float(row["final_eval_loss"]) for row in csv.DictReader(grouped.splitlines())]
+    assert len(means) == 2 and means == sorted(means)
+
+    bad = refused(ts.llmtrain("compare", sweep.dir, "--sort", "accuracy"))
+    assert "--sort accuracy: not a result column here; one of final_eval_loss" in bad
+
+
+# --- 3. plot ---
+
+
+def test_plot_draws_png_and_svg_and_refuses_what_it_cannot_draw(sweep, tmp_path):
+    png = tmp_path / "curves.png"
+    proc = ts.run(ts.llmtrain("plot", sweep.dir, "-o", png), timeout=60)
+    assert f"4 runs, loss, eval_loss -> {png}" in proc.stderr
+    head = png.read_bytes()[:8]
+    assert head == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
+    assert png_size(png) == (2 * 6 * 120, int(4.2 * 120))  # two panels of 6 x 4.2 in at 120 dpi
+
+    svg = tmp_path / "loss.svg"
+    args = ("--metric", "loss", "--x", "tokens", "--smooth", "0.5", "--log-y")
+    proc = ts.run(ts.llmtrain("plot", sweep.dir, "-o", svg, *args), timeout=60)
+    assert f"4 runs, loss -> {svg}" in proc.stderr
+    text = svg.read_text()
+    assert "<svg" in text and 'width="432pt"' in text  # one panel, 6 in wide
+
+    jpg = tmp_path / "out.jpg"
+    err = refused(ts.llmtrain("plot", sweep.dir, "-o", jpg))
+    assert f"-o {jpg}: use a file ending in .png, .svg, .pdf" in err
+    assert not jpg.exists()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = refused(ts.llmtrain("plot", empty, "-o", tmp_path / "none.png"))
+    assert f"{empty}: holds no runs" in err
+    assert not (tmp_path / "none.png").exists()
+
+
+# --- 4. restart ---
+
+
+def test_running_the_same_sweep_again_skips_the_finished_runs(sweep):
+    def snapshot() -> dict:
+        files = ("metrics.jsonl", "summary.json", "output.log", "config.yaml")
+        return {
+            (run_id, name): (
+                (path := sweep.dir / run_id / name).stat().st_mtime_ns,
+                path.read_bytes(),
+            )
+            for run_id in IDS
+            for name in files
+        }
+
+    before = snapshot()
+    proc, seconds = timed(sweep.cmd, timeout=60)
+    for i, run_id in enumerate(IDS, 1):
+        assert f"[{i}/4] {run_id}: finished before, skipped" in proc.stderr
+    assert "running" not in proc.stderr and "resuming" not in proc.stderr
+    assert "sweep abl: all 4 runs finished" in proc.stderr
+    assert seconds < min(10, sweep.seconds / 2), seconds  # no run started (each takes ~2 s)
+    assert snapshot() == before
+
+
+# --- 5. resume ---
+
+
+def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_path):
+    sweeps = tmp_path / "sweeps"
+    killed = sweep_cmd(bases.long, sweeps, "--seeds", 2, "--name", "cut")
+    run_dir = sweeps / "cut" / "seed=0"
+    proc = ts.start(killed)
+    try:
+        deadline = time.monotonic() + 120
+        while 6 not in ts.committed_steps(run_dir / "checkpoints"):
+            assert proc.poll() is None, f"the sweep ended ({proc.returncode}) before step 6"
+            assert time.monotonic() < deadline, "no checkpoint at step 6 after 120 s"
+            time.sleep(0.002)
+    finally:
+        ts.stop_group(proc)  # the sweep and its run (which lives in a session of its own)
+        proc.communicate(timeout=30)
+    assert not (run_dir / "summary.json").exists()
+    assert ts.last_logged_step(run_dir / "metrics.jsonl") < 60, "killed too late"
+    assert max(ts.committed_steps(run_dir / "checkpoints")) < 60
+    assert not (sweeps / "cut" / "seed=1" / "summary.json").exists()
+
+    resumed = ts.run(killed, timeout=240)
+    assert f"[1/2] seed=0: resuming (output: {run_dir.resolve()}/output.log)" in resumed.stderr
+    assert "[2/2] seed=1: running" in resumed.stderr
+    assert "sweep cut: all 2 runs finished" in resumed.stderr
+    for seed in (0, 1):
+        summary = summary_of(sweeps / "cut" / f"seed={seed}")
+        assert summary["status"] == "finished" and summary["step"] == 60
+    starts = [
+        line
+        for line in (run_dir / "output.log").read_text().splitlines()
+        if line.startswith("# ") and line.endswith(" --resume")
+    ]
+    assert len(starts) == 2, starts  # the log goes on: a line per start of the run
+    events = [json.loads(line) for line in (run_dir / "logs" / "rank0.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "run.resumed"][-1] >= 6
+
+    ts.run(sweep_cmd(bases.long, sweeps, "--seeds", 1, "--name", "whole"), timeout=120)
+    whole = metrics_of(sweeps / "whole" / "seed=0")
+    got = metrics_of(run_dir)
+    assert list(got) == list(whole) == list(range(1, 61))
+    ts.assert_close_runs(whole, got, RTOL, KEYS)
+
+
+def test_sigterm_to_the_sweep_stops_its_run_with_a_checkpoint(bases, tmp_path):
+    """The run lives in a session of its own; the sweep passes SIGTERM on, the run saves and
+    stops, the sweep exits with 130 and nothing is left running."""
+    import psutil
+
+    sweeps = tmp_path / "sweeps"
+    cmd = sweep_cmd(bases.long, sweeps, "--seeds", 2, "--name", "term")
+    run_dir = sweeps / "term" / "seed=0"
+    proc = ts.start(cmd)
+    try:
+        deadline = time.monotonic() + 120
+        while ts.last_logged_step(run_dir / "metrics.jsonl") < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.01)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "the sweep has no run process"
+        proc.send_signal(15)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        ts.stop_group(proc)
+    assert proc.returncode == 130, err[-2000:]
+    assert "[1/2] seed=0: interrupted; stopping the run" in err
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in family)
+    summary = summary_of(run_dir)
+    assert summary["status"] == "stopped" and 3 <= summary["step"] < 60
+    assert ts.committed_steps(run_dir / "checkpoints")[-1] == summary["step"]
+    assert not (sweeps / "term" / "seed=1" / "summary.json").exists()
+
+
+# --- 6. failures ---
+
+
+def test_failed_runs_are_reported_and_the_others_finish(failed):
+    err = failed.proc.stderr
+    assert failed.proc.returncode == 1, err
+    assert "Traceback" not in err
+    good, nan, long = (failed.dir / run_id for run_id in failed.ids)
+    assert "[1/3] lr=0.001,seq_len=32: finished in " in err
+    assert "sweep f: 1 of 3 runs finished; 2 failed:" in err
+    report = {line.split(": ", 1)[0].strip(): line for line in err.splitlines() if line[:2] == "  "}
+    assert "exit code 2: NonFiniteError: step " in report["lr=1e+09,seq_len=16"]
+    assert "is not finite" in report["lr=1e+09,seq_len=16"]
+    assert "exit code 2: " in report["lr=0.002,seq_len=100"]
+    assert (
+        "data.seq_len=100 is longer than the model's max_seq_len (64)"
+        in report["lr=0.002,seq_len=100"]
+    )
+    assert "finished runs are skipped" in err
+
+    assert summary_of(good)["status"] == "finished" and summary_of(good)["step"] == STEPS
+    assert list(metrics_of(good)) == list(range(1, STEPS + 1))
+
+    # the lr of 1e9 was applied (a third of it in the first warmup step) and broke step 2
+    summary = summary_of(nan)
+    assert summary["status"] == "failed" and summary["error"].startswith("NonFiniteError: step 2")
+    logged = ts.read_metrics(nan)
+    assert [m["step"] for m in logged] == [1]
+    assert logged[0]["lr"] == pytest.approx(1e9 / 3)
+
+    summary = summary_of(long)
+    assert summary["status"] == "failed" and summary["step"] == 0 and summary["exit_code"] == 2
+    assert "data.seq_len=100 is longer than the model's max_seq_len (64)" in summary["error"]
+    assert not (long / "metrics.jsonl").exists() or not ts.read_metrics(long)
+
+    rows = list(csv.DictReader(compare(failed.dir, "--format", "csv").stdout.splitlines()))
+    status = {Path(row["run_dirs"]).name: row["status"] for row in rows}
+    assert status == dict(zip(failed.ids, ["finished", "failed", "failed"], strict=True))
+    table = compare(failed.dir).stdout.splitlines()
+    assert [row.split()[:3] for row in table[2:]] == [
+        ["32", "0.001", "finished"],
+        ["16", "1e+09", "failed"],
+        ["100", "0.002", "failed"],
+    ]
+
+
+# --- 7. bad input ---
+
+
+@pytest.mark.parametrize(
+    ("base", "args", "expected"),
+    [
+        (
+            "small",
+            ["--grid", "model.n_layerz=1,2"],
+            ["model.n_layerz: unknown key (did you mean 'n_layers'?)"],
+        ),
+        (
+            "small",
+            ["--zip", "model.n_layers=1,2", "--zip", "optimizer.lr=1e-3,2e-3,3e-3"],
+            [
+                "the zipped lists must have the same length: model.n_layers has 2, optimizer.lr has 3"
+            ],
+        ),
+        (
+            "mix",
+            ["--grid", "data.weights=[0.5,0.5],[0.2,0.3,0.5]"],
+            [
+                "data.weights: each value must list 2 weights (one per data.train entry), got [0.2, 0.3, 0.5]"
+            ],
+        ),
+        (
+            "small",
+            ["--grid", "model.n_heads=4,5"],
+            ["model.n_heads: must divide d_model=32, got 5"],
+        ),
+        (
+            "small",
+            [
+                "--grid",
+                "model.n_layers=1,2",
+                "--launch",
+                "slurm",
+                "--nproc-per-node",
+                8,
+                "--nodes",
+                2,
+            ],
+            ["data.global_batch: 8 sequences per step do not divide into 16 data-parallel ranks"],
+        ),
+        ("small", ["--grid", "model.n_layers=1,1"], ["a value is given twice"]),
+        ("small", ["--seeds", 2, "--grid", "seed=0,1"], ["seed is swept twice"]),
+    ],
+    ids=["unknown-key", "zip-lengths", "weights-count", "bad-value", "batch", "twice", "seed"],
+)
+def test_bad_axes_are_refused_before_anything_is_written(bases, tmp_path, base, args, expected):
+    sweeps = tmp_path / "sweeps"
+    err = refused(sweep_cmd(getattr(bases, base), sweeps, *args))
+    for text in expected:
+        assert text in err, err
+    assert not sweeps.exists(), list(sweeps.rglob("*"))
+
+
+# --- 8. SLURM ---
+
+
+def test_slurm_writes_a_job_array_over_the_runs(bases, tmp_path):
+    sweeps = tmp_path / "sweeps"
+    args = ("--grid", "model.n_layers=1,2,3", "--grid", "optimizer.lr=1e-3,3e-3")
+    slurm = ("--launch", "slurm", "--nproc-per-node", 8, "--nodes", 2)
+    slurm += ("--slurm", "partition=gpu", "--max-parallel", 2)
+    proc = ts.run(sweep_cmd(bases.big, sweeps, *args, *slurm), timeout=60)
+    sweep_dir = (sweeps / "big").resolve()
+    script = sweep_dir / "sweep.sbatch"
+    assert proc.stdout == f"sbatch {shlex.quote(str(script))}\n"
+    assert "6 runs to go (0 finished)" in proc.stderr
+
+    ids = [f"n_layers={n},lr={lr}" for n in (1, 2, 3) for lr in ("0.001", "0.003")]
+    configs = [str(sweep_dir / run_id / "config.yaml") for run_id in ids]
+    assert slurm_configs(script) == configs
+    assert all(Path(c).exists() for c in configs)
+    assert not list(sweep_dir.rglob("metrics.jsonl"))  # nothing ran
+    lines = script.read_text().splitlines()
+    for line in ("#SBATCH --array=0-5%2", "#SBATCH --nodes=2", "#SBATCH --partition=gpu"):
+        assert line in lines, script.read_text()
+    assert any("--nproc-per-node=8" in line for line in lines)
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+    # task 3 under stand-ins for srun, scontrol and torchrun: what torchrun is given
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    record = tmp_path / "torchrun.args"
+    stand_ins = {
+        "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+        "scontrol": '[[ "$1" == show ]] && printf "node7\\nnode8\\n"; true',
+        "torchrun": f'printf "%s\\n" "$@" > {shlex.quote(str(record))}',
+    }
+    for name, body in stand_ins.items():
+        (fake / name).write_text(f"#!/bin/bash\n{body}\n")
+        (fake / name).chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_ARRAY_TASK_ID": "3",
+        "SLURM_ARRAY_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "node[7-8]",
+        "SLURM_NNODES": "2",
+    }
+    subprocess.run(["bash", str(script)], env=env, check=True, timeout=30)
+    assert record.read_text().splitlines() == [
+        "--nnodes=2",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=node7:29500",
+        "--rdzv-id=77_3",
+        "-m",
+        "llmtrain",
+        "run",
+        configs[3],
+        "--resume",
+    ]
+
+
+def test_slurm_and_print_cover_only_the_unfinished_runs(failed, sweep):
+    again = sweep_cmd(failed.base, failed.sweeps, *failed.axes, "--name", "f")
+    printed = ts.run([*again, "--launch", "print"], timeout=60)
+    assert "1 finished, 2 to run" in printed.stderr
+    unfinished = [str(failed.dir / run_id / "config.yaml") for run_id in failed.ids[1:]]
+    assert [shlex.split(line) for line in printed.stdout.splitlines()] == [
+        ["llmtrain", "run", config, "--resume"] for config in unfinished
+    ]
+
+    proc = ts.run([*again, "--launch", "slurm"], timeout=60)
+    script = failed.dir / "sweep.sbatch"
+    assert proc.stdout == f"sbatch {shlex.quote(str(script))}\n"
+    assert "#SBATCH --array=0-1" in script.read_text().splitlines()
+    assert slurm_configs(script) == unfinished
+
+    printed = ts.run([*sweep.cmd, "--launch", "print"], timeout=60)
+    assert printed.stdout == "" and "4 finished, 0 to run" in printed.stderr
+    proc = ts.run([*sweep.cmd, "--launch", "slurm"], timeout=60)
+    assert proc.stdout == "" and "every run has finished; no script written" in proc.stderr
+    assert not (sweep.dir / "sweep.sbatch").exists()
+
+
+# --- 9. data mixtures ---
+
+
+def test_a_weights_sweep_trains_each_run_on_its_mixture(bases, sweep, tmp_path):
+    sweeps = tmp_path / "sweeps"
+    proc = ts.run(sweep_cmd(bases.mix, sweeps, "--grid", "data.weights=[1,0],[0,1]"), timeout=120)
+    assert "sweep mix: all 2 runs finished" in proc.stderr
+    sweep_dir = sweeps / "mix"
+    manifest = json.loads((sweep_dir / "manifest.json").read_text())
+    assert [(r["id"], r["settings"]) for r in manifest["runs"]] == [
+        ("weights=1-0", {"data.weights": [1, 0]}),
+        ("weights=0-1", {"data.weights": [0, 1]}),
+    ]
+    base_train = yaml.safe_load(bases.mix.read_text())["data"]["train"]
+    for run_id, weights in (("weights=1-0", [1.0, 0.0]), ("weights=0-1", [0.0, 1.0])):
+        train = config_of(sweep_dir / run_id)["data"]["train"]
+        assert [d["path"] for d in train] == [d["path"] for d in base_train]
+        assert [d["weight"] for d in train] == weights
+        assert summary_of(sweep_dir / run_id)["status"] == "finished"
+
+    only_train = metrics_of(sweep_dir / "weights=1-0")
+    only_valid = metrics_of(sweep_dir / "weights=0-1")
+    # weight 0 leaves the valid corpus out: the run is the 1-dataset run with the same settings
+    ts.assert_close_runs(metrics_of(sweep.dir / "n_layers=2,seed=0"), only_train, RTOL, KEYS)
+    # same initial weights, other batches: every training loss differs, the first one too
+    assert all(only_train[s]["loss"] != only_valid[s]["loss"] for s in range(1, STEPS + 1))
+
+    lines = compare(sweep_dir).stdout.splitlines()
+    assert lines[0].split()[:3] == ["0.weight", "1.weight", "status"]
+    assert [line.split()[:2] for line in lines[2:]] == [["1", "0"], ["0", "1"]]
