@@ -129,7 +129,20 @@ def test_rank_stats_and_the_slowest_rank(tmp_path, run_cli):
     assert code == 0
     row1 = next(line for line in out.splitlines() if line.strip().startswith("1 "))
     assert row1.endswith("<- slowest")
-    assert "slowest: rank 1; the other ranks spend 29.0% of their time waiting for it" in out
+    assert "slowest: rank 1; the others spend 29.0% of their time waiting for it" in out
+
+    # with arrival lags (every rank made the same collectives) the latest rank is the slowest
+    for rank, lag in ((0, 0.0), (1, 0.01), (2, 0.4)):
+        rows = [
+            {"step": s, "step_time_s": 0.1, "sync_wait": 0.3 - rank / 10, "arrival_lag": lag}
+            for s in range(1, 4)
+        ]
+        write_rank_log(tmp_path / "logs" / f"rank{rank}.jsonl", rank, rows)
+    stats = reports.rank_stats(tmp_path)
+    assert [s.arrival_lag for s in stats] == [0.0, 0.01, 0.4]
+    assert reports.slowest_rank(stats).rank == 2
+    code, out, _ = run_cli("ranks", tmp_path)
+    assert "slowest: rank 2; the others wait for it 40.0% of the time" in out
 
 
 # --- the watchdog ---
@@ -154,7 +167,7 @@ def test_watchdog_dumps_every_stack_once_per_stalled_step(tmp_path, monkeypatch)
         dog.close()
     assert dog.stalls == 1
     text = (tmp_path / "stacks-rank5.txt").read_text()
-    assert text.startswith("=== rank 5: step of step 4 running for")
+    assert text.startswith("=== rank 5: step 4 (step) running for")
     assert "test_watchdog_dumps_every_stack_once_per_stalled_step" in text  # this thread's frame
     assert "llmtrain-watchdog" in text or "Thread" in text
 
@@ -168,6 +181,29 @@ def test_watchdog_can_be_off(tmp_path):
 
 
 # --- memory ---
+def test_arrival_lag_from_the_gathered_windows():
+    # rows: [values..., calls, summed arrival seconds]
+    assert observe.arrival_lag([[0.1, 4.0, 2.0], [0.2, 4.0, 2.5]]) == [0.0, 0.5]
+    assert observe.arrival_lag([[0.1, 4.0, 2.0], [0.2, 3.0, 2.5]]) is None  # other calls
+    assert observe.arrival_lag([[0.1, 0.0, 0.0], [0.2, 0.0, 0.0]]) is None  # none
+
+
+def test_collective_clock_wraps_and_restores_the_collectives():
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+    clock = observe.CollectiveClock()
+    clock.install()
+    try:
+        assert dist.all_reduce is not original and dist.all_reduce.__wrapped__ is original
+        with pytest.raises(ValueError):  # no process group here: the call still goes through
+            dist.all_reduce(torch.zeros(1))
+        assert clock.calls == 1 and clock.total > 0
+    finally:
+        clock.remove()
+    assert dist.all_reduce is original
+
+
 def test_memory_on_cpu_is_resident_set_size():
     mem = observe.memory_mib(torch.device("cpu"))
     assert mem["peak_memory_mib"] >= mem["active_memory_mib"] > 10

@@ -72,7 +72,9 @@ def dump_memory_snapshot(path: Path) -> Path | None:
 
 
 # --- per-rank numbers, gathered at log steps ---
-def gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+def gather_floats(
+    values: list[float], device: torch.device, *, all_gather: Any = None
+) -> list[list[float]]:
     """Every rank's `values` (same length on all ranks), in rank order."""
     import torch.distributed as dist
 
@@ -80,12 +82,90 @@ def gather_floats(values: list[float], device: torch.device) -> list[list[float]
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [values]
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
+    (all_gather or dist.all_gather)(out, mine)
     return [t.tolist() for t in out]
 
 
+# --- stragglers: when each rank arrives at its collectives ---
+COLLECTIVES = (
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all_single",
+)
+
+
+class CollectiveClock:
+    """Times when this rank calls torch.distributed's collectives (FSDP's gathers and
+    reduce-scatters, DDP's and the trainer's all-reduces), relative to the end of the last
+    per-rank gather, which all ranks leave together. Every rank makes the same calls in the same
+    order, so the rank whose arrival times sum highest is the one the others wait for:
+    `lag(r) = sum_r - min over ranks`, in seconds per window. Costs a clock read per call."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.originals: dict[str, Any] = {}
+        self.calls = 0
+        self.total = 0.0
+        self.origin = time.perf_counter()
+
+    def install(self) -> None:
+        """Wrap the collectives; the first window starts as every rank leaves a barrier."""
+        if self.dist.is_initialized():
+            self.dist.barrier()
+        self.origin = time.perf_counter()
+        for name in COLLECTIVES:
+            original = getattr(self.dist, name, None)
+            if original is None or name in self.originals:
+                continue
+            self.originals[name] = original
+            setattr(self.dist, name, self._timed(original))
+
+    def _timed(self, original: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.total += time.perf_counter() - self.origin
+            return original(*args, **kwargs)
+
+        timed.__wrapped__ = original  # type: ignore[attr-defined]
+        return timed
+
+    def gather(self, values: list[float], device: torch.device) -> list[list[float]]:
+        """Every rank's `values` plus (calls, summed arrival) of this window, in rank order;
+        then a new window starts, at the same moment on every rank."""
+        mine = [*values, float(self.calls), self.total]
+        out = gather_floats(mine, device, all_gather=self.originals.get("all_gather"))
+        self.calls, self.total, self.origin = 0, 0.0, time.perf_counter()
+        return out
+
+    def remove(self) -> None:
+        for name, original in self.originals.items():
+            setattr(self.dist, name, original)
+        self.originals.clear()
+
+
+def arrival_lag(ranks: list[list[float]]) -> list[float] | None:
+    """Seconds each rank arrived later than the earliest at this window's collectives, from
+    `CollectiveClock.gather`'s rows; None when the ranks made different calls (pipelines)."""
+    calls = {row[-2] for row in ranks}
+    if len(calls) != 1 or not calls.pop():
+        return None
+    earliest = min(row[-1] for row in ranks)
+    return [row[-1] - earliest for row in ranks]
+
+
 # --- determinism and NCCL's flight recorder (both before any CUDA work) ---
-def seed_everything(seed: int, debug: DebugConfig) -> None:
+def seed_everything(seed: int, debug: DebugConfig) -> bool:
+    """Seed Python, NumPy and torch; with `debug.deterministic` switch torch to deterministic
+    algorithms. Returns the switch's previous state (for `restore_determinism`)."""
+    previous = torch.are_deterministic_algorithms_enabled()
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
@@ -95,6 +175,13 @@ def seed_everything(seed: int, debug: DebugConfig) -> None:
         torch.backends.cudnn.deterministic = True
         torch.backends.cudnn.benchmark = False
         log.info("debug.deterministic", message="deterministic algorithms on; every seed set")
+    return previous
+
+
+def restore_determinism(previous: bool) -> None:
+    """Put the process-wide switch back (a program that runs several trainers in turn)."""
+    if torch.are_deterministic_algorithms_enabled() != previous:
+        torch.use_deterministic_algorithms(previous)
 
 
 def flight_recorder_env(debug: DebugConfig, log_dir: Path) -> None:
@@ -224,7 +311,7 @@ class Watchdog:
         self.file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.file, "a") as f:
             f.write(
-                f"=== rank {self.rank}: {what} of step {step} running for {elapsed:.1f} s "
+                f"=== rank {self.rank}: step {step} ({what}) running for {elapsed:.1f} s "
                 f"(limit {limit:.1f} s) at {time.strftime('%Y-%m-%d %H:%M:%S')} ===\n"
             )
             f.flush()

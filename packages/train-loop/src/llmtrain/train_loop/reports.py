@@ -138,6 +138,7 @@ class RankStats:
     step_time_p90_s: float
     data_wait: float  # mean share of the time
     sync_wait: float  # mean share spent waiting for the other ranks at the step's first collective
+    arrival_lag: float | None  # mean share of the time the others waited for this rank
     peak_memory_mib: float | None
 
 
@@ -172,6 +173,11 @@ def rank_stats(run: Path, skip_first: bool = True) -> list[RankStats]:
                 step_time_p90_s=times[min(len(times) - 1, int(0.9 * len(times)))],
                 data_wait=statistics.fmean(r.get("data_wait", 0.0) for r in rows),
                 sync_wait=statistics.fmean(r.get("sync_wait", 0.0) for r in rows),
+                arrival_lag=(
+                    statistics.fmean(r["arrival_lag"] for r in rows)
+                    if all("arrival_lag" in r for r in rows)
+                    else None
+                ),
                 peak_memory_mib=max(peaks) if peaks else None,
             )
         )
@@ -185,8 +191,11 @@ def configure_ranks(parser: argparse.ArgumentParser) -> None:
 
 
 def slowest_rank(stats: list[RankStats]) -> RankStats:
-    """Ranks step together, so step times match; the others wait for the slowest one, which
-    is the rank that waits least at the step's first collective."""
+    """Ranks step together, so their step times match; the slowest is the rank the others wait
+    for: the one arriving last at the collectives, or (pipelines, where ranks make different
+    calls) the one that waits least at the step's first collective."""
+    if all(s.arrival_lag is not None for s in stats):
+        return max(stats, key=lambda s: s.arrival_lag)
     return min(stats, key=lambda s: s.sync_wait)
 
 
@@ -195,20 +204,26 @@ def run_ranks(args: argparse.Namespace, ctx: Context) -> int:
     slowest = slowest_rank(stats)
     print(
         f"{'rank':>4}  {'windows':>7}  {'step s (median)':>15}  {'p90':>9}  "
-        f"{'data wait':>9}  {'sync wait':>9}  {'peak MiB':>9}"
+        f"{'data wait':>9}  {'sync wait':>9}  {'late by':>8}  {'peak MiB':>9}"
     )
     for s in stats:
         mark = "  <- slowest" if s is slowest and len(stats) > 1 else ""
         peak = "" if s.peak_memory_mib is None else f"{s.peak_memory_mib:,.0f}"
+        late = "" if s.arrival_lag is None else f"{100 * s.arrival_lag:.2f}%"
         print(
             f"{s.rank:>4}  {s.windows:>7}  {s.step_time_s:>15.4f}  {s.step_time_p90_s:>9.4f}  "
-            f"{100 * s.data_wait:>8.2f}%  {100 * s.sync_wait:>8.2f}%  {peak:>9}{mark}"
+            f"{100 * s.data_wait:>8.2f}%  {100 * s.sync_wait:>8.2f}%  {late:>8}  {peak:>9}{mark}"
         )
     if len(stats) > 1:
-        others = [s.sync_wait for s in stats if s is not slowest]
+        if slowest.arrival_lag is not None:
+            why = (
+                f"the others wait for it {100 * slowest.arrival_lag:.1f}% of the time "
+                "(it arrives last at the collectives)"
+            )
+        else:
+            others = statistics.fmean(s.sync_wait for s in stats if s is not slowest)
+            why = f"the others spend {100 * others:.1f}% of their time waiting for it"
         print(
-            f"slowest: rank {slowest.rank}; the other ranks spend {100 * statistics.fmean(others):.1f}% "
-            f"of their time waiting for it (it waits {100 * slowest.sync_wait:.1f}%); its data "
-            f"wait is {100 * slowest.data_wait:.2f}%"
+            f"slowest: rank {slowest.rank}; {why}; its data wait is {100 * slowest.data_wait:.2f}%"
         )
     return 0

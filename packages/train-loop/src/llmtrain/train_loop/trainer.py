@@ -206,7 +206,7 @@ class Trainer:
                 message=f"{self.total_steps} steps read {epochs:.2f} epochs of the training data "
                 f"({len(self.train_data)} windows); samples repeat in a new order each epoch",
             )
-        observe.seed_everything(c.seed, c.debug)
+        self._deterministic_before = observe.seed_everything(c.seed, c.debug)
         observe.start_memory_history(self.device, c.debug)
 
         # the model: parallelize on the meta device, then allocate and initialise
@@ -276,6 +276,10 @@ class Trainer:
         self.flops_per_token = self.description.flops_per_token(c.data.seq_len)
         self.peak_flops = self._peak_flops()
         self.sync_wait = 0.0
+        self.clock = None
+        if self.world.world_size > 1:
+            self.clock = observe.CollectiveClock()
+            self.clock.install()
         self.profiler = observe.StepProfiler(c.profile, self.run_dir, self.world.rank, self.device)
         self.watchdog = observe.Watchdog(c.debug.watchdog, self.run_dir / "logs", self.world.rank)
 
@@ -559,17 +563,22 @@ class Trainer:
             world = self.world.world_size
             metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * world)
         # this rank's own numbers go to its JSON log; the metrics get the worst rank's
-        log.debug("step", step=self.step, **{k: round(v, 6) for k, v in metrics.items()})
-        if self.world.world_size > 1:
-            ranks = observe.gather_floats(
-                [metrics[k] for k in ("step_time_s", "data_wait", "sync_wait", "peak_memory_mib")],
-                self.device,
+        mine = dict(metrics)
+        if self.clock is not None:
+            ranks = self.clock.gather(
+                [metrics[k] for k in ("data_wait", "sync_wait", "peak_memory_mib")], self.device
             )
-            # the others wait for the slowest rank, so it is the one that waits least
-            slowest = min(range(len(ranks)), key=lambda r: ranks[r][2])
+            lag = observe.arrival_lag(ranks)
+            if lag is not None:
+                # the share of the window the others spent waiting for this rank to arrive
+                mine["arrival_lag"] = lag[self.world.rank] / elapsed
+                slowest = max(range(len(ranks)), key=lambda r: lag[r])
+            else:  # different collectives per rank (pipeline stages): the one that waits least
+                slowest = min(range(len(ranks)), key=lambda r: ranks[r][1])
             metrics["slowest_rank"] = slowest
-            metrics["data_wait_max"] = max(r[1] for r in ranks)
-            metrics["peak_memory_mib"] = max(r[3] for r in ranks)
+            metrics["data_wait_max"] = max(r[0] for r in ranks)
+            metrics["peak_memory_mib"] = max(r[2] for r in ranks)
+        log.debug("step", step=self.step, **{k: round(v, 6) for k, v in mine.items()})
         for sink in self.sinks:
             sink.log(self.step, metrics)
         window.update(time=now, wait=0.0, tokens=0, steps=0)
@@ -578,6 +587,9 @@ class Trainer:
         for sink in self.sinks:
             sink.close()
         self.watchdog.close()
+        if getattr(self, "clock", None) is not None:
+            self.clock.remove()
+        observe.restore_determinism(self._deterministic_before)
         shutdown_distributed()
 
 
