@@ -8,7 +8,8 @@ Three Trainer runs over the same data, alternated `--repeats` times (best median
 - profiled: the watchdog and `profile: {every: 10, warmup: 1, active: 1}`.
 Each logs every step; the figure is the median step time over the steps outside profiler windows
 (steps s with s % 10 in {0, 1} are left out of every run alike). Prints each variant's median step
-time and its speed ratio to the reference (goal: overhead < 1%, ratio >= 0.99).
+time, the profiler's ratio (profiled against watchdog, which differ only in the windows) and the
+watchdog's (watchdog against reference); goal for both: overhead < 1%, ratio >= 0.99.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ def main() -> None:
             for variant in VARIANTS:
                 step = run(work, data, MODELS[args.model], args, variant, repeat, plugins)
                 best[variant] = min(best[variant], step)
-    ref = best["reference"]
-    print(f"{'variant':10} {'median step':>12} {'ratio':>7}")
+    print(f"{'variant':10} {'median step':>12}")
     for name, step in best.items():
-        print(f"{name:10} {1e3 * step:>10.3f}ms {ref / step:>7.3f}")
-    worst = min(ref / step for step in best.values())
-    print(f"\noverhead goal < 1% on untouched steps (ratio >= 0.99): worst ratio {worst:.3f}")
+        print(f"{name:10} {1e3 * step:>10.3f}ms")
+    profiler = best["watchdog"] / best["profiled"]  # the same run but for the profile windows
+    watchdog = best["reference"] / best["watchdog"]
+    print(f"\nprofiler on untouched steps: ratio {profiler:.3f} (goal >= 0.99)")
+    print(f"watchdog: ratio {watchdog:.3f} (goal >= 0.99)")
 
 
 if __name__ == "__main__":
