@@ -112,7 +112,7 @@ def refused_resume(run_cli, resumable, *argv) -> str:  # noqa: F811
     """The error line of a refused resume, after checking the run's files are untouched."""
     run_dir_override, run_dir = resumable
     kept = {p: p.read_bytes() for p in run_dir.glob("*.*")}
-    assert set(kept) == {run_dir / "config.yaml", run_dir / "metrics.jsonl"}
+    assert set(kept) == {run_dir / n for n in ("config.yaml", "metrics.jsonl", "summary.json")}
     error = refused(run_cli, "run", *argv[:1], run_dir_override, *argv[1:])
     for path, content in kept.items():
         assert path.read_bytes() == content, f"the refused run changed {path.name}"
