@@ -406,7 +406,7 @@ def test_a_hung_rank_gets_every_rank_s_stacks_written(data, tmp_path, monkeypatc
         assert stall["limit_s"] == pytest.approx(max(1.0, 5 * stall["median_step_s"]), abs=2e-3)
         assert stall["seconds"] >= stall["limit_s"]
         text = stacks_file.read_text()
-        assert re.match(rf"=== rank {rank}: step of step 6 running for [\d.]+ s \(limit", text)
+        assert re.match(rf"=== rank {rank}: step 6 \(step\) running for [\d.]+ s \(limit", text)
         frames = main_thread(text)
         assert any(f.endswith("in train_step") for f in frames), frames
         assert any(f.endswith("in forward_backward") for f in frames), frames

@@ -42,6 +42,16 @@ def memory_mib(device: torch.device) -> dict[str, float]:
 
 
 def _peak_rss_mib() -> float:
+    """This process's peak resident set. Linux: VmHWM of its own address space (ru_maxrss
+    carries the parent's peak across fork and exec, so a small run started from a big
+    process would report the parent's size)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024  # bytes on macOS, else KiB
 
