@@ -1,4 +1,5 @@
-"""Test sessions. `nox -s tests` is what CI runs: lint, every package alone, then integration.
+"""Test sessions. `nox -s tests` is what CI runs: lint, every package alone, every plugin in
+plugins/ with its own tests, then integration.
 
 Each package session installs only that package (and core-mesh, and whatever the package itself
 depends on) into a fresh venv, so a missing dependency declaration fails here, not for users.
@@ -101,10 +102,26 @@ def gpu(session: nox.Session) -> None:
     pytest(session, str(ROOT / "integration_tests"), "-m", "gpu")
 
 
-@nox.session(python=False, requires=["lint", *PACKAGES, "integration"])
+def make_plugin_session(path: Path) -> str:
+    """`plugin-<name>`: the plugin with the llmtrain packages and what its pyproject declares,
+    then its own tests (a missing dependency declaration fails here)."""
+    name = "plugin-" + path.name.removeprefix("llmtrain-")
+
+    @nox.session(name=name)
+    def run(session: nox.Session) -> None:
+        session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *group("test"))
+        pytest(session, str(path / "tests"))
+
+    return name
+
+
+PLUGIN_SESSIONS = [make_plugin_session(Path(p)) for p in plugin_paths()]
+
+
+@nox.session(python=False, requires=["lint", *PACKAGES, *PLUGIN_SESSIONS, "integration"])
 def tests(session: nox.Session) -> None:
-    """What CI runs: lint, each package alone, then integration."""
-    session.log("lint, every package session and integration passed")
+    """What CI runs: lint, each package alone, each plugin with its tests, then integration."""
+    session.log("lint, every package and plugin session and integration passed")
 
 
 @nox.session

@@ -143,3 +143,59 @@ def test_disable_env_blocks_named_plugins(venv):
     ]
     assert report["problems"] == []
     assert report["blocked"] == ["llmtrain_broken", "llmtrain_mamba"]
+
+
+# --- the real plugins in plugins/: found through their entry points, and only through them ---
+def real_plugins() -> list[tuple[str, str]]:
+    """(distribution, entry point name) of every package in plugins/."""
+    import tomllib
+
+    found = []
+    for pyproject in sorted((ROOT / "plugins").glob("*/pyproject.toml")):
+        meta = tomllib.loads(pyproject.read_text())["project"]
+        for entry in meta["entry-points"]["llmtrain"]:
+            found.append((meta["name"], entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def plugin_venv(tmp_path_factory):
+    """A light venv: core-mesh with its dependencies, then the other llmtrain packages and
+    every plugin without theirs (registering must not import torch or the plugins' libraries)."""
+    env_dir = tmp_path_factory.mktemp("real-plugins") / "venv"
+    run(["uv", "venv", "-q", str(env_dir)])
+    python = str(env_dir / "bin" / "python")
+    run(["uv", "pip", "install", "-q", "--python", python, str(ROOT / "packages" / "core-mesh")])
+    others = [p.parent for p in sorted((ROOT / "packages").glob("*/pyproject.toml"))]
+    plugins = [p.parent for p in sorted((ROOT / "plugins").glob("*/pyproject.toml"))]
+    paths = [str(p) for p in [*others, *plugins] if p.name != "core-mesh"]
+    run(["uv", "pip", "install", "-q", "--no-deps", "--python", python, *paths])
+    return env_dir
+
+
+def test_every_real_plugin_is_found_only_through_its_entry_point(plugin_venv):
+    expected = real_plugins()
+    assert {dist for dist, _ in expected} >= {
+        "llmtrain-tensorboard",
+        "llmtrain-wandb",
+        "llmtrain-hf",
+        "llmtrain-moe",
+    }
+    report = plugins_json(plugin_venv)
+    by_package: dict[str, set] = {}
+    for entry in report["entries"]:
+        by_package.setdefault(entry["package"], set()).add((entry["plugin"], entry["kind"]))
+    for dist, name in expected:
+        assert dist in by_package, f"{dist} registered nothing: {report['problems']}"
+        assert {plugin for plugin, _ in by_package[dist]} == {name}
+    assert not [p for p in report["problems"] if p["package"] in dict(expected)]
+
+    python = str(plugin_venv / "bin" / "python")
+    for dist, name in expected:  # uninstalled: gone, and nothing else is disturbed
+        run(["uv", "pip", "uninstall", "-q", "--python", python, dist])
+        after = plugins_json(plugin_venv)
+        assert dist not in {e["package"] for e in after["entries"]}
+        assert name not in {e["plugin"] for e in after["entries"]}
+        gone = {e["package"] for e in report["entries"]} - {e["package"] for e in after["entries"]}
+        assert gone == {dist}, gone
+        report = after

@@ -130,6 +130,8 @@ def test_eval_and_generate_read_the_checkpoint(reference, data, run_cli):  # noq
     [
         ("fsdp", []),  # the default mesh: dp_shard -1, 4 sequences per rank, no accumulation
         ("tp", ["mesh.tp=2"]),
+        # norms stay whole beside DTensors: the optimizer must not use multi-tensor kernels
+        ("tp-no-sp", ["mesh.tp=2", "parallel.kind=default", "parallel.sequence_parallel=false"]),
         ("pp", ["mesh.pp=2"]),  # 2 micro-batches through a 1F1B pipeline
     ],
 )

@@ -442,3 +442,27 @@ def test_literal_choices_are_listed():
     assert [p.message for p in info.value.problems] == [
         "expected one of 'layernorm', 'rmsnorm', got 'batchnorm'"
     ]
+
+
+def test_a_list_field_takes_only_a_list():
+    """cattrs alone would read `tags: ci` as ['c', 'i'] and a mapping as its keys."""
+
+    @attrs.frozen
+    class Tagged:
+        tags: list[str] = attrs.Factory(list)
+        sizes: list[int] = attrs.Factory(list)
+
+    assert structure({"tags": ["ci", "gpu"], "sizes": [1, 2]}, Tagged) == Tagged(
+        ["ci", "gpu"], [1, 2]
+    )
+    with pytest.raises(ConfigError) as info:
+        structure({"tags": "ci", "sizes": {"a": 1}}, Tagged)
+    assert sorted((p.dotted, p.message) for p in info.value.problems) == [
+        ("sizes", "expected a list, got mapping {'a': 1}"),
+        ("tags", "expected a list, got str 'ci'"),
+    ]
+    with pytest.raises(ConfigError) as info:
+        structure({"sizes": [1, "two"]}, Tagged)
+    assert [(p.dotted, p.message) for p in info.value.problems] == [
+        ("sizes[1]", "expected int, got str 'two'")
+    ]

@@ -379,6 +379,20 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
 
         return structure
 
+    def list_hook(cls: Any) -> Any:
+        from cattrs.cols import list_structure_factory
+
+        items = list_structure_factory(cls, conv)
+
+        def structure(value: Any, _: type) -> Any:
+            # cattrs would take a string as its characters and a mapping as its keys
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+                raise _expect("a list", value)
+            return items(value, cls)
+
+        return structure
+
+    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_hook)
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is Literal, literal_hook)
     conv.register_structure_hook_factory(is_attrs, attrs_hook)
     conv.register_structure_hook_factory(

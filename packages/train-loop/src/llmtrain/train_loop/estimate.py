@@ -159,6 +159,13 @@ def estimate(config: RunConfig, plugins: Any, world: int) -> Estimate:
     pipeline = getattr(options, "pipeline", None)
     schedule = getattr(pipeline, "schedule", "1F1B") if pipeline is not None else "1F1B"
 
+    max_len = getattr(options_of(plugins, "model", config.model), "max_seq_len", None)
+    if max_len is not None and seq > max_len:
+        raise ConfigValueError(
+            "seq_len",
+            f"data.seq_len={seq} is longer than the model's max_seq_len ({max_len}); raise "
+            "model.max_seq_len or shorten data.seq_len",
+        )
     with torch.device("meta"):
         model = build(plugins, "model", config.model)
     desc = model.describe()

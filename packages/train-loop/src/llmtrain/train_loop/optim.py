@@ -88,6 +88,11 @@ def decay_groups(module: Any, weight_decay: float, params: Any = None) -> list[d
 def _implementation(fused: bool | None, module: Any) -> dict[str, bool]:
     if fused is not None:
         return {"fused": fused}
+    kinds = {type(p.data) for p in module.parameters()}
+    if len(kinds) > 1:
+        # DTensors beside plain tensors (TP without sequence parallelism leaves the norms
+        # whole): the multi-tensor kernels refuse mixed lists, so step tensor by tensor
+        return {"foreach": False}
     on_cuda = any(p.device.type == "cuda" for p in module.parameters())
     return {"fused": True} if on_cuda else {"foreach": True}
 

@@ -585,7 +585,10 @@ class Trainer:
 
     def close(self) -> None:
         for sink in self.sinks:
-            sink.close()
+            try:  # one logger failing to close must not keep the others or the group open
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported
+                log.warning("logger.close_failed", logger=type(sink).__name__, error=repr(exc))
         self.watchdog.close()
         if getattr(self, "clock", None) is not None:
             self.clock.remove()

@@ -1,0 +1,209 @@
+"""Tokenizers across the border: what a checkpoint was trained with -> HF tokenizer files, and an
+HF directory's tokenizer.json -> the tokenizer spec a checkpoint records (what `llmtrain generate`
+reads).
+
+A checkpoint records its tokenizer as packed (`info.data.tokenizer`: name, fingerprint, vocab
+size, eod id and the `spec` that rebuilds it). `hf` tokenizers export as their own tokenizer.json;
+`bytes` exports as an equivalent byte-level BPE with no merges (byte b is id b, the special
+tokens follow); other kinds (tiktoken, plugins) are not exported and say so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import attrs
+import fsspec
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.data_pack.tokenizer import TokenizerError, read_bytes, tokenizer_from_raw
+
+
+@attrs.frozen
+class TokenizerExport:
+    """The HF tokenizer to write (None when it cannot be exported) and what to tell the user."""
+
+    tokenizer: Any  # a transformers PreTrainedTokenizerFast, or None
+    note: str
+    json_text: str | None = None  # tokenizer.json exactly as trained with
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.tokenizer is None else self.tokenizer.eos_token_id
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-in for each byte, the alphabet of byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def bytes_tokenizer_json(special_tokens: list[str]) -> str:
+    """tokenizer.json of a tokenizer with llmtrain's `bytes` ids: UTF-8 byte b is id b, the
+    special tokens are 256, 257, ... in order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: b for b, char in enumerate(_byte_chars())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(special_tokens))
+    return tok.to_str()
+
+
+def hf_tokenizer(
+    record: dict[str, Any] | None,
+    plugins: PluginManager,
+    *,
+    max_len: int,
+    path: str | None = None,
+) -> TokenizerExport:
+    """The transformers tokenizer equivalent to a checkpoint's recorded tokenizer (`record`:
+    `info.data.tokenizer`); `path` replaces the recorded tokenizer.json location."""
+    if not record or "spec" not in record:
+        return TokenizerExport(None, "the checkpoint records no tokenizer: none written")
+    spec = dict(record["spec"])
+    kind = spec.get("kind")
+    if kind not in ("hf", "bytes"):
+        return TokenizerExport(
+            None,
+            f"the {kind!r} tokenizer ({record.get('name')}) is not exported: only `hf` "
+            "(tokenizer.json) and `bytes` tokenizers have an exact transformers equivalent here; "
+            "add the tokenizer files to the directory yourself",
+        )
+    if path is not None:
+        if kind != "hf":
+            raise UserError(f"--tokenizer replaces an hf tokenizer.json; this one is {kind!r}")
+        spec["path"] = path
+    try:
+        ours = tokenizer_from_raw(spec, plugins)
+    except TokenizerError as exc:
+        raise UserError(
+            f"cannot read the checkpoint's tokenizer: {exc}. Pass --tokenizer PATH (the "
+            "tokenizer.json it was trained with) or --no-tokenizer"
+        ) from None
+    if record.get("fingerprint") not in (None, ours.fingerprint):
+        raise UserError(
+            f"{spec.get('path', kind)} is not the tokenizer the checkpoint was trained with "
+            f"(fingerprint {ours.fingerprint}, recorded {record['fingerprint']}); pass "
+            "--tokenizer with the original tokenizer.json, or --no-tokenizer"
+        )
+    if kind == "hf":
+        text = read_bytes(spec["path"]).decode("utf-8")
+        note = f"tokenizer: {spec['path']} as tokenizer.json"
+    else:
+        text = bytes_tokenizer_json(list(ours.options.special_tokens))
+        note = "tokenizer: llmtrain `bytes` as an equivalent byte-level tokenizer.json"
+    if spec.get("parse_special"):
+        note += " (special-token text in input is parsed, as in training)"
+    else:
+        note += (
+            " (transformers parses special-token text such as '<|endoftext|>' in input; "
+            "llmtrain trained with it as plain text)"
+        )
+    return TokenizerExport(_fast(text, ours.eod_id, max_len), note, text)
+
+
+def _fast(text: str, eod_id: int, max_len: int) -> Any:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(text)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=tok.id_to_token(eod_id),
+        model_max_length=max_len,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def save_tokenizer(export: TokenizerExport, out: str) -> None:
+    """Write the tokenizer files into `out`. The config names the class
+    `PreTrainedTokenizerFast`, which transformers 4 and 5 both load."""
+    if export.tokenizer is None or export.json_text is None:
+        return
+    export.tokenizer.save_pretrained(out)
+    # the file as trained with, not transformers' re-serialisation (which adds a no-op
+    # post-processor): the same fingerprint, so `hf import` of this directory matches the data
+    with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(export.json_text)
+    config_path = os.path.join(out, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("backend", None)
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+
+
+# --- import -----------------------------------------------------------------------------------------
+
+
+def _eos_name(hf_dir: str, config: Any, tok: Any) -> str | None:
+    """The end-of-sequence token of an HF directory: tokenizer_config.json's eos_token, else the
+    model config's eos_token_id."""
+    path = os.path.join(hf_dir, "tokenizer_config.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and tok.token_to_id(eos) is not None:
+            return eos
+    eos_id = getattr(config, "eos_token_id", None)
+    if isinstance(eos_id, list):
+        eos_id = eos_id[0] if eos_id else None
+    if isinstance(eos_id, int):
+        return tok.id_to_token(eos_id)
+    return None
+
+
+def import_tokenizer(
+    hf_dir: str, out: str, config: Any, plugins: PluginManager
+) -> tuple[dict[str, Any] | None, str]:
+    """Copy HF_DIR/tokenizer.json into the checkpoint directory `out` and return the record a
+    checkpoint keeps (`info.data.tokenizer`), or None and why not."""
+    from tokenizers import Tokenizer
+
+    source = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.exists(source):
+        return None, (
+            f"{hf_dir} has no tokenizer.json: no tokenizer recorded (pass --tokenizer to "
+            "`llmtrain generate`)"
+        )
+    with open(source, "rb") as f:
+        data = f.read()
+    try:
+        eos = _eos_name(hf_dir, config, Tokenizer.from_str(data.decode("utf-8")))
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception on bad files
+        return None, f"{source} is not a readable tokenizer.json ({exc}): no tokenizer recorded"
+    fs, root = fsspec.core.url_to_fs(out)
+    fs.makedirs(root, exist_ok=True)
+    target = f"{out.rstrip('/')}/tokenizer.json"
+    if "://" not in target:
+        target = os.path.abspath(target)
+    with fsspec.open(target, "wb") as f:
+        f.write(data)
+    spec = {"kind": "hf", "path": target, **({"eod_token": eos} if eos else {})}
+    try:
+        tok = tokenizer_from_raw(spec, plugins)
+    except TokenizerError as exc:
+        return None, f"tokenizer not recorded: {exc}"
+    record = {
+        "name": tok.name,
+        "fingerprint": tok.fingerprint,
+        "vocab_size": tok.vocab_size,
+        "eod_id": tok.eod_id,
+        "spec": spec,
+    }
+    return record, f"tokenizer: {source} copied to {target} (end of document: {eos!r})"

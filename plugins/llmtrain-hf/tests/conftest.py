@@ -1,0 +1,150 @@
+"""Shared setup for llmtrain-hf's tests: one torch thread, the installed plugins, small random
+transformers models and a small BPE tokenizer made here (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from shared_fixtures import run_cli  # noqa: F401
+
+from llmtrain.core_mesh.plugins import PluginManager
+
+# float32 logits of the same weights computed by two implementations; seen: ~2e-7
+TOL = 1e-4
+
+
+def pytest_configure(config):
+    # DCP in one process without a process group: what these tests (and the CLI) mean to do
+    config.addinivalue_line("filterwarnings", "ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def quiet():
+    from transformers.utils import logging as hf_logging
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads buy nothing on a small, busy machine
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def plugins() -> PluginManager:
+    pm = PluginManager(blocked=()).load_entry_points()
+    assert pm.problems == [], pm.problems
+    assert "hf" in pm.registry("command")
+    return pm
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    values = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return LlamaConfig(**{**values, **overrides})
+
+
+def gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    values = dict(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=300,
+        n_positions=128,
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return GPT2Config(**{**values, **overrides})
+
+
+def random_hf_model(config, seed: int = 0):
+    """A transformers model with random weights everywhere: norms and biases too (their HF
+    initialisation is ones and zeros, which would hide a swapped or dropped tensor)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if name.endswith("weight") else 0.0))
+            else:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def sentences(n: int, seed: int = 0) -> list[str]:
+    from llmtrain.train_loop.quickstart import sentence
+
+    rng = random.Random(seed)
+    return [" ".join(sentence(rng) for _ in range(3)) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json() -> str:
+    """A byte-level BPE (tokenizer.json text) of at most 300 ids ending documents with
+    <|endoftext|>, trained on generated sentences."""
+    from llmtrain.data_pack.tokenizer import train_bpe
+
+    return train_bpe(sentences(200), 300, special_tokens=("<|endoftext|>",))
+
+
+def save_hf_dir(model, path, tokenizer_json: str | None = None) -> str:
+    """A transformers model directory, with a PreTrainedTokenizerFast when given tokenizer.json."""
+    model.save_pretrained(path)
+    if tokenizer_json is not None:
+        from tokenizers import Tokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=Tokenizer.from_str(tokenizer_json), eos_token="<|endoftext|>"
+        )
+        fast.save_pretrained(path)
+    return str(path)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.fixture(scope="session")
+def hf() -> SimpleNamespace:
+    """The helpers above, for test modules (which cannot import conftest)."""
+    return SimpleNamespace(
+        llama_config=llama_config,
+        gpt2_config=gpt2_config,
+        random_model=random_hf_model,
+        save_dir=save_hf_dir,
+        sentences=sentences,
+        max_diff=max_diff,
+        TOL=TOL,
+    )
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,94 @@
+"""The MoE decoder's options and presets: plain attrs (no torch), checked before any allocation.
+
+`MoEOptions` is llmtrain-models' `TransformerConfig` (every decoder option, same names and
+checks) plus the Mixture-of-Experts options. The MLP options describe one expert: `mlp` is the
+experts' activation and `mlp_hidden` their hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from llmtrain.core_mesh.config import ConfigValueError
+from llmtrain.models.config import TransformerConfig
+
+
+def _at_least_one(instance: object, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"must be at least 1, got {value}")
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"must be 0 or more, got {value}")
+
+
+def _positive_or_none(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"must be more than 0 (or null for dropless routing), got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class MoEOptions(TransformerConfig):
+    n_experts: int = attrs.field(default=8, validator=_at_least_one)
+    top_k: int = attrs.field(default=2, validator=_at_least_one)
+    # None: dropless (every token reaches its top_k experts); a number: each expert takes at most
+    # ceil(capacity_factor * seq_len * top_k / n_experts) tokens of a sequence, the rest are dropped
+    capacity_factor: float | None = attrs.field(default=None, validator=_positive_or_none)
+    aux_loss_weight: float = attrs.field(default=0.01, validator=_non_negative)
+    router_z_loss: float = attrs.field(default=0.0, validator=_non_negative)
+    renormalize: bool = True  # top-k weights sum to 1 (false: the router's probabilities, Switch)
+    shared_expert: bool = False  # a dense MLP of the experts' shape that every token also takes
+    expert_matmul: Literal["auto", "grouped", "loop"] = attrs.field(
+        default="auto", validator=attrs.validators.in_(("auto", "grouped", "loop"))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.n_experts >= 1 and self.top_k > self.n_experts:
+            raise ConfigValueError(
+                "top_k", f"must be at most n_experts={self.n_experts}, got {self.top_k}"
+            )
+
+
+_SMALL_DECODER = dict(
+    positions="rope",
+    norm="rmsnorm",
+    mlp="swiglu",
+    bias=False,
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "moe-tiny": dict(
+        _SMALL_DECODER,
+        vocab_size=256 + 64,
+        max_seq_len=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        mlp_hidden=64,
+        n_experts=4,
+        top_k=2,
+    ),
+    "moe-small": dict(
+        _SMALL_DECODER,
+        vocab_size=50257,
+        max_seq_len=1024,
+        d_model=512,
+        n_layers=8,
+        n_heads=8,
+        n_kv_heads=4,
+        mlp_hidden=1024,
+        n_experts=8,
+        top_k=2,
+    ),
+}
+
+
+def preset_options(name: str, **overrides: Any) -> MoEOptions:
+    if name not in PRESETS:
+        raise KeyError(f"unknown MoE preset {name!r}; presets: {', '.join(PRESETS)}")
+    return MoEOptions(**{**PRESETS[name], **overrides})

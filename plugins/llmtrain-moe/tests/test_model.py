@@ -1,0 +1,234 @@
+"""The MoE layer against a dense reference computation of the same experts (forward and
+gradients; per-expert loop and grouped matmul), the model's description, initialisation,
+generation and router statistics, and the plugin as llmtrain finds it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from llmtrain_moe.model import MoE, MoETransformer, build_model
+from llmtrain_moe.options import PRESETS, MoEOptions, preset_options
+
+from llmtrain.core_mesh.config import Choice, ConfigError, structure
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.models.generate import generate
+
+LAYER = dict(vocab_size=8, d_model=16, n_heads=1, n_layers=1, mlp_hidden=24, bias=False)
+
+
+def dense_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, then the top-k mixture (dropped choices masked): no
+    sorting, no dispatch."""
+    cfg = layer.cfg
+    logits = x.float() @ layer.router.weight.float().T
+    probs = logits.softmax(-1)
+    top, chosen = probs.topk(cfg.top_k, dim=-1)
+    weights = top / top.sum(-1, keepdim=True) if cfg.renormalize else top
+    w1, w3, w2 = layer.experts.w1, layer.experts.w3, layer.experts.w2
+    pre = torch.einsum("btd,ehd->bteh", x, w1)
+    h = (
+        F.silu(pre) * torch.einsum("btd,ehd->bteh", x, w3)
+        if w3 is not None
+        else F.gelu(pre, approximate="tanh")
+    )
+    every = torch.einsum("bteh,edh->bted", h, w2)  # (B, T, E, d)
+    picked = every.gather(2, chosen.unsqueeze(-1).expand(-1, -1, -1, x.size(-1)))
+    if cfg.capacity_factor is not None:
+        from llmtrain_moe.routing import expert_capacity, within_capacity
+
+        capacity = expert_capacity(x.size(1), cfg.n_experts, cfg.top_k, cfg.capacity_factor)
+        weights = weights * within_capacity(chosen, cfg.n_experts, capacity)
+    out = (picked * weights.unsqueeze(-1)).sum(2)
+    if layer.shared is not None:
+        out = out + layer.shared.dense(x)
+    return out
+
+
+def _layer(**options) -> MoE:
+    torch.manual_seed(0)
+    layer = MoE(MoEOptions(**{**LAYER, **options}))
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def _grads(layer: MoE, x: torch.Tensor, fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    layer.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out = fn(layer, x)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+
+
+CASES = {
+    "swiglu-top2": dict(mlp="swiglu", n_experts=4, top_k=2),
+    "gelu-top1-raw": dict(mlp="gelu", n_experts=4, top_k=1, renormalize=False),
+    "swiglu-top3-shared": dict(mlp="swiglu", n_experts=6, top_k=3, shared_expert=True),
+    "capacity": dict(mlp="swiglu", n_experts=4, top_k=2, capacity_factor=0.75),
+}
+
+
+@pytest.mark.parametrize("matmul", ["loop", "grouped"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dispatch_equals_the_dense_reference(case, matmul):
+    layer = _layer(**CASES[case], expert_matmul=matmul, aux_loss_weight=0.0)
+    layer.train(False)
+    x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(1))
+    out, grads = _grads(layer, x, lambda m, v: m(v))
+    ref_out, ref_grads = _grads(layer, x, dense_reference)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    if case == "capacity":
+        assert int(layer.stats.dropped) > 0  # the case does drop choices
+    else:
+        assert int(layer.stats.dropped) == 0
+
+
+def test_forward_is_deterministic_and_loop_equals_grouped_exactly_enough():
+    x = torch.randn(2, 12, 16, generator=torch.Generator().manual_seed(2))
+    loop, grouped = _layer(expert_matmul="loop"), _layer(expert_matmul="grouped")
+    grouped.load_state_dict(loop.state_dict())
+    assert torch.equal(loop(x), loop(x))
+    torch.testing.assert_close(loop(x), grouped(x), rtol=1e-6, atol=1e-7)
+
+
+def test_router_stats_after_a_forward():
+    cfg = preset_options("moe-tiny", capacity_factor=1.0)
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    model.init_weights(torch.Generator().manual_seed(0))
+    assert model.router_stats() == {}
+    model(torch.randint(0, 320, (2, 16)))
+    stats = model.router_stats()
+    assert list(stats) == ["0", "1"]
+    for layer in stats.values():
+        assert len(layer["load"]) == 4 and sum(layer["load"]) == pytest.approx(1.0)
+        assert layer["assignments"] == 2 * 16 * 2
+        assert 0 <= layer["dropped"] <= layer["assignments"]
+        assert layer["balance_loss"] >= 1.0 - 1e-6 and layer["z_loss"] > 0
+
+
+def test_describe_counts_active_experts():
+    with torch.device("meta"):
+        model = build_model(preset_options("moe-tiny"))
+    d = model.describe()
+    # per block: attention 64*64*2 + 64*32*2, two norms, router 4*64, experts 4 x 3 x 64*64
+    per_expert = 3 * 64 * 64
+    block = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 + 4 * 64 + 4 * per_expert
+    assert d.n_non_embedding_params == 2 * block + 64
+    assert d.n_params == d.n_non_embedding_params + 320 * 64
+    assert model.inactive_params() == 2 * (4 - 2) * per_expert
+    active = d.n_non_embedding_params - 2 * 2 * per_expert
+    assert d.flops_per_token(16) == 6 * active + 12 * 2 * 4 * 16 * 16
+    assert [type(b).__name__ for b in d.blocks] == ["Block", "Block"]
+    assert (d.n_heads, d.n_kv_heads, d.tied_embeddings, d.trim_to_stage) == (4, 2, True, None)
+    untied = build_model(preset_options("moe-tiny", tied_embeddings=False))
+    assert untied.describe().trim_to_stage is MoETransformer.trim_to_stage
+
+
+@pytest.mark.parametrize("shared_expert", [False, True])
+def test_tp_plan_names_modules_of_the_model(shared_expert):
+    from llmtrain.parallel.tensor_parallel import resolve_plan
+
+    with torch.device("meta"):
+        model = build_model(preset_options("moe-tiny", shared_expert=shared_expert))
+    resolved = resolve_plan(model, model.tp_plan())  # strict: every entry matches
+    assert resolved["blocks.1.moe.experts"] == "sequence_parallel"
+    assert ("blocks.0.moe.shared" in resolved) == shared_expert
+    assert not any(
+        k.startswith("blocks.0.moe.") and v != "sequence_parallel" for k, v in resolved.items()
+    )
+
+
+def test_trim_to_stage_keeps_layer_names():
+    model = build_model(preset_options("moe-tiny", tied_embeddings=False, n_layers=4))
+    model.trim_to_stage([2, 3], first=False, last=True)
+    assert list(model.blocks) == ["2", "3"] and model.tok_emb is None and model.head is not None
+    assert list(model.router_stats()) == []
+    hidden = torch.randn(1, 8, 64)
+    assert model(hidden).shape == (1, 8, 320)
+    assert list(model.router_stats()) == ["2", "3"]
+
+
+def test_init_weights_after_meta_is_reproducible_and_scaled():
+    cfg = preset_options("moe-tiny", shared_expert=True)
+
+    def init(seed):
+        with torch.device("meta"):
+            model = build_model(cfg)
+        model.to_empty(device="cpu")
+        model.init_weights(torch.Generator().manual_seed(seed))
+        return model
+
+    a, b = init(0), init(0)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    experts = a.blocks["0"].moe.experts
+    assert experts.w1.std().item() == pytest.approx(0.02, rel=0.05)
+    assert experts.w2.std().item() == pytest.approx(0.02 / 2, rel=0.05)  # 0.02 / sqrt(2 * 2)
+    assert a.blocks["0"].moe.shared.w2.std().item() == pytest.approx(0.01, rel=0.1)
+    assert torch.equal(a.rope_cos, build_model(cfg).rope_cos)
+    assert not torch.equal(init(1).blocks["0"].moe.router.weight, a.blocks["0"].moe.router.weight)
+
+
+def test_cached_generation_equals_uncached():
+    torch.manual_seed(0)
+    model = build_model(preset_options("moe-tiny", max_seq_len=48))
+    model.init_weights(torch.Generator().manual_seed(0))
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    kwargs = dict(temperature=0.0, vocab_size=300)
+    cached = generate(model, prompt, 20, use_cache=True, **kwargs)
+    uncached = generate(model, prompt, 20, use_cache=False, **kwargs)
+    assert cached.shape == (1, 24) and torch.equal(cached, uncached)
+
+
+def test_meta_forward_for_memory_estimates():
+    with torch.device("meta"):
+        model = build_model(preset_options("moe-small", capacity_factor=1.25))
+        logits = model(torch.zeros(2, 64, dtype=torch.long))
+    assert logits.shape == (2, 64, 50304) and logits.is_meta
+
+
+def test_plugin_entry_point_registers_the_presets_without_importing_torch():
+    code = (
+        "import sys, llmtrain_moe.plugin; "
+        "assert 'torch' not in sys.modules, 'the entry point imported torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    plugins = PluginManager(blocked=()).load_entry_points()
+    assert {"moe-tiny", "moe-small"} <= set(plugins.registry("model").names())
+    entry = plugins.registry("model").get("moe-tiny")
+    assert entry.origin.distribution == "llmtrain-moe" and entry.defaults == PRESETS["moe-tiny"]
+    model = entry.target(entry.options(**entry.defaults))
+    assert isinstance(model, MoETransformer)
+
+
+@attrs.frozen
+class Schema:
+    model: Choice.of("model")
+
+
+def test_config_errors_name_the_option():
+    plugins = PluginManager(blocked=()).load_entry_points()
+    ok = structure({"model": {"kind": "moe-small", "n_layers": 2}}, Schema, plugins=plugins)
+    assert ok.model.options.n_layers == 2 and ok.model.options.n_experts == 8
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "moe-tiny", "top_k": 5}}, Schema, plugins=plugins)
+    assert "model.top_k: must be at most n_experts=4, got 5" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        structure(
+            {"model": {"kind": "moe-tiny", "capacity_factor": 0, "aux_loss_weight": -1.0,
+                       "expert_matmul": "fast"}},
+            Schema,
+            plugins=plugins,
+        )  # fmt: skip
+    text = str(info.value)
+    for key in ("capacity_factor", "aux_loss_weight", "expert_matmul"):
+        assert f"model.{key}" in text, text

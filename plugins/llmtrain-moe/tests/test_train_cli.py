@@ -1,0 +1,122 @@
+"""`llmtrain run` with `model: {kind: moe-tiny}` end to end on CPU, the plugin found through its
+entry point: one process learns; 2 gloo ranks under torchrun (FSDP, TP, PP) log the same numbers
+as one process with the same micro-batches per rank; `llmtrain eval`, `generate` and `estimate`
+take the model too. Each run is a real `python -m llmtrain` subprocess (auxiliary losses on)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import train_support as ts
+from shared_fixtures import run_cli  # noqa: F401
+
+RTOL = 1e-4  # float32 sums taken in another order: differences seen are ~3e-7
+STEPS = 30
+MODEL = {
+    "kind": "moe-tiny",
+    "max_seq_len": 64,
+    "d_model": 32,
+    "mlp_hidden": 32,
+    "tied_embeddings": False,  # so a pipeline can cut it
+    "aux_loss_weight": 0.01,
+    "router_z_loss": 0.001,
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return ts.pack_corpus(tmp_path_factory.mktemp("data"))
+
+
+def _run_one_process(data, tmp, name: str, micro_batch: int) -> dict:
+    config = ts.run_config(data, tmp / "runs", name=name)
+    config["model"] = dict(MODEL)
+    config["data"]["micro_batch"] = micro_batch
+    config["training"] = {"steps": STEPS, "log_every": 1}
+    path = ts.write_config(tmp / f"{name}.yaml", config)
+    proc = ts.run(ts.llmtrain("run", path), timeout=180)
+    run_dir = tmp / "runs" / name
+    return {"path": path, "proc": proc, "dir": run_dir, "tmp": tmp,
+            "metrics": ts.by_step(ts.read_metrics(run_dir))}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
+    """One process, the whole global batch of 8 sequences in one micro-batch."""
+    return _run_one_process(data, tmp_path_factory.mktemp("reference"), "ref", 8)
+
+
+@pytest.fixture(scope="module")
+def accumulated(data, tmp_path_factory):
+    """One process, 2 micro-batches of 4 sequences per step (what a 2-stage pipeline runs)."""
+    return _run_one_process(data, tmp_path_factory.mktemp("accumulated"), "acc", 4)
+
+
+def test_one_process_learns(reference):
+    proc, metrics = reference["proc"], reference["metrics"]
+    assert "Traceback" not in proc.stderr
+    assert list(metrics) == list(range(1, STEPS + 1))
+    assert metrics[1]["loss"] == pytest.approx(math.log(320), rel=0.05)  # starts near uniform
+    early = sum(metrics[s]["loss"] for s in range(1, 6)) / 5
+    late = sum(metrics[s]["loss"] for s in range(STEPS - 4, STEPS + 1)) / 5
+    assert late < early - 1.0, (early, late)
+    assert metrics[STEPS]["eval_loss"] < metrics[10]["eval_loss"] < metrics[1]["loss"]
+    resolved = (reference["dir"] / "config.yaml").read_text()
+    assert "kind: moe-tiny" in resolved and "n_experts: 4" in resolved
+    assert "llmtrain-moe" in resolved  # the plugin's version is recorded with the run
+
+
+@pytest.mark.parametrize(
+    ("layout", "overrides"),
+    [
+        ("fsdp", ["data.micro_batch=4"]),  # 4 sequences per rank, one micro-batch each
+        ("tp", ["mesh.tp=2"]),  # sequence parallel (the default): experts replicated over tp
+    ],
+)
+def test_two_ranks_log_the_same_numbers_as_one_process(reference, layout, overrides):
+    name = f"two-{layout}"
+    proc = ts.run(ts.torchrun(2, "run", reference["path"], f"name={name}", *overrides), timeout=180)
+    assert ts.error_lines(proc.stderr) == []
+    run_dir = reference["tmp"] / "runs" / name
+    start = json.loads((run_dir / "logs" / "rank0.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "run.start" and start["world"] == 2
+    got = ts.by_step(ts.read_metrics(run_dir))
+    assert list(got) == list(range(1, STEPS + 1))
+    ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
+    assert got[STEPS]["loss"] < got[1]["loss"] - 1.0
+
+
+def test_pipeline_logs_the_same_numbers_as_one_process_with_as_many_micro_batches(accumulated):
+    proc = ts.run(
+        ts.torchrun(2, "run", accumulated["path"], "name=two-pp", "mesh.pp=2"), timeout=180
+    )
+    assert ts.error_lines(proc.stderr) == []
+    got = ts.by_step(ts.read_metrics(accumulated["tmp"] / "runs" / "two-pp"))
+    ts.assert_close_runs(accumulated["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
+
+
+def test_aux_weight_counts_per_micro_batch(reference, accumulated):
+    """Documented: the auxiliary losses weigh once per micro-batch, so accumulating 2
+    micro-batches doubles them relative to the cross-entropy (a small, visible difference)."""
+    a, b = reference["metrics"], accumulated["metrics"]
+    assert a[1]["loss"] == pytest.approx(b[1]["loss"], rel=1e-6)  # same weights, same data
+    worst = max(abs(a[s]["loss"] - b[s]["loss"]) / a[s]["loss"] for s in a)
+    assert 1e-5 < worst < 1e-2, worst
+
+
+def test_eval_generate_and_estimate_take_the_model(reference, data, run_cli):  # noqa: F811
+    checkpoints, metrics = reference["dir"] / "checkpoints", reference["metrics"]
+    code, out, err = run_cli(
+        "eval", "--checkpoint", checkpoints, "--data", data.valid, "--batches", 2, "--batch", 8
+    )
+    assert code == 0, err
+    assert json.loads(out)["loss"] == pytest.approx(metrics[STEPS]["eval_loss"], rel=1e-5)
+    argv = ["generate", "--checkpoint", checkpoints, "--prompt", "The cat", "--max-new-tokens", 12]
+    code, out, err = run_cli(*argv, "--top-k", 1)
+    assert code == 0, err
+    assert out.startswith("The cat") and len(out.rstrip("\n")) > len("The cat")
+    code, out, err = run_cli("estimate", reference["path"], "--world", 2, "data.micro_batch=4")
+    assert code == 0, err
+    assert "parameters" in out and "activations" in out

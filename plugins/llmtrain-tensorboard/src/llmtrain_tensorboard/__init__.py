@@ -1,0 +1,1 @@
+"""llmtrain-tensorboard: the `tensorboard` logger plugin for llmtrain (see `plugin`)."""

@@ -1,0 +1,79 @@
+"""The `tensorboard` logger: every logged step's metrics as TensorBoard scalars and the resolved
+run config as text, in `<run dir>/tensorboard/` (one event file per process start).
+
+`llmtrain` loads this module on every start: torch and tensorboard are imported only when a run
+builds the logger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+import yaml
+
+from llmtrain.core_mesh.interfaces import RunInfo
+from llmtrain.core_mesh.plugins import hookimpl
+
+
+@attrs.frozen(kw_only=True)
+class TensorBoardOptions:
+    dir: str = "tensorboard"  # relative to the run directory; an absolute path is used as is
+
+
+def tag_of(metric: str) -> str:
+    """The TensorBoard tag of a metric: `eval_loss` -> `eval/loss`, `loss` -> `train/loss`; a
+    name that already has a `/` is kept (it chose its own section)."""
+    if "/" in metric:
+        return metric
+    if metric.startswith("eval_"):
+        return "eval/" + metric.removeprefix("eval_")
+    return "train/" + metric
+
+
+def config_markdown(config: Mapping) -> str:
+    """The config as a fenced YAML block (TensorBoard renders text summaries as markdown)."""
+    text = yaml.safe_dump(dict(config), sort_keys=False, default_flow_style=False)
+    return f"```yaml\n{text}```\n"
+
+
+class TensorBoardSink:
+    """Scalars in float64 (a float32 cannot hold a token count past 2**24 exactly), on disk
+    when `log` returns: a SIGKILLed run keeps every point its checkpoint covers.
+
+    A resumed run starts its event file with a purge at `start_step + 1`: TensorBoard then hides
+    what an earlier, killed process wrote past the checkpoint this one resumes from, so the
+    curves read as one uninterrupted run (the `jsonl` logger trims its file the same way). The
+    config text goes to that first step too, so a second resume from the same checkpoint
+    replaces it instead of adding another copy.
+    """
+
+    def __init__(self, options: TensorBoardOptions, run: RunInfo):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(run.run_dir) / options.dir
+        first = run.start_step + 1
+        self.writer = SummaryWriter(str(self.log_dir), purge_step=first)
+        self.writer.add_text("config", config_markdown(run.config), global_step=first)
+        self.writer.flush()
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(
+                tag_of(name), value, global_step=step, new_style=True, double_precision=True
+            )
+        self.writer.flush()  # waits for the writer thread: cheap next to a training step
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+@hookimpl
+def llmtrain_loggers(register):
+    register(
+        "tensorboard",
+        TensorBoardSink,
+        options=TensorBoardOptions,
+        help="TensorBoard scalars and config text in <run dir>/tensorboard",
+    )

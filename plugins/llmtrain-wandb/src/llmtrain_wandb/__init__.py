@@ -1,0 +1,1 @@
+"""llmtrain-wandb: the `wandb` logger plugin for llmtrain (see `plugin`)."""
