@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.core_mesh.interfaces import ModelDescription
-from llmtrain.models.transformer import Attention, LayerCache, make_norm, rope_tables
+from llmtrain.models.transformer import Attention, Transformer, make_norm
 from llmtrain_moe.experts import Experts, local
 from llmtrain_moe.options import MoEOptions
 from llmtrain_moe.routing import (
@@ -148,96 +147,12 @@ class Block(nn.Module):
         return x + self.dropout(self.moe(self.moe_norm(x)))
 
 
-class MoETransformer(nn.Module):
-    def __init__(self, cfg: MoEOptions):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
-        self.pos_emb = (
-            nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
-        )
-        self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
-        self.norm = make_norm(cfg, cfg.d_model)
-        self.head = (
-            None
-            if cfg.tied_embeddings
-            else nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
-        )
-        if cfg.positions == "rope":
-            cos, sin = rope_tables(cfg)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+class MoETransformer(Transformer):
+    """llmtrain-models' decoder with Mixture-of-Experts blocks: embeddings, positions, masks,
+    the KV cache, pipeline trimming and the description come from `Transformer`."""
 
-    def forward(
-        self,
-        tokens: torch.Tensor,
-        doc_starts: torch.Tensor | None = None,
-        *,
-        cache: list[LayerCache] | None = None,
-        start_pos: int = 0,
-        positions: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages.
-        `positions` (1 or B, T): each token's place in its sequence (context parallelism)."""
-        B, T = tokens.shape[:2]
-        if start_pos + T > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence of {start_pos + T} tokens is longer than the model's max_seq_len "
-                f"({self.cfg.max_seq_len}); raise model.max_seq_len or shorten the input"
-            )
-        if positions is None:
-            # a pipeline stage's input may be a sequence shard: document starts cover it all
-            seq = doc_starts.size(1) if doc_starts is not None else T
-            positions, mask = self._positions_and_mask(
-                B, seq, tokens.device, doc_starts, cache, start_pos
-            )
-        elif doc_starts is not None or cache is not None:
-            raise ValueError("explicit positions go with neither document masking nor a cache")
-        else:
-            mask = None
-        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
-        if self.pos_emb is not None:
-            h = h + self.pos_emb(positions)
-        h = self.drop(h)
-        rope = None
-        if self.cfg.positions == "rope":
-            rope = (self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))
-        for i, block in enumerate(self.blocks.values()):
-            h = block(h, rope, mask, cache[i] if cache is not None else None, start_pos)
-        if self.norm is None:
-            return h
-        h = self.norm(h)
-        return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
-
-    def _positions_and_mask(self, B, T, device, doc_starts, cache, start_pos):
-        """Positions (1 or B, T) and an attention mask, or None for plain causal attention
-        (the same rules as llmtrain-models' Transformer)."""
-        index = torch.arange(start_pos, start_pos + T, device=device)
-        if doc_starts is not None and self.cfg.doc_masking:
-            if cache is not None:
-                raise ValueError("document masking is for training; decode one document at a time")
-            starts = doc_starts.to(torch.bool).clone()
-            starts[:, 0] = True
-            last_start = torch.where(starts, index, 0).cummax(dim=1).values
-            segment = starts.cumsum(dim=1)
-            same_doc = segment.unsqueeze(2) == segment.unsqueeze(1)
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            return index - last_start, (same_doc & causal).unsqueeze(1)
-        mask = None
-        if cache is not None and T > 1:
-            mask = index.unsqueeze(1) >= torch.arange(start_pos + T, device=device).unsqueeze(0)
-        return index.unsqueeze(0), mask
-
-    def new_cache(self, batch: int, max_len: int) -> list[LayerCache]:
-        ref = next(iter(self.blocks.values())).attn.wk.weight
-        kv_heads = ref.size(0) // self.cfg.head_dim
-        return [
-            LayerCache(
-                batch, kv_heads, max_len, self.cfg.head_dim, device=ref.device, dtype=ref.dtype
-            )
-            for _ in self.blocks
-        ]
+    def make_block(self, cfg: MoEOptions) -> Block:
+        return Block(cfg)
 
     # --- the MoE layers ---
     def moe_layers(self) -> dict[str, MoE]:
@@ -280,70 +195,23 @@ class MoETransformer(nn.Module):
     # --- weights and description ---
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Initialise every parameter and buffer; also right after `to_empty` from meta."""
+        """Initialise every parameter and buffer; also right after `to_empty` from meta: the
+        dense parts as `Transformer` does, then the stacked expert weights."""
+        super().init_weights(generator)
         cfg = self.cfg
         std = cfg.init_std
         residual_std = std / math.sqrt(2 * cfg.n_layers) if cfg.scale_residual_init else std
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual_out = name.endswith("attn.wo")
-                nn.init.normal_(
-                    module.weight, std=residual_std if is_residual_out else std, generator=generator
-                )
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
-            elif isinstance(module, Experts):
+        for module in self.modules():
+            if isinstance(module, Experts):
                 for w in (module.w1, module.w3):
                     if w is not None:
                         nn.init.normal_(w, std=std, generator=generator)
                 nn.init.normal_(module.w2, std=residual_std, generator=generator)
-        if cfg.positions == "rope":
-            cos, sin = rope_tables(cfg, device=self.rope_cos.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
     def inactive_params(self) -> int:
         """Expert parameters a token does not use: (n_experts - top_k) experts per layer."""
         idle = self.cfg.n_experts - self.cfg.top_k
         return sum(m.experts.expert_params() * idle for m in self.moe_layers().values())
-
-    def describe(self) -> ModelDescription:
-        cfg = self.cfg
-        n_params = sum(p.numel() for p in self.parameters())
-        embedding = sum(m.weight.numel() for m in (self.tok_emb, self.pos_emb) if m is not None)
-        non_embedding = n_params - embedding
-        active = non_embedding - self.inactive_params()
-        attention_flops = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
-
-        def flops_per_token(seq_len: int) -> float:
-            return float(6 * active + attention_flops * seq_len)
-
-        return ModelDescription(
-            module=self,
-            blocks=list(self.blocks.values()),
-            tp_plan=self.tp_plan(),
-            n_params=n_params,
-            n_non_embedding_params=non_embedding,
-            flops_per_token=flops_per_token,
-            n_heads=cfg.n_heads,
-            n_kv_heads=cfg.kv_heads,
-            tied_embeddings=cfg.tied_embeddings,
-            trim_to_stage=None if cfg.tied_embeddings else MoETransformer.trim_to_stage,
-        )
-
-    def trim_to_stage(self, block_ids, first: bool, last: bool) -> None:
-        """Keep only what one pipeline stage runs (block names stay their layer indices)."""
-        keep = {str(i) for i in block_ids}
-        for name in [n for n in self.blocks if n not in keep]:
-            del self.blocks[name]
-        if not first:
-            self.tok_emb = None
-            self.pos_emb = None
-        if not last:
-            self.norm = None
-            self.head = None
 
     def tp_plan(self) -> dict[str, str]:
         """Tensor parallelism shards attention and the embeddings; the MoE layers (router,

@@ -137,7 +137,7 @@ class Transformer(nn.Module):
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
         )
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.blocks = nn.ModuleDict({str(i): self.make_block(cfg) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg, cfg.d_model)
         self.head = (
             None
@@ -148,6 +148,11 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+
+    def make_block(self, cfg: TransformerConfig) -> nn.Module:
+        """One repeated block. A subclass may build another kind (a plugin's Mixture-of-Experts
+        block, say) with the same call: block(h, rope, mask, cache, start_pos) -> h."""
+        return Block(cfg)
 
     def forward(
         self,
@@ -213,7 +218,7 @@ class Transformer(nn.Module):
         return index.unsqueeze(0), mask
 
     def new_cache(self, batch: int, max_len: int) -> list[LayerCache]:
-        ref = self.blocks["0"].attn.wk.weight
+        ref = next(iter(self.blocks.values())).attn.wk.weight
         kv_heads = ref.size(0) // self.cfg.head_dim
         return [
             LayerCache(
@@ -248,10 +253,11 @@ class Transformer(nn.Module):
         n_params = sum(p.numel() for p in self.parameters())
         embedding = sum(m.weight.numel() for m in (self.tok_emb, self.pos_emb) if m is not None)
         non_embedding = n_params - embedding
+        active = non_embedding - self.inactive_params()
         attention_flops = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
 
         def flops_per_token(seq_len: int) -> float:
-            return float(6 * non_embedding + attention_flops * seq_len)
+            return float(6 * active + attention_flops * seq_len)
 
         return ModelDescription(
             module=self,
@@ -263,8 +269,13 @@ class Transformer(nn.Module):
             n_heads=cfg.n_heads,
             n_kv_heads=cfg.kv_heads,
             tied_embeddings=cfg.tied_embeddings,
-            trim_to_stage=None if cfg.tied_embeddings else Transformer.trim_to_stage,
+            trim_to_stage=None if cfg.tied_embeddings else type(self).trim_to_stage,
         )
+
+    def inactive_params(self) -> int:
+        """Parameters a token does not use (0 here; a Mixture-of-Experts subclass counts the
+        experts it does not route to), left out of the FLOPs per token."""
+        return 0
 
     def trim_to_stage(self, block_ids, first: bool, last: bool) -> None:
         """Keep only what one pipeline stage runs: some blocks, the embeddings if first, the
