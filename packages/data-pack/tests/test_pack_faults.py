@@ -226,8 +226,8 @@ def test_damaged_or_foreign_datasets_are_refused(tmp_path):
         meta["attributes"]["llmtrain"].update(changes)
         group.write_text(json.dumps(meta))
 
-    with_meta(version=2)
-    with pytest.raises(DatasetError, match="format version 2 is newer than this llmtrain reads"):
+    with_meta(version=3)
+    with pytest.raises(DatasetError, match="format version 3 is newer than this llmtrain reads"):
         PackedDataset(str(out))
     with_meta(complete=False)
     with pytest.raises(DatasetError, match="not a complete llmtrain-tokens dataset"):

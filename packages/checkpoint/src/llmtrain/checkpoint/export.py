@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,7 +60,9 @@ def load_model_weights(
     }
     if not tensors:
         raise CheckpointError(f"{checkpoints.step_url(step)} has no tensors under {prefix!r}")
-    dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose; DCP warns that it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return weights, checkpoints.info(step), step
 

@@ -22,7 +22,9 @@ from llmtrain.data_pack.windows import DEFAULT_CACHE_BYTES, TokenWindows
 
 
 class WindowDataset:
-    """Global sample index -> {"tokens": (seq_len+1,) int64, "doc_starts": (seq_len,) bool}."""
+    """Global sample index -> {"tokens": (seq_len+1,) int64, "doc_starts": (seq_len,) bool,
+    "loss_mask": (seq_len+1,) bool}. The loss mask comes when any source is a chat dataset
+    (`loss_mask=None`) or when asked for; a source without one counts every token."""
 
     def __init__(
         self,
@@ -30,10 +32,14 @@ class WindowDataset:
         sampler: Sampler,
         *,
         doc_starts: bool = False,
+        loss_mask: bool | None = None,
     ):
         self.sources = list(sources)
         self.sampler = sampler
         self.doc_starts = doc_starts
+        if loss_mask is None:
+            loss_mask = any(s.dataset.loss_mask is not None for s in self.sources)
+        self.loss_mask = loss_mask
 
     @property
     def seq_len(self) -> int:
@@ -43,13 +49,14 @@ class WindowDataset:
         return sum(len(s) for s in self.sources)
 
     def read(self, samples: Sequence[int] | np.ndarray) -> dict[str, np.ndarray]:
-        """A batch: tokens (n, seq_len+1), optional doc_starts (n, seq_len), the sample indices
-        and which source each came from."""
+        """A batch: tokens (n, seq_len+1), optional doc_starts (n, seq_len) and loss_mask
+        (n, seq_len+1), the sample indices and which source each came from."""
         samples = np.asarray(samples, dtype=np.int64)
         sources, windows = self.sampler.lookup(samples)
         n, length = len(samples), self.seq_len + 1
         tokens = np.empty((n, length), dtype=np.int64)
         starts = np.zeros((n, length - 1), dtype=bool) if self.doc_starts else None
+        mask = np.empty((n, length), dtype=bool) if self.loss_mask else None
         for source in np.unique(sources):
             rows = np.flatnonzero(sources == source)
             got, got_starts = self.sources[int(source)].read(
@@ -58,9 +65,13 @@ class WindowDataset:
             tokens[rows] = got
             if starts is not None:
                 starts[rows] = got_starts
+            if mask is not None:
+                mask[rows] = self.sources[int(source)].read_mask(windows[rows])
         batch = {"tokens": tokens, "samples": samples, "sources": sources}
         if starts is not None:
             batch["doc_starts"] = starts
+        if mask is not None:
+            batch["loss_mask"] = mask
         return batch
 
     def __getitem__(self, sample: int) -> dict[str, np.ndarray]:
@@ -142,10 +153,19 @@ def open_windows(
     storage_options: Mapping[str, Any] | None = None,
 ) -> WindowDataset:
     """One dataset or a weighted mixture of several, as a WindowDataset. All must share one
-    tokenizer (and match `tokenizer`, if given); the cache holds at least a pool of chunks."""
+    tokenizer (and match `tokenizer`, if given); the cache holds at least a pool of chunks.
+    A chat dataset needs `seq_len` to be a multiple of its block, so no window cuts a
+    conversation; its windows carry their loss mask."""
     sources: list[TokenWindows] = []
     for url in urls:
         windows = TokenWindows(url, seq_len, cache_bytes=1, storage_options=storage_options)
+        block = windows.dataset.block
+        if block is not None and seq_len % block:
+            raise DatasetError(
+                f"{url} holds conversations packed for seq_len {block} (none crosses a block of "
+                f"{block} tokens), but windows of {seq_len} would cut them; use a seq_len that "
+                f"is a multiple of {block}, or pack the data again with --seq-len {seq_len}"
+            )
         if tokenizer is not None:
             windows.dataset.check_tokenizer(tokenizer)
         if sources and windows.dataset.fingerprint != sources[0].dataset.fingerprint:
@@ -155,8 +175,9 @@ def open_windows(
                 f"{sources[0].dataset.meta['tokenizer']['name']}); a mixture needs one tokenizer"
             )
         # a pool of P blocks touches up to 2P chunks (each block's last window reaches one token
-        # into the next chunk); document starts are cached beside the tokens
-        chunk_bytes = windows.dataset.chunk_tokens * windows.dataset.dtype.itemsize
+        # into the next chunk); document starts and loss masks are cached beside the tokens
+        itemsize = windows.dataset.dtype.itemsize + (windows.dataset.loss_mask is not None)
+        chunk_bytes = windows.dataset.chunk_tokens * itemsize
         needed = int((2 * pool_blocks + 2) * chunk_bytes * 1.25)
         windows.cache.max_bytes = max(cache_bytes or DEFAULT_CACHE_BYTES, needed)
         windows.cache_bytes = windows.cache.max_bytes

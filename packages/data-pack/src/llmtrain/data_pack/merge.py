@@ -43,6 +43,14 @@ def merge(
             f"{output} is one of the inputs; on object storage write the merge to another output"
         )
     datasets = [PackedDataset(url, storage_options=storage_options) for url in inputs]
+    for dataset in datasets:
+        if dataset.chat is not None:
+            raise UserError(
+                f"{dataset.url} is a chat dataset (conversations in blocks of "
+                f"{dataset.block} tokens with a loss mask), which merge does not join: pack the "
+                "conversations together (`llmtrain data pack-chat` takes many inputs), or mix "
+                "the datasets in the run config's data.train"
+            )
     first = datasets[0]
     for other in datasets[1:]:
         if other.fingerprint != first.fingerprint:

@@ -1,4 +1,6 @@
-"""`pack`: JSONL in, a packed zarr dataset out, tokenized by worker processes.
+"""`pack`: JSONL in, a packed zarr dataset out, tokenized by worker processes. With chat settings
+(`llmtrain data pack-chat`) the records are conversations, rendered with a chat template into
+tokens and a loss mask and laid into blocks of the sequence length (see `chat.py`).
 
 The recipe: resolve the tokenizer and token dtype (errors before any work) → expand the inputs →
 choose the encoder path (the fast BPE path only if it matches on a sample) → open the output
@@ -25,12 +27,23 @@ import structlog
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.data_pack.chat import (
+    BlockPacker,
+    ChatSettings,
+    ChatTemplate,
+    Encoder,
+    RenderError,
+    messages_of,
+    pieces,
+    tokenize_conversations,
+)
 from llmtrain.data_pack.sources import (
     Source,
     Task,
     expand_inputs,
     field_getter,
     parse_line,
+    parse_record,
     plan_tasks,
     read_range,
 )
@@ -63,6 +76,8 @@ class PackSettings:
     batch_docs: int = 512
     dtype: str = "uint16"
     vocab_size: int = 0
+    chat: ChatSettings | None = None
+    eod_id: int = 0
 
 
 @attrs.frozen
@@ -76,6 +91,8 @@ class TaskResult:
     blank_lines: int
     input_bytes: int
     text_bytes: int
+    mask: np.ndarray | None = None  # chat: the loss mask of `tokens`
+    too_long: int = 0  # chat: conversations skipped or truncated for length
 
 
 @attrs.frozen
@@ -121,6 +138,8 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
     lines = data.split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
+    if settings.chat is not None:
+        return _chat_task(task, settings, lines, len(data))
     get = field_getter(settings.field)
     texts: list[str] = []
     bad: list[tuple[int, str]] = []
@@ -158,6 +177,82 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
         blank_lines=blank,
         input_bytes=task.input_bytes,
         text_bytes=len(data),
+    )
+
+
+def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int) -> TaskResult:
+    """Conversations to tokens and loss masks, each fitted to the sequence length."""
+    chat = settings.chat
+    tokenizer = _worker["tokenizer"]
+    template = ChatTemplate.from_meta(chat.template)
+    key = ("encoder", template.source)
+    if key not in _worker:
+        _worker[key] = Encoder(tokenizer, template)
+    stop_on_bad = settings.on_bad_line == "error"
+    rendered, numbers = [], []
+    bad: list[tuple[int, str]] = []
+    blank = 0
+    for number, line in enumerate(lines):
+        if not line.strip():
+            blank += 1
+            continue
+        record, why = parse_record(line)
+        if why is None:
+            try:
+                rendered.append(pieces(template, messages_of(record, chat), chat.train_roles))
+                numbers.append(number)
+            except RenderError as exc:
+                why = str(exc)
+        if why is not None:
+            bad.append((number, why))
+            if stop_on_bad:
+                rendered, numbers = [], []
+                break
+    tokens, masks = [], []
+    too_long = 0
+    for number, (ids, mask) in zip(
+        numbers, tokenize_conversations(rendered, _worker[key], tokenizer.eod_id), strict=True
+    ):
+        if len(ids) > chat.seq_len:
+            if chat.too_long == "error":
+                bad.append(
+                    (
+                        number,
+                        f"{len(ids)} tokens (with its eod), longer than the sequence length "
+                        f"{chat.seq_len}; pass --too-long skip or truncate to fit such "
+                        "conversations, or a larger --seq-len",
+                    )
+                )
+                tokens, masks = [], []
+                break
+            too_long += 1
+            if chat.too_long == "skip":
+                continue
+            ids, mask = ids[: chat.seq_len].copy(), mask[: chat.seq_len].copy()
+            ids[-1], mask[-1] = tokenizer.eod_id, False
+            if not mask.any():
+                continue  # nothing left to learn from
+        tokens.append(ids)
+        masks.append(mask)
+    dtype = np.dtype(settings.dtype)
+    flat = np.concatenate(tokens) if tokens else np.empty(0, np.int64)
+    if len(flat) and (int(flat.max()) >= settings.vocab_size or int(flat.min()) < 0):
+        raise PackError(
+            f"the tokenizer produced id {int(flat.max())}, outside its vocab of "
+            f"{settings.vocab_size}"
+        )
+    return TaskResult(
+        index=task.index,
+        tokens=flat.astype(dtype),
+        doc_lengths=np.asarray([len(t) for t in tokens], np.int64),
+        n_lines=len(lines),
+        bad=bad,
+        empty_documents=0,
+        blank_lines=blank,
+        input_bytes=task.input_bytes,
+        text_bytes=size,
+        mask=np.concatenate(masks) if masks else np.empty(0, bool),
+        too_long=too_long,
     )
 
 
@@ -275,7 +370,7 @@ def _choose_encoder(
     storage_options: dict,
 ) -> tuple[dict, str]:
     """Use the fast BPE path only if it gives the reference ids on a sample of every input."""
-    if not getattr(tokenizer, "fast", False) or raw.get("fast") == "off":
+    if not getattr(tokenizer, "fast", False) or raw.get("fast") == "off" or settings.chat:
         return raw, "reference"
     if raw.get("fast") == "on":
         return raw, "fast"
@@ -325,8 +420,10 @@ def pack(
     storage_options: Mapping[str, Any] | None = None,
     plugins: PluginManager | None = None,
     progress: bool = False,
+    chat: ChatSettings | None = None,
 ) -> PackSummary:
-    """Pack JSONL files into a zarr token dataset; returns the counts. See the module docstring."""
+    """Pack JSONL files into a zarr token dataset; returns the counts. See the module docstring.
+    With `chat`, the records are conversations (`field` is unused)."""
     started = time.perf_counter()
     storage_options = dict(storage_options or {})
     plugins = plugins or PluginManager().load_entry_points()
@@ -338,7 +435,11 @@ def pack(
     token_type = token_dtype(tok.vocab_size, dtype)
     if on_bad_line not in ("error", "skip"):
         raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
-    settings = PackSettings(field, on_bad_line, batch_docs, token_type.name, tok.vocab_size)
+    settings = PackSettings(
+        field, on_bad_line, batch_docs, token_type.name, tok.vocab_size, chat, tok.eod_id
+    )
+    if chat is not None:  # the template compiles and its tokens exist, before any work
+        ChatTemplate.from_meta(chat.template).check_tokenizer(tok)
     sources = expand_inputs(inputs, storage_options)
     total_bytes = sum(s.size for s in sources)
     if split_bytes is None:  # enough tasks that the last ones do not run alone
@@ -368,14 +469,25 @@ def pack(
             chunk_tokens=chunk_tokens,
             shard_chunks=shard_chunks,
             compression=compression,
+            loss_mask=chat is not None,
         )
         counts = _write(
             out, sources, settings, workers, raw, storage_options, writer, split_bytes, bar
         )
+        extra = {}
+        if chat is not None:
+            extra["chat"] = chat.to_meta()
+            if not counts["counts"]["documents"]:
+                raise PackError(
+                    f"no conversation of {', '.join(inputs)} was kept "
+                    f"({counts['counts']['too_long']} too long, {counts['counts']['bad_lines']} "
+                    "bad); nothing was written"
+                )
         out.commit(
             {
+                **extra,
                 "format": FORMAT,
-                "version": FORMAT_VERSION,
+                "version": FORMAT_VERSION if chat is not None else 1,
                 "tokenizer": {
                     "name": tok.name,
                     "fingerprint": tok.fingerprint,
@@ -384,7 +496,7 @@ def pack(
                     "spec": {k: v for k, v in raw.items() if k != "fast"},
                 },
                 "dtype": token_type.name,
-                "field": field,
+                "field": None if chat is not None else field,
                 "sources": [{"url": s.url, "bytes": s.size} for s in sources],
                 "counts": counts["counts"],
                 "bad_lines": counts["bad_lines"],
@@ -448,7 +560,9 @@ def _write(
     """Run the tasks and append their documents in task order; returns counts and bad lines."""
     tasks_by_index: dict[int, Task] = {}
     lines = _Lines()
-    empty = blank = n_bad = done_bytes = 0
+    empty = blank = n_bad = done_bytes = too_long = 0
+    chat = settings.chat
+    sink = writer if chat is None else BlockPacker(writer, chat.seq_len, settings.eod_id)
     bad_lines: list[dict[str, Any]] = []
     last_log = time.monotonic()
 
@@ -464,14 +578,20 @@ def _write(
         for relative, why in result.bad:
             n_bad += 1
             where = f"{task.url}:{first + relative}"
-            if settings.on_bad_line == "error":
-                raise PackError(
-                    f"{where}: {why}; fix the line, or pass --on-bad-line skip to skip and count "
-                    "such lines"
+            if settings.on_bad_line == "error" or "--too-long" in why:
+                hint = (
+                    ""
+                    if "--too-long" in why
+                    else "; fix the line, or pass --on-bad-line skip to skip and count such lines"
                 )
+                raise PackError(f"{where}: {why}{hint}")
             if len(bad_lines) < MAX_RECORDED_BAD_LINES:
                 bad_lines.append({"file": task.url, "line": first + relative, "reason": why})
-        writer.add(result.tokens, result.doc_lengths)
+        if chat is None:
+            writer.add(result.tokens, result.doc_lengths)
+        else:
+            sink.add(result.tokens, result.doc_lengths, result.mask)
+        too_long += result.too_long
         empty += result.empty_documents
         blank += result.blank_lines
         bar.update(result.input_bytes)
@@ -485,14 +605,20 @@ def _write(
                 tokens=writer.n_tokens,
                 bytes_done=done_bytes,
             )
+    if chat is not None:
+        sink.close()
     writer.close()
-    return {
-        "counts": {
-            "documents": writer.n_documents,
-            "tokens": writer.n_tokens,
-            "empty_documents": empty,
-            "blank_lines": blank,
-            "bad_lines": n_bad,
-        },
-        "bad_lines": bad_lines,
+    counts = {
+        "documents": writer.n_documents,
+        "tokens": writer.n_tokens,
+        "empty_documents": empty,
+        "blank_lines": blank,
+        "bad_lines": n_bad,
     }
+    if chat is not None:
+        counts.update(
+            counted_tokens=writer.counted,
+            padding_tokens=sink.padding,
+            too_long=too_long,
+        )
+    return {"counts": counts, "bad_lines": bad_lines}

@@ -1,5 +1,5 @@
 """data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers and
-the `llmtrain data ...` commands (pack, train-tokenizer, inspect, merge). Importing it is cheap:
+the `llmtrain data ...` commands (pack, pack-chat, train-tokenizer, inspect, merge). Importing it is cheap:
 the commands import their machinery when they run."""
 
 from __future__ import annotations
@@ -116,6 +116,59 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _common(p)
 
+    c = actions.add_parser(
+        "pack-chat",
+        help="render JSONL conversations with a chat template into a packed dataset with a "
+        "loss mask",
+        description="render JSONL conversations (a list of {role, content} messages per record) "
+        "with a chat template, tokenize them with a loss mask (assistant turns count), and lay "
+        "them into blocks of --seq-len tokens that no conversation crosses",
+    )
+    c.add_argument("inputs", nargs="+", help="JSONL files or globs")
+    c.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
+    _tokenizer_args(c, required=True)
+    c.add_argument(
+        "--seq-len",
+        type=int,
+        required=True,
+        help="the training sequence length (runs may use a multiple of it)",
+    )
+    c.add_argument(
+        "--template",
+        default="chatml",
+        help="chatml (built in), a tokenizer_config.json with a chat_template, or a .jinja file",
+    )
+    c.add_argument("--template-name", default=None, help="which of several named templates")
+    c.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="the token that ends an assistant turn (default: <|im_end|> for chatml, the "
+        "config's eos_token)",
+    )
+    c.add_argument("--messages-field", default="messages", help="dotted path of the messages")
+    c.add_argument("--role-field", default="role")
+    c.add_argument("--content-field", default="content")
+    c.add_argument(
+        "--roles", default="system,user,assistant,tool", help="the roles a message may have"
+    )
+    c.add_argument("--train-roles", default="assistant", help="roles whose tokens the loss counts")
+    c.add_argument(
+        "--too-long",
+        choices=["skip", "truncate", "error"],
+        default="skip",
+        help="conversations longer than --seq-len: skip or truncate them (counted), or stop",
+    )
+    c.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
+    c.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    c.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
+    c.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
+    c.add_argument("--compression", default="none", help="none, zstd or zstd:LEVEL")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _common(c)
+
     t = actions.add_parser(
         "train-tokenizer",
         help="train a byte-level BPE tokenizer on JSONL and write tokenizer.json",
@@ -159,7 +212,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     log_dir = args.log_dir or f"logs/data-{args.action}-{time.strftime('%Y%m%d-%H%M%S')}"
     configure_logging(log_dir=log_dir, level="INFO")
     storage_options = _storage_options(args.storage_option)
-    if args.action == "pack":
+    if args.action in ("pack", "pack-chat"):
         return _pack(args, ctx, storage_options)
     if args.action == "train-tokenizer":
         return _train(args, storage_options)
@@ -199,27 +252,64 @@ def _tokenizer_raw(args: argparse.Namespace, ctx: Context) -> dict:
     return choice_to_raw(choice, ctx.plugins)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _chat_settings(args: argparse.Namespace):
+    from llmtrain.data_pack.chat import ChatSettings, ChatTemplate
+
+    template = ChatTemplate.load(args.template, stop=args.stop, name=args.template_name)
+    return ChatSettings(
+        template.to_meta(),
+        args.seq_len,
+        messages_field=args.messages_field,
+        role_field=args.role_field,
+        content_field=args.content_field,
+        roles=_names(args.roles),
+        train_roles=_names(args.train_roles),
+        too_long=args.too_long,
+    )
+
+
 def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
     from llmtrain.data_pack.pack import pack
 
+    chat = _chat_settings(args) if args.action == "pack-chat" else None
     summary = pack(
         args.inputs,
         args.output,
         _tokenizer_raw(args, ctx),
-        field=args.field,
+        chat=chat,
+        field=getattr(args, "field", "text"),
         workers=args.workers,
         on_bad_line=args.on_bad_line,
         overwrite=args.overwrite,
         dtype=args.dtype,
         chunk_tokens=args.chunk_tokens,
-        shard_chunks=args.shard_chunks,
+        shard_chunks=getattr(args, "shard_chunks", 0),
         compression=args.compression,
-        split_bytes=None if args.split_mb is None else max(1, int(args.split_mb * (1 << 20))),
+        split_bytes=(
+            None
+            if getattr(args, "split_mb", None) is None
+            else max(1, int(args.split_mb * (1 << 20)))
+        ),
         storage_options=storage_options,
         plugins=ctx.plugins,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     skipped = f", {summary.bad_lines} bad lines skipped" if summary.bad_lines else ""
+    if chat is not None:
+        from llmtrain.data_pack.store import PackedDataset
+
+        c = PackedDataset(summary.url, storage_options=storage_options).meta["counts"]
+        action = {"skip": "skipped", "truncate": "truncated", "error": ""}[chat.too_long]
+        print(
+            f"{summary.url}: {summary.documents} conversations, {summary.tokens} tokens "
+            f"({c['counted_tokens']} counted by the loss, {c['padding_tokens']} padding; "
+            f"{c['too_long']} too long {action}{skipped}) in {summary.seconds:.1f} s"
+        )
+        return 0
     print(
         f"{summary.url}: {summary.documents} documents, {summary.tokens} tokens "
         f"({summary.empty_documents} empty skipped{skipped}) in {summary.seconds:.1f} s, "
@@ -251,7 +341,8 @@ def llmtrain_commands(register):
     register(
         "data",
         Command(
-            help="pack JSONL into token datasets, train tokenizers, inspect and merge datasets",
+            help="pack JSONL (text or chat conversations) into token datasets, train tokenizers, "
+            "inspect and merge datasets",
             configure=_configure,
             run=_run,
         ),

@@ -62,6 +62,18 @@ def inspect_dataset(
         "sample": {"start": start, "ids": ids.tolist(), "text": sample, "note": note},
         "created": meta.get("created"),
     }
+    if dataset.chat is not None:
+        chat = dataset.chat
+        report["chat"] = {
+            "template": chat["template"]["name"],
+            "stop": chat["template"]["stop"],
+            "seq_len": chat["seq_len"],
+            "roles": chat["roles"],
+            "train_roles": chat["train_roles"],
+            "too_long": chat["too_long"],
+        }
+        mask = dataset.loss_mask[start : start + len(ids)]
+        report["sample"]["counted"] = np.flatnonzero(np.asarray(mask)).tolist()
     if as_json:
         return json.dumps(report, indent=2)
     return _text(report)
@@ -87,6 +99,16 @@ def _text(r: dict[str, Any]) -> str:
     peak = max(hist.values(), default=1)
     for bucket, n in hist.items():
         lines.append(f"    {bucket:>15}  {n:>10,}  {'#' * max(1, round(40 * n / peak))}")
+    chat = r.get("chat")
+    if chat is not None:
+        n = c["tokens"] or 1
+        lines[5:5] = [
+            f"  chat        template {chat['template']} (stop {', '.join(chat['stop'])}), "
+            f"blocks of {chat['seq_len']:,} tokens, training on {', '.join(chat['train_roles'])}",
+            f"  loss mask   {c['counted_tokens']:,} tokens counted ({c['counted_tokens'] / n:.1%}), "
+            f"{c['padding_tokens']:,} padding ({c['padding_tokens'] / n:.1%}); "
+            f"{c['too_long']:,} conversations too long ({chat['too_long']})",
+        ]
     for bad in r["bad_lines"][:10]:
         lines.append(f"  bad line    {bad['file']}:{bad['line']}: {bad['reason']}")
     s = r["sample"]

@@ -156,18 +156,25 @@ def field_getter(field: str):
     return get
 
 
-def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
-    """(text, None) for a good line, (None, reason) for a bad one."""
+def parse_record(line: bytes) -> tuple[Any, str | None]:
+    """(the parsed JSON value, None) for a good line, (None, reason) for a bad one."""
     try:
         decoded = line.decode("utf-8")
     except UnicodeDecodeError as exc:
         return None, f"invalid UTF-8 at byte {exc.start}"
     try:
-        record = json.loads(decoded)
+        return json.loads(decoded), None
     except json.JSONDecodeError as exc:
         return None, f"malformed JSON ({exc.msg} at column {exc.colno})"
     except RecursionError:
         return None, "JSON nested too deeply"
+
+
+def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
+    """(text, None) for a good line, (None, reason) for a bad one."""
+    record, why = parse_record(line)
+    if why is not None:
+        return None, why
     try:
         text = get(record)
     except KeyError as exc:

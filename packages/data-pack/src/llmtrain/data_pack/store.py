@@ -5,6 +5,9 @@
 <dataset>/tokens         1-D uint16 (vocab <= 65536) or uint32: every document, each ended by eod
 <dataset>/doc_offsets    1-D int64, n_documents + 1: where each document starts in `tokens`
 <dataset>/chunk_docs     1-D int64, n_chunks + 1: the first document starting in each token chunk
+<dataset>/chunk_heads    2-D, the first tokens of each chunk (windows that just reach into it)
+<dataset>/loss_mask      1-D bool beside `tokens` (chat datasets, format version 2): True where
+                         the token is a target the loss counts
 ```
 
 The group's `zarr.json` (with `"complete": true`) is written last, after every array; a directory
@@ -28,7 +31,7 @@ from fsspec.core import url_to_fs
 from llmtrain.core_mesh.errors import UserError
 
 FORMAT = "llmtrain-tokens"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: chat datasets (a loss mask; readers of version 1 would ignore it)
 META_KEY = "llmtrain"
 # local reads are faster uncompressed (the memmap-like case); object storage may prefer zstd
 DEFAULT_COMPRESSION = "none"
@@ -239,6 +242,16 @@ class PackedDataset:
             self.chunk_heads = group["chunk_heads"]
         except KeyError:
             self.chunk_heads = None
+        self.chat = meta.get("chat")  # chat datasets: template, block length, roles, mask
+        self.loss_mask = None
+        if self.chat is not None:
+            try:
+                self.loss_mask = group["loss_mask"]
+            except KeyError:
+                raise DatasetError(
+                    f"{self.url}: a chat dataset without its loss_mask array (damaged); pack it "
+                    "again"
+                ) from None
         self.n_tokens = int(meta["counts"]["tokens"])
         self.n_documents = int(meta["counts"]["documents"])
         self.chunk_tokens = int(self.tokens.chunks[0])
@@ -265,6 +278,19 @@ class PackedDataset:
         """The tokens of one chunk."""
         base = chunk * self.chunk_tokens
         return self.read(base, min(base + self.chunk_tokens, self.n_tokens))
+
+    @property
+    def block(self) -> int | None:
+        """Chat datasets: the block length no conversation crosses (windows must be multiples)."""
+        return int(self.chat["seq_len"]) if self.chat else None
+
+    def read_mask_chunk(self, chunk: int) -> np.ndarray:
+        """The loss mask of one chunk (bool); all True for a dataset without one."""
+        base = chunk * self.chunk_tokens
+        stop = min(base + self.chunk_tokens, self.n_tokens)
+        if self.loss_mask is None:
+            return np.ones(stop - base, dtype=bool)
+        return np.asarray(self.loss_mask[base:stop], dtype=bool)
 
     @property
     def head_tokens(self) -> int:
@@ -300,7 +326,8 @@ class PackedDataset:
 
 
 class DatasetWriter:
-    """Appends documents (tokens with their eod, and their lengths) to an Output's arrays."""
+    """Appends documents (tokens with their eod, and their lengths; for chat data also their
+    loss mask) to an Output's arrays."""
 
     def __init__(
         self,
@@ -310,6 +337,7 @@ class DatasetWriter:
         chunk_tokens: int = 1 << 20,
         shard_chunks: int = 0,
         compression: str = DEFAULT_COMPRESSION,
+        loss_mask: bool = False,
     ):
         options = out.storage_options
         self.out = out
@@ -330,6 +358,17 @@ class DatasetWriter:
             storage_options=options,
         )
         self.offsets.append(np.zeros(1, np.int64))
+        self.mask = None
+        if loss_mask:
+            self.mask = AppendArray(
+                out.array_url("loss_mask"),
+                np.bool_,
+                chunk_tokens,
+                shard_chunks=shard_chunks,
+                compression=compression,
+                storage_options=options,
+            )
+        self.counted = 0
         # the first tokens of every chunk, kept apart: a window that reaches a few tokens into
         # the next chunk reads them here instead of decoding that whole chunk
         self.head_tokens = min(HEAD_TOKENS, chunk_tokens)
@@ -348,12 +387,21 @@ class DatasetWriter:
         self.n_tokens = 0
         self.n_documents = 0
 
-    def add(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
+    def add(
+        self, tokens: np.ndarray, doc_lengths: np.ndarray, mask: np.ndarray | None = None
+    ) -> None:
         if not len(doc_lengths):
             return
         ends = self.n_tokens + np.cumsum(doc_lengths)
         if int(ends[-1]) != self.n_tokens + len(tokens):
             raise ValueError("document lengths do not add up to the tokens given")
+        if (mask is None) != (self.mask is None) or (mask is not None and len(mask) != len(tokens)):
+            raise ValueError(
+                "a loss mask goes with every token of a masked dataset, and only there"
+            )
+        if mask is not None:
+            self.mask.append(mask)
+            self.counted += int(np.count_nonzero(mask))
         starts = ends - doc_lengths
         # chunk c's first document: the first one starting at or after c * chunk_tokens
         last_chunk = int(starts[-1]) // self.chunk_tokens
@@ -389,6 +437,8 @@ class DatasetWriter:
         self.tokens.close()
         self._write_heads(final=True)
         self.offsets.close()
+        if self.mask is not None:
+            self.mask.close()
         index = AppendArray(
             self.out.array_url("chunk_docs"),
             np.int64,

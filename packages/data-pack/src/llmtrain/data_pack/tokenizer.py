@@ -122,6 +122,11 @@ class BytesTokenizer:
     def token_id(self, token: str) -> int | None:
         return 256 + self._specials.index(token) if token in self._specials else None
 
+    @property
+    def special_tokens(self) -> list[str]:
+        """Tokens with an id of their own, never split (chat templates use them)."""
+        return list(self._specials)
+
 
 # -- hf (tokenizer.json) ---------------------------------------------------------------------------
 
@@ -343,6 +348,11 @@ class HFTokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @property
+    def special_tokens(self) -> list[str]:
+        """The added tokens (each matched whole, with an id of its own)."""
+        return [t["content"] for t in self._spec.get("added_tokens") or []]
+
 
 def _tiktoken_arrays(encoding: Any, texts: Sequence[str], parse_special: bool) -> list[Any]:
     """Ids as numpy arrays; special-token text is plain text unless `parse_special`."""
@@ -481,6 +491,10 @@ class TiktokenTokenizer:
             return self._enc.encode_single_token(token)
         except KeyError:
             return None
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return list(self._specials)
 
 
 # -- building from a config ------------------------------------------------------------------------

@@ -69,6 +69,9 @@ class ChunkCache:
     def doc_starts(self, chunk: int) -> np.ndarray:
         return self._get("starts", chunk, self.dataset.chunk_doc_starts)
 
+    def loss_mask(self, chunk: int) -> np.ndarray:
+        return self._get("mask", chunk, self.dataset.read_mask_chunk)
+
     def get(self, chunk: int) -> tuple[np.ndarray, np.ndarray]:
         return self.tokens(chunk), self.doc_starts(chunk)
 
@@ -78,7 +81,8 @@ class ChunkCache:
 
 
 class TokenWindows:
-    """A WindowSource over one packed dataset: `window(i)` and batched `read(indices)`.
+    """A WindowSource over one packed dataset: `window(i)`, batched `read(indices)` and, for chat
+    datasets, `read_mask(indices)`.
 
     Picklable (for DataLoader workers started with spawn): only the URL travels; each process
     opens the dataset and keeps its own cache.
@@ -164,3 +168,24 @@ class TokenWindows:
                     starts[row, chunk_starts[lo:hi] + base - begin] = True
                 position = stop
         return tokens, starts
+
+    def read_mask(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The loss mask of windows, (n, seq_len + 1) bool beside `read`'s tokens: True where the
+        token is a target the loss counts (all True for a dataset without a mask)."""
+        indices = np.asarray(indices, dtype=np.int64)
+        length = self._seq_len + 1
+        if self.dataset.loss_mask is None:
+            return np.ones((len(indices), length), dtype=bool)
+        mask = np.empty((len(indices), length), dtype=bool)
+        chunk_tokens = self.dataset.chunk_tokens
+        for row in np.argsort(indices, kind="stable"):
+            begin = int(indices[row]) * self._seq_len
+            position, end = begin, begin + length
+            while position < end:
+                chunk = position // chunk_tokens
+                base = chunk * chunk_tokens
+                values = self.cache.loss_mask(chunk)
+                stop = min(end, base + len(values))
+                mask[row, position - begin : stop - begin] = values[position - base : stop - base]
+                position = stop
+        return mask

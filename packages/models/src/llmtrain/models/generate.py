@@ -1,6 +1,9 @@
-"""Sampling text from a model: KV cache, temperature, top-k, top-p, stop at end of document."""
+"""Sampling text from a model: KV cache, temperature, top-k, top-p, stop at the end of a document
+or of a chat turn."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -48,8 +51,10 @@ def generate(
     vocab_size: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    stop_ids: Sequence[int] = (),
 ) -> torch.Tensor:
-    """Continue `prompt` (1, T) by up to `max_new_tokens`, stopping after `eod_id` is emitted.
+    """Continue `prompt` (1, T) by up to `max_new_tokens`, stopping after `eod_id` or one of
+    `stop_ids` (a chat template's end of turn) is emitted.
 
     temperature 0 is greedy. Generation also stops at the model's max_seq_len. `vocab_size`
     (the tokenizer's) keeps sampling to ids the tokenizer has when the model's table is larger.
@@ -65,6 +70,7 @@ def generate(
     model.eval()
     max_new_tokens = min(max_new_tokens, cfg.max_seq_len - prompt.size(1))
     tokens = prompt
+    stop = {int(i) for i in stop_ids} | ({eod_id} if eod_id is not None else set())
     cache = model.new_cache(1, prompt.size(1) + max_new_tokens) if use_cache else None
     logits = model(prompt, cache=cache)[:, -1]
     for _ in range(max_new_tokens):
@@ -77,9 +83,7 @@ def generate(
             generator=generator,
         )
         tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-        if (eod_id is not None and nxt.item() == eod_id) or tokens.size(1) == prompt.size(
-            1
-        ) + max_new_tokens:
+        if nxt.item() in stop or tokens.size(1) == prompt.size(1) + max_new_tokens:
             break
         if cache is not None:
             logits = model(nxt.view(1, 1), cache=cache, start_pos=tokens.size(1) - 1)[:, -1]

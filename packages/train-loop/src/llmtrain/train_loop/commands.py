@@ -1,4 +1,4 @@
-"""The run-level commands: `llmtrain run`, `llmtrain eval`, `llmtrain generate`."""
+"""The run-level commands: `llmtrain run`, `llmtrain eval`, `llmtrain generate` (`--chat`)."""
 
 from __future__ import annotations
 
@@ -105,6 +105,43 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer", default=None, help="default: the one the data was packed with"
     )
+    chat = parser.add_argument_group("chat (--chat)")
+    chat.add_argument(
+        "--chat",
+        action="store_true",
+        help="the prompt is a user turn: render it with the chat template, print the reply "
+        "(which stops at the end of the turn)",
+    )
+    chat.add_argument("--system", default=None, help="a system message before the prompt")
+    chat.add_argument(
+        "--template",
+        default=None,
+        help="default: the template the training data was packed with; or chatml, a "
+        "tokenizer_config.json, a .jinja file",
+    )
+    chat.add_argument("--template-name", default=None, help="which of several named templates")
+    chat.add_argument(
+        "--stop", action="append", default=[], metavar="TOKEN", help="end-of-turn token(s)"
+    )
+
+
+def _continue(model: Any, tokenizer: Any, ids: list[int], **sampling: Any) -> list[int]:
+    """The new token ids after `ids` (at most max_new_tokens; the stop token is included)."""
+    import torch
+
+    from llmtrain.models.generate import generate
+
+    seed = sampling.pop("seed", 0)
+    out = generate(
+        model,
+        torch.tensor([ids]),
+        sampling.pop("max_new_tokens", 100),
+        eod_id=tokenizer.eod_id,
+        vocab_size=tokenizer.vocab_size,
+        generator=torch.Generator().manual_seed(seed),
+        **sampling,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def sample_text(
@@ -119,43 +156,77 @@ def sample_text(
     seed: int = 0,
 ) -> str:
     """The prompt and its continuation, stopping at the end of the document."""
-    import torch
-
-    from llmtrain.models.generate import generate
-
     ids = tokenizer.encode_batch([prompt])[0]
     if not ids:
         raise UserError("--prompt encodes to no tokens")
-    out = generate(
+    new = _continue(
         model,
-        torch.tensor([ids]),
-        max_new_tokens,
+        tokenizer,
+        ids,
+        max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        eod_id=tokenizer.eod_id,
-        vocab_size=tokenizer.vocab_size,
-        generator=torch.Generator().manual_seed(seed),
+        seed=seed,
     )
-    new = [t for t in out[0, len(ids) :].tolist() if t != tokenizer.eod_id]
-    return prompt + tokenizer.decode(new)
+    return prompt + tokenizer.decode([t for t in new if t != tokenizer.eod_id])
+
+
+def chat_template_of(info: dict, given: str | None, *, stop=(), name: str | None = None):
+    """The template given on the command line, else the one the training data was packed with."""
+    from llmtrain.data_pack.chat import ChatTemplate
+
+    if given:
+        return ChatTemplate.load(given, stop=stop, name=name)
+    chat = info.get("data", {}).get("chat")
+    if chat is None:
+        raise UserError(
+            "the checkpoint was not trained on chat data (`llmtrain data pack-chat`), so it "
+            "records no chat template; pass --template (chatml, a tokenizer_config.json or a "
+            ".jinja file)"
+        )
+    template = ChatTemplate.from_meta(chat["template"])
+    return template if not stop else ChatTemplate.from_meta({**chat["template"], "stop": stop})
+
+
+def chat_reply(
+    model: Any, tokenizer: Any, template: Any, messages: list[dict[str, str]], **sampling: Any
+) -> str:
+    """The assistant's reply to `messages`: the template's generation prompt is rendered after
+    them, and sampling stops at the template's end of turn (or the end of document)."""
+    from llmtrain.data_pack.chat import Encoder, RenderError
+
+    stop_ids = template.check_tokenizer(tokenizer)
+    try:
+        text = template.render(messages, add_generation_prompt=True)
+    except RenderError as exc:
+        raise UserError(str(exc)) from None
+    ids = Encoder(tokenizer, template).encode([text])[0]
+    new = _continue(model, tokenizer, ids, stop_ids=stop_ids, **sampling)
+    if new and (new[-1] in stop_ids or new[-1] == tokenizer.eod_id):
+        new = new[:-1]
+    return tokenizer.decode(new)
 
 
 def run_generate(args: argparse.Namespace, ctx: Context) -> int:
     model, info, _ = load_model(args.checkpoint, args.step, ctx.plugins)
     tokenizer = tokenizer_of(info, args.tokenizer, ctx.plugins)
-    print(
-        sample_text(
-            model,
-            tokenizer,
-            args.prompt,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-        )
-    )
+    sampling = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
+    if args.chat:
+        template = chat_template_of(info, args.template, stop=args.stop, name=args.template_name)
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+        print(chat_reply(model, tokenizer, template, messages, **sampling))
+        return 0
+    if args.system or args.template or args.stop:
+        raise UserError("--system, --template and --stop go with --chat")
+    print(sample_text(model, tokenizer, args.prompt, **sampling))
     return 0
 
 
@@ -175,13 +246,14 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
     import torch
 
     from llmtrain.data_pack.loader import open_windows
-    from llmtrain.train_loop.loss import cross_entropy_sum
+    from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 
     model, info, step = load_model(args.checkpoint, args.step, ctx.plugins)
     seq_len = args.seq_len or info.get("data", {}).get("seq_len")
     if seq_len is None:
         raise UserError("the checkpoint does not record its seq_len; pass --seq-len")
-    data = open_windows([args.data], seq_len, shuffle=False)
+    doc_masking = bool(getattr(model.cfg, "doc_masking", False))
+    data = open_windows([args.data], seq_len, shuffle=False, doc_starts=doc_masking)
     fingerprint = info.get("data", {}).get("fingerprint")
     if fingerprint is not None and data.sources[0].dataset.fingerprint != fingerprint:
         raise UserError(
@@ -195,8 +267,13 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
         for start in range(0, n, args.batch):
             batch = data.read(np.arange(start, min(start + args.batch, n)))
             tokens = torch.from_numpy(batch["tokens"])
-            total += loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).item()
-            count += tokens[:, 1:].numel()
+            targets = tokens[:, 1:]
+            if "loss_mask" in batch:  # chat data: only the counted targets
+                targets = targets.masked_fill(~torch.from_numpy(batch["loss_mask"][:, 1:]), IGNORE)
+            doc = batch.get("doc_starts")
+            doc_starts = torch.from_numpy(doc) if doc is not None else None
+            total += loss_fn(model(tokens[:, :-1], doc_starts=doc_starts), targets).item()
+            count += int((targets != IGNORE).sum())
     loss = total / count
     print(
         json.dumps(

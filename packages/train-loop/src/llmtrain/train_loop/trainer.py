@@ -165,6 +165,11 @@ class Trainer:
                     f"data.eval.path: {c.data.eval.path} was packed with another tokenizer "
                     f"({packed}) than the training data ({trained}); pack it with the same one"
                 )
+        # chat data: the loss counts only masked-in targets; generate --chat reads the template
+        self.loss_masked = self.train_data.loss_mask
+        self.chat = next(
+            (s.dataset.chat for s in self.train_data.sources if s.dataset.chat is not None), None
+        )
         tokens_per_step = self.global_batch * c.data.seq_len
         self.total_steps = c.training.steps or math.ceil(c.training.tokens / tokens_per_step)
         epochs = self.total_steps * self.global_batch / len(self.train_data)
@@ -253,6 +258,7 @@ class Trainer:
                 "tokenizer": self.train_data.sources[0].dataset.meta["tokenizer"],
                 "global_batch": self.global_batch,
                 "seq_len": c.data.seq_len,
+                "chat": self.chat,
             },
         }
         self._resume(c.checkpoint.resume == "auto" if resume is None else resume)
@@ -464,11 +470,7 @@ class Trainer:
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step over this rank's share of the global batch."""
         c = self.config
-        tokens = torch.from_numpy(batch["tokens"]).to(self.device, non_blocking=True)
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        doc_starts = None
-        if self.doc_masking:
-            doc_starts = torch.from_numpy(batch["doc_starts"]).to(self.device)
+        inputs, targets, doc_starts = self._to_device(batch)
         # the first collective of the step: ranks that got here early wait for the slowest
         waited = time.perf_counter()
         count = self.model.sum_over_data((targets != IGNORE).sum().float()).item()
@@ -477,6 +479,8 @@ class Trainer:
         for opt in self._all_optimizers():
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * lr_factor
+        if count == 0:
+            return self._nothing_counted()
         local = self.model.forward_backward(
             inputs, targets, self.loss_fn, scale=1.0 / count, doc_starts=doc_starts
         )
@@ -492,11 +496,43 @@ class Trainer:
         self.step += 1
         if not finite:
             self._non_finite(loss, grad_norm)
-        self.counters["step"] = self.step
-        self.counters["tokens"] = self.step * self.global_batch * c.data.seq_len
-        self.counters["consumed"] = self.step * self.global_batch
+        self._advance()
         lr = self.optimizers[0][0].param_groups[0]["lr"]
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if self.loss_masked:
+            metrics["loss_tokens"] = count
+        return metrics
+
+    def _advance(self) -> None:
+        self.counters["step"] = self.step
+        self.counters["tokens"] = self.step * self.global_batch * self.config.data.seq_len
+        self.counters["consumed"] = self.step * self.global_batch
+
+    def _to_device(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+        """Inputs, targets (masked ones set to IGNORE) and document starts (or None)."""
+        tokens = torch.from_numpy(batch["tokens"]).to(self.device, non_blocking=True)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        mask = batch.get("loss_mask")
+        if mask is not None:
+            counted = torch.from_numpy(mask[:, 1:]).to(self.device, non_blocking=True)
+            targets = targets.masked_fill(~counted, IGNORE)
+        doc = batch.get("doc_starts") if self.doc_masking else None
+        doc_starts = torch.from_numpy(doc).to(self.device) if doc is not None else None
+        return inputs, targets, doc_starts
+
+    def _nothing_counted(self) -> dict[str, float]:
+        """A global batch whose loss mask counts no token: nothing to learn, no update (an
+        optimizer step on zero gradients would still move the weights through its momentum)."""
+        self.step += 1
+        log.warning(
+            "step.no_counted_tokens",
+            step=self.step,
+            message="the loss mask counts no token of this step's global batch; the step "
+            "made no update",
+        )
+        self._advance()
+        lr = self.optimizers[0][0].param_groups[0]["lr"]
+        return {"grad_norm": 0.0, "lr": lr, "loss_tokens": 0}
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         policy = self.config.training.non_finite
@@ -527,10 +563,7 @@ class Trainer:
         try:
             for step in range(c.data.eval.batches):
                 batch = self.eval_data.read(np.concatenate(plan.step(step)))
-                tokens = torch.from_numpy(batch["tokens"]).to(self.device)
-                inputs, targets = tokens[:, :-1], tokens[:, 1:]
-                doc = batch.get("doc_starts")
-                doc_starts = torch.from_numpy(doc).to(self.device) if doc is not None else None
+                inputs, targets, doc_starts = self._to_device(batch)
                 total += self.model.evaluate(inputs, targets, self.loss_fn, doc_starts=doc_starts)
                 count += (targets != IGNORE).sum()
         finally:
