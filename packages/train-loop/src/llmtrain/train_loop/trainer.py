@@ -337,13 +337,7 @@ class Trainer:
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
 
     def _initial_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model initialised on CPU from the run seed: the same on every process."""
-        with torch.device("meta"):
-            full = build(self.plugins, "model", self.config.model)
-        full.to_empty(device="cpu")
-        torch.manual_seed(self.config.seed)
-        _init_weights(full)
-        return full.state_dict()
+        return initial_model(self.plugins, self.config.model, self.config.seed).state_dict()
 
     def _peak_flops(self) -> float | None:
         if self.config.training.peak_tflops is not None:
@@ -651,6 +645,17 @@ def provenance_header() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return "\n".join([lines[0], *sorted(set(lines[1:]))]) + "\n"
+
+
+def initial_model(plugins: PluginManager, choice: Any, seed: int) -> torch.nn.Module:
+    """The whole model initialised on CPU from the run seed: the same on every process (the
+    weights a run with `training.init: full` starts from)."""
+    with torch.device("meta"):
+        full = build(plugins, "model", choice)
+    full.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    _init_weights(full)
+    return full
 
 
 def _init_weights(part: torch.nn.Module) -> None:
