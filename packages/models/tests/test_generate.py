@@ -88,6 +88,20 @@ def test_generation_stops_right_after_eod(model, prompt, greedy):
     assert generate(model, prompt, NEW, temperature=0, eod_id=absent).shape[1] == PROMPT_LEN + NEW
 
 
+def test_generation_stops_at_the_first_stop_token(model, prompt, greedy):
+    """stop_ids (a chat template's end of turn) stop like eod: at whichever comes first."""
+    continuation = greedy[0, PROMPT_LEN:].tolist()
+    k = next(i for i, t in enumerate(continuation) if t not in continuation[:i] and i > 1)
+    absent = next(t for t in range(VOCAB) if t not in continuation)
+    out = generate(model, prompt, NEW, temperature=0, eod_id=absent, stop_ids=[continuation[k]])
+    assert torch.equal(out, greedy[:, : PROMPT_LEN + k + 1])
+    j = next(i for i, t in enumerate(continuation) if i > 0 and t not in continuation[:i])
+    both = generate(
+        model, prompt, NEW, temperature=0, eod_id=continuation[j], stop_ids=[continuation[k]]
+    )
+    assert both.shape[1] == PROMPT_LEN + min(j, k) + 1
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_top_k_one_is_greedy(model, prompt, greedy, use_cache):
     gen = torch.Generator().manual_seed(3)
