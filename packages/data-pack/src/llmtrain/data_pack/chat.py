@@ -83,12 +83,18 @@ class ChatTemplate:
     def load(
         cls, spec: str | None, *, stop: Sequence[str] = (), name: str | None = None
     ) -> ChatTemplate:
-        """`chatml` (or None), a tokenizer_config.json (its `chat_template`, bos/eos tokens), or
-        a Jinja file. `stop` overrides the end-of-turn tokens (default: ChatML's <|im_end|>, or
+        """`chatml` (or None), a tokenizer_config.json (its `chat_template`, bos/eos tokens) or
+        a directory holding one, or a Jinja file. `stop` overrides the end-of-turn tokens (default: ChatML's <|im_end|>, or
         the config's eos_token)."""
         if spec in (None, "", "chatml"):
             return cls.chatml(stop)
+        from fsspec.core import url_to_fs
+
         from llmtrain.data_pack.tokenizer import read_bytes
+
+        fs, path = url_to_fs(spec)
+        if fs.isdir(path):  # a Hugging Face model directory
+            spec = spec.rstrip("/") + "/tokenizer_config.json"
 
         raw = read_bytes(spec)
         try:

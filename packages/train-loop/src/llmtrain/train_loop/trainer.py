@@ -361,6 +361,13 @@ class Trainer:
         summary = self.run_dir / "summary.json"
         if self.world.is_main:
             summary.unlink(missing_ok=True)  # absent while running (or after a hard kill)
+            if self.chat is not None and not self.doc_masking:
+                log.warning(
+                    "data.chat_without_doc_masking",
+                    message="the training data is chat conversations, packed several to a "
+                    "window, and model.doc_masking is off: each conversation attends to the ones "
+                    "before it in its window; set model.doc_masking: true to keep them apart",
+                )
         try:
             step = self._train()
         except torch.OutOfMemoryError as exc:
