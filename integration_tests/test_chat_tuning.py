@@ -290,3 +290,43 @@ def _plugins():
     from llmtrain.core_mesh.plugins import PluginManager
 
     return PluginManager().load_entry_points()
+
+
+def test_a_step_that_counts_no_target_makes_no_update(chat, tmp_path):
+    """A chat dataset whose mask counts nothing (written by hand): each step logs loss_tokens 0,
+    no loss, and leaves the weights exactly as initialised (an AdamW step on zero gradients
+    would still apply its weight decay).""""
+    from llmtrain.checkpoint.export import load_model_weights
+    from llmtrain.core_mesh.config import load_config
+    from llmtrain.core_mesh.plugins import PluginManager
+    from llmtrain.data_pack.store import DatasetWriter, Output, PackedDataset
+    from llmtrain.train_loop.run_config import RunConfig
+    from llmtrain.train_loop.trainer import initial_model
+
+    _, paths = chat
+    packed = PackedDataset(str(paths["train"]))
+    n_blocks = 40
+    tokens = np.asarray(packed.read(0, n_blocks * SEQ_LEN + 1))
+    out = Output(str(tmp_path / "silent.zarr"), overwrite=False)
+    writer = DatasetWriter(out, tokens.dtype, loss_mask=True)
+    writer.add(tokens, np.asarray([len(tokens)]), np.zeros(len(tokens), bool))
+    writer.close()
+    counts = {**packed.meta["counts"], "documents": 1, "tokens": len(tokens), "counted_tokens": 0}
+    out.commit({**packed.meta, "counts": counts})
+
+    cfg = config(chat, tmp_path / "runs", "silent", steps=2, log_every=1)
+    cfg["data"]["train"] = [{"path": str(tmp_path / "silent.zarr")}]
+    cfg["optimizer"]["weight_decay"] = 0.1  # a step on zero gradients would still decay
+    del cfg["data"]["eval"]
+    path = ts.write_config(tmp_path / "run.yaml", cfg)
+    ts.run(ts.llmtrain("run", path), timeout=120)
+    metrics = ts.read_metrics(tmp_path / "runs" / "silent")
+    assert [m["loss_tokens"] for m in metrics] == [0, 0]
+    assert all("loss" not in m for m in metrics)
+    plugins = PluginManager().load_entry_points()
+    run = load_config(str(path), RunConfig, plugins=plugins)
+    initial = initial_model(plugins, run.model, run.seed).state_dict()
+    weights, _, step = load_model_weights(str(tmp_path / "runs" / "silent" / "checkpoints"))
+    assert step == 2
+    for name, value in weights.items():
+        assert torch.equal(value, initial[name]), name
