@@ -295,7 +295,7 @@ def _plugins():
 def test_a_step_that_counts_no_target_makes_no_update(chat, tmp_path):
     """A chat dataset whose mask counts nothing (written by hand): each step logs loss_tokens 0,
     no loss, and leaves the weights exactly as initialised (an AdamW step on zero gradients
-    would still apply its weight decay).""""
+    would still apply its weight decay)."""
     from llmtrain.checkpoint.export import load_model_weights
     from llmtrain.core_mesh.config import load_config
     from llmtrain.core_mesh.plugins import PluginManager
