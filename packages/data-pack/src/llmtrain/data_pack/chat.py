@@ -83,40 +83,25 @@ class ChatTemplate:
     def load(
         cls, spec: str | None, *, stop: Sequence[str] = (), name: str | None = None
     ) -> ChatTemplate:
-        """`chatml` (or None), a tokenizer_config.json (its `chat_template`, bos/eos tokens) or
-        a directory holding one, or a Jinja file. `stop` overrides the end-of-turn tokens (default: ChatML's <|im_end|>, or
-        the config's eos_token)."""
+        """`chatml` (or None); a tokenizer_config.json (its `chat_template` and bos/eos tokens);
+        a Hugging Face model directory (tokenizer_config.json's template, else its
+        `chat_template.jinja` or `chat_template.json`; `name` picks one of
+        `additional_chat_templates/`); or a Jinja file. `stop` gives the end-of-turn tokens
+        (default: ChatML's <|im_end|>, or the config's eos_token)."""
         if spec in (None, "", "chatml"):
             return cls.chatml(stop)
         from fsspec.core import url_to_fs
 
-        from llmtrain.data_pack.tokenizer import read_bytes
-
         fs, path = url_to_fs(spec)
-        if fs.isdir(path):  # a Hugging Face model directory
-            spec = spec.rstrip("/") + "/tokenizer_config.json"
-
-        raw = read_bytes(spec)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise TemplateError(f"{spec}: not UTF-8 text") from None
         variables: dict[str, str] = {}
-        if spec.endswith(".json"):
-            try:
-                config = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TemplateError(f"{spec}:{exc.lineno}: not valid JSON ({exc.msg})") from None
-            source = _pick(
-                config.get("chat_template") if isinstance(config, dict) else None, spec, name
-            )
-            for key in TEMPLATE_VARIABLES:
-                value = _token_text(config.get(key))
-                if value is not None:
-                    variables[key] = value
-            origin = f"{spec} (chat_template)"
+        if fs.isdir(path):
+            source, origin, variables = _from_directory(spec.rstrip("/"), fs, path, name)
+        elif spec.endswith(".json"):
+            config = _read_json(spec)
+            source, origin = _pick(config.get("chat_template"), spec, name), spec
+            variables = _variables(config)
         else:
-            source, origin = text, spec
+            source, origin = _read_text(spec), spec
         if not stop:
             stop = [variables["eos_token"]] if "eos_token" in variables else []
         if not stop:
@@ -124,7 +109,9 @@ class ChatTemplate:
                 f"{spec}: which token ends an assistant turn? pass --stop TOKEN (e.g. <|im_end|> "
                 "or <|eot_id|>)"
             )
-        template = cls(name or spec.rsplit("/", 1)[-1], source, variables, list(stop), origin)
+        template = cls(
+            name or spec.rstrip("/").rsplit("/", 1)[-1], source, variables, list(stop), origin
+        )
         _ = template.compiled  # a syntax error is reported now, with its line
         return template
 
@@ -185,6 +172,58 @@ class ChatTemplate:
                 "written for this tokenizer"
             )
         return [specials[t] for t in self.stop]
+
+
+def _read_text(url: str) -> str:
+    from llmtrain.data_pack.tokenizer import read_bytes
+
+    try:
+        return read_bytes(url).decode("utf-8")
+    except UnicodeDecodeError:
+        raise TemplateError(f"{url}: not UTF-8 text") from None
+
+
+def _read_json(url: str) -> dict[str, Any]:
+    try:
+        value = json.loads(_read_text(url))
+    except json.JSONDecodeError as exc:
+        raise TemplateError(f"{url}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise TemplateError(f"{url}: not a JSON object")
+    return value
+
+
+def _variables(config: Mapping[str, Any]) -> dict[str, str]:
+    found = {key: _token_text(config.get(key)) for key in TEMPLATE_VARIABLES}
+    return {key: value for key, value in found.items() if value is not None}
+
+
+def _from_directory(url: str, fs: Any, path: str, name: str | None):
+    """(source, origin, variables) of a Hugging Face model directory's chat template."""
+
+    def has(file: str) -> bool:
+        return fs.exists(f"{path.rstrip('/')}/{file}")
+
+    config_url = f"{url}/tokenizer_config.json"
+    config = _read_json(config_url) if has("tokenizer_config.json") else {}
+    variables = _variables(config)
+    if name is not None and has(f"additional_chat_templates/{name}.jinja"):
+        named = f"{url}/additional_chat_templates/{name}.jinja"
+        return _read_text(named), named, variables
+    if config.get("chat_template") is not None:
+        return _pick(config["chat_template"], config_url, name), config_url, variables
+    if has("chat_template.jinja"):
+        return _read_text(f"{url}/chat_template.jinja"), f"{url}/chat_template.jinja", variables
+    if has("chat_template.json"):
+        source = _read_json(f"{url}/chat_template.json").get("chat_template")
+        if not isinstance(source, str):
+            raise TemplateError(f"{url}/chat_template.json: no chat_template text in it")
+        return source, f"{url}/chat_template.json", variables
+    raise TemplateError(
+        f"{url}: no chat template in this directory (looked for chat_template in "
+        "tokenizer_config.json, chat_template.jinja and chat_template.json); give a template "
+        "file, or --template chatml"
+    )
 
 
 def _pick(value: Any, spec: str, name: str | None) -> str:
