@@ -197,6 +197,24 @@ def test_round_trip_restores_model_optimizer_counters_and_rng(location, tiny):
     assert losses == expected_losses
 
 
+def test_weights_only_load_keeps_this_process_rng(tmp_path, tiny):
+    """A warm start loads a model part alone and must not take over the saver's random state."""
+    model, optimizer = tiny.make(seed=0, steps=2)
+    saved = snapshot(model, optimizer)
+    Checkpointer(str(tmp_path)).save(2, {"train": ModelState(model, [optimizer])})
+    fresh, _ = tiny.make(seed=7)
+    torch.manual_seed(123)
+    random.seed(123)
+    expected = (torch.rand(5), random.random())
+    torch.manual_seed(123)
+    random.seed(123)
+    step = Checkpointer(str(tmp_path)).load({"train": ModelState(fresh)}, restore_rng=False)
+    assert step == 2
+    assert_model_equals(fresh, saved)
+    got = (torch.rand(5), random.random())
+    assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
+
+
 def test_nothing_to_load_returns_none(tmp_path, tiny):
     model, _ = tiny.make()
     before = snapshot(model)

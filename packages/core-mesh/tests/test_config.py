@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmtrain.core_mesh.config import (
+    YAML_KEY,
     Choice,
     ConfigError,
     ConfigValueError,
@@ -465,4 +466,54 @@ def test_a_list_field_takes_only_a_list():
         structure({"sizes": [1, "two"]}, Tagged)
     assert [(p.dotted, p.message) for p in info.value.problems] == [
         ("sizes[1]", "expected int, got str 'two'")
+    ]
+
+
+# -- fields whose YAML key is a Python keyword -------------------------------------------------
+
+
+def _not_empty(instance, attribute, value):
+    if not value:
+        raise ValueError("must not be empty")
+
+
+@attrs.frozen(kw_only=True)
+class Source:
+    from_: str = attrs.field(metadata={YAML_KEY: "from"}, validator=_not_empty)
+    step: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class WithSource:
+    name: str
+    init: Source | None = None
+
+
+def test_yaml_key_metadata_names_the_field_everywhere(tmp_path):
+    """`from_` is `from` in YAML: structured, dumped, overridden and named in errors as such."""
+    path = write(tmp_path, "name: a\ninit:\n  from: runs/x/checkpoints\n  step: 3\n")
+    cfg = load_config(path, WithSource)
+    assert cfg.init == Source(from_="runs/x/checkpoints", step=3)
+    text = dump_config(cfg)
+    assert yaml.safe_load(text)["init"] == {"from": "runs/x/checkpoints", "step": 3}
+    assert load_config(write(tmp_path, text, "dumped.yaml"), WithSource) == cfg
+    assert load_config(path, WithSource, overrides=["init.from=s3://b/c"]).init.from_ == "s3://b/c"
+
+    bad = write(tmp_path, "name: a\ninit:\n  step: 1\n  frm: x\n", "bad.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad, WithSource)
+    assert sorted(map(str, info.value.problems)) == [
+        f"{bad}:2: init.from: required key is missing",
+        f"{bad}:4: init.frm: unknown key (did you mean 'from'?); allowed: from, step",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, WithSource, overrides=["init.from=3", "init.step=x"])
+    assert sorted((p.dotted, p.where, p.message) for p in info.value.problems) == [
+        ("init.from", "override 'init.from=3'", "expected str, got int 3"),
+        ("init.step", "override 'init.step=x'", "expected int, got str 'x'"),
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, WithSource, overrides=["init.from="])
+    assert [(p.dotted, p.message) for p in info.value.problems] == [
+        ("init.from", "must not be empty")
     ]

@@ -155,4 +155,5 @@ def test_entry_points_load_the_builtin_plugin():
         "tokenizer",
         "parallel",
         "command",
+        "weights",
     }

@@ -191,3 +191,60 @@ def test_training_config_defaults():
     with pytest.raises(ConfigValueError) as info:
         TrainingConfig()
     assert info.value.field == "steps"
+
+
+# --- init: a warm start (the YAML key `from` is a Python keyword) ---
+
+INIT = (
+    BASE
+    + """\
+init:
+  from: runs/pretrain/checkpoints
+  step: 200
+  storage_options: {anon: "true"}
+"""
+)
+
+
+def test_init_section_reads_the_from_key(installed, tmp_path):
+    from llmtrain.core_mesh.config import dump_config, load_config, make_converter
+    from llmtrain.train_loop.run_config import InitConfig, RunConfig
+
+    path = tmp_path / "run.yaml"
+    path.write_text(INIT)
+    cfg = load_config(path, RunConfig, plugins=installed)
+    assert cfg.init == InitConfig(
+        from_="runs/pretrain/checkpoints", step=200, storage_options={"anon": "true"}
+    )
+    assert (cfg.init.format, cfg.init.check_tokenizer) == ("auto", True)
+    text = dump_config(cfg, converter=make_converter(installed))
+    assert "  from: runs/pretrain/checkpoints\n" in text and "from_" not in text
+    path.write_text(text)
+    assert load_config(path, RunConfig, plugins=installed).init == cfg.init
+    path.write_text(BASE)
+    assert load_config(path, RunConfig, plugins=installed).init is None
+    # an override creates the section
+    cfg = load_config(path, RunConfig, plugins=installed, overrides=["init.from=hf/llama"])
+    assert cfg.init == InitConfig(from_="hf/llama")
+
+
+def test_init_problems_name_the_key_and_line(validate):
+    code, err = validate(
+        INIT.replace("  step: 200", "  step: -1\n  fromm: x\n  chek_tokenizer: no")
+    )
+    assert code == 2
+    assert "3 config problems" in err
+    assert "run.yaml:10: init.step: must be at least 0, got -1" in err
+    assert "run.yaml:11: init.fromm: unknown key (did you mean 'from'?); allowed: from," in err
+    assert "run.yaml:12: init.chek_tokenizer: unknown key (did you mean 'check_tokenizer'?)" in err
+
+    code, err = validate(INIT.replace("  from: runs/pretrain/checkpoints\n", ""))
+    assert (code, "run.yaml:8: init.from: required key is missing" in err) == (2, True)
+    code, err = validate(BASE, "init.from=")
+    assert code == 2
+    assert "override 'init.from=': init.from: must be a path or URL, got an empty string" in err
+    code, err = validate(BASE, "init.from=3", "init.check_tokenizer=1")
+    assert code == 2
+    assert "override 'init.from=3': init.from: expected str, got int 3" in err
+    assert "init.check_tokenizer: expected bool (true or false), got int 1" in err
+    assert validate(BASE, "init.from=runs/a/checkpoints", "init.format=hf") == (0, "")

@@ -1,6 +1,8 @@
-"""The `llmtrain hf` command (entry point `hf`): `hf export` and `hf import`.
+"""The `llmtrain hf` command (entry point `hf`): `hf export` and `hf import`; and the `hf` weight
+format, so a run can start from a transformers directory (`init: {from: DIR}`).
 
-Loaded on every `llmtrain` start, so it imports neither torch nor transformers: `run` does.
+Loaded on every `llmtrain` start, so it imports neither torch nor transformers: `run` and the
+format's `load` do.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain_hf.weights import HFWeights
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -77,4 +80,13 @@ def llmtrain_commands(register):
             configure=configure,
             run=run,
         ),
+    )
+
+
+@hookimpl
+def llmtrain_weight_formats(register):
+    register(
+        "hf",
+        HFWeights(),
+        help="a transformers Llama or GPT-2 directory (config.json + safetensors)",
     )

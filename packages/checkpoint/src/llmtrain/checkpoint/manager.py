@@ -360,10 +360,13 @@ class Checkpointer:
             )
         return step
 
-    def load(self, state: Mapping[str, Any], *, step: int | None = None) -> int | None:
+    def load(
+        self, state: Mapping[str, Any], *, step: int | None = None, restore_rng: bool = True
+    ) -> int | None:
         """Load the newest committed step (or `step`) into `state`, in place; None if none.
 
-        Works at another world size or parallel layout: DCP reshards."""
+        Works at another world size or parallel layout: DCP reshards. `restore_rng=False` keeps
+        this process's random states (loading weights into another run, not resuming one)."""
         step = self.resolve_step(step)
         if step is None:
             return None
@@ -384,6 +387,12 @@ class Checkpointer:
         for key, value in state.items():
             if isinstance(value, Stateful):
                 value.load_state_dict(plain[key])
+        if restore_rng:
+            self._restore_rng(step)
+        log.info("checkpoint.loaded", step=step, url=self.step_url(step))
+        return step
+
+    def _restore_rng(self, step: int) -> None:
         rng = self._path(step, RNG_DIR, f"rank{self.rank}.json")
         if self.fs.exists(rng):
             with self.fs.open(rng, "rb") as f:
@@ -395,8 +404,6 @@ class Checkpointer:
                 step=step,
                 hint="saved with fewer ranks; this rank keeps its own seeding",
             )
-        log.info("checkpoint.loaded", step=step, url=self.step_url(step))
-        return step
 
 
 def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> None:

@@ -7,6 +7,9 @@
   plugin registry and structures the remaining keys into that entry's own attrs options class.
 - Overrides `a.b.c=value` (values parsed as YAML scalars) are applied before structuring.
 - `dump_config` writes YAML that loads back to an equal config.
+- A field whose YAML key is not a Python name (`from`) says so in its metadata:
+  `from_: str = attrs.field(metadata={YAML_KEY: "from"})`; structuring, dumping, overrides and
+  error messages all use the YAML key.
 
 Options classes raise `ConfigValueError(field, message)` from `__attrs_post_init__` for checks
 that span fields, so the error names the right path.
@@ -24,13 +27,38 @@ import attrs
 import cattrs
 import yaml
 from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
-from cattrs.gen import make_dict_structure_fn
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from llmtrain.core_mesh.errors import UserError, did_you_mean
 from llmtrain.core_mesh.plugins import PluginManager
 
 T = TypeVar("T")
 PathParts = tuple[str | int, ...]
+
+# attrs field metadata: the key the field has in YAML when it differs from the attribute name
+# (a Python keyword such as `from`)
+YAML_KEY = "llmtrain.yaml_key"
+
+
+def yaml_key(field: attrs.Attribute) -> str:
+    """The key of an attrs field in YAML: its `YAML_KEY` metadata, else its name."""
+    return field.metadata.get(YAML_KEY) or field.name
+
+
+def _renames(cls: type) -> dict[str, Any]:
+    """cattrs overrides for the fields of `cls` whose YAML key is not their attribute name."""
+    return {
+        a.name: override(rename=yaml_key(a)) for a in attrs.fields(cls) if yaml_key(a) != a.name
+    }
+
+
+def _key_of(cls: Any, name: str) -> str:
+    """The YAML key of the attribute `name` of `cls` (cattrs reports attribute names)."""
+    if isinstance(cls, type) and attrs.has(cls):
+        for a in attrs.fields(cls):
+            if a.name == name:
+                return yaml_key(a)
+    return name
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -302,7 +330,7 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
         return isinstance(cls, type) and attrs.has(cls) and not issubclass(cls, Choice)
 
     def attrs_hook(cls: type) -> Any:
-        base = make_dict_structure_fn(cls, conv)
+        base = make_dict_structure_fn(cls, conv, **_renames(cls))
         validated = [a for a in attrs.fields(cls) if a.validator is not None]
 
         def structure(value: Any, _: type) -> Any:
@@ -313,7 +341,10 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
                     obj = base(value, cls)
                 except BaseValidationError as exc:
                     # report the fields that did structure but fail their validators too
-                    failed = {getattr(note, "name", None) for _, note in exc.group_exceptions()[0]}
+                    failed = {
+                        _key_of(cls, getattr(note, "name", None))
+                        for _, note in exc.group_exceptions()[0]
+                    }
                     problems = list(_problems_from(exc, (), None))
                     problems += _field_problems(conv, cls, value, skip=failed)
                     raise _NestedProblems(problems) from None
@@ -324,7 +355,7 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
                 try:
                     a.validator(obj, a, getattr(obj, a.name))
                 except (ValueError, TypeError) as exc:
-                    problems.append(Problem((a.alias or a.name,), _validator_message(exc)))
+                    problems.append(Problem((yaml_key(a),), _validator_message(exc)))
             if problems:
                 raise _NestedProblems(problems)
             return obj
@@ -395,6 +426,9 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_hook)
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is Literal, literal_hook)
     conv.register_structure_hook_factory(is_attrs, attrs_hook)
+    conv.register_unstructure_hook_factory(
+        is_attrs, lambda cls: make_dict_unstructure_fn(cls, conv, **_renames(cls))
+    )
     conv.register_structure_hook_factory(
         lambda cls: isinstance(cls, type) and issubclass(cls, Choice), choice_hook
     )
@@ -411,7 +445,7 @@ def _field_problems(
     """Validator problems of the fields of `value` that structure on their own."""
     problems = []
     for a in attrs.fields(cls):
-        key = a.alias or a.name
+        key = yaml_key(a)
         if a.validator is None or key in skip or key not in value:
             continue
         try:
@@ -440,7 +474,7 @@ def _problems_from(
         for p in exc.problems:
             yield attrs.evolve(p, path=path + p.path)
     elif isinstance(exc, ForbiddenExtraKeysError):
-        known = [a.alias or a.name for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        known = [yaml_key(a) for a in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
         for key in sorted(exc.extra_fields, key=str):
             hint = did_you_mean(str(key), known)
             yield Problem((*path, key), f"unknown key{hint}; allowed: {', '.join(known)}")
@@ -450,6 +484,8 @@ def _problems_from(
             step = getattr(note, "name", None)
             if step is None:
                 step = getattr(note, "index", None)
+            else:
+                step = _key_of(getattr(exc, "cl", None), step)
             yield from _problems_from(sub, (*path, step) if step is not None else path, None)
         for sub in without:
             yield from _problems_from(sub, path, None)

@@ -100,3 +100,26 @@ class RunInfo:
     total_steps: int
     start_step: int
     config: Mapping[str, Any]
+
+
+@runtime_checkable
+class WeightFormat(Protocol):
+    """Model weights stored another way than an llmtrain checkpoint (a Hugging Face directory,
+    ...), that a run can start from: `init: {from: PATH, format: NAME}` (plugin kind `weights`).
+
+    - `recognizes(path, storage_options)`: whether `path` (a local path or fsspec URL) holds
+      weights of this format; cheap (reads no weights) and never raises for a foreign path.
+    - `describe()`: what `recognizes` looks for, for the error when nothing recognises a path
+      (`"config.json and *.safetensors"`).
+    - `load(path, storage_options)`: (the whole model's state dict on CPU, under llmtrain's
+      parameter names; the model info `{"kind": KIND, **options}` of the model the weights
+      belong to, as a run's `model:` section would give it).
+    """
+
+    def recognizes(self, path: str, storage_options: Mapping[str, Any]) -> bool: ...
+
+    def describe(self) -> str: ...
+
+    def load(
+        self, path: str, storage_options: Mapping[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, Any]]: ...

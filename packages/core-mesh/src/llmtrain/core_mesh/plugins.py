@@ -38,6 +38,7 @@ KINDS: dict[str, str] = {
     "tokenizer": "llmtrain_tokenizers",
     "parallel": "llmtrain_parallel_strategies",
     "command": "llmtrain_commands",
+    "weights": "llmtrain_weight_formats",
 }
 
 Register = Callable[..., None]
@@ -76,6 +77,11 @@ class Hookspecs:
     @hookspec
     def llmtrain_commands(self, register: Register) -> None:
         """Register `llmtrain` subcommands (target: a `llmtrain.core_mesh.cli.Command`)."""
+
+    @hookspec
+    def llmtrain_weight_formats(self, register: Register) -> None:
+        """Register formats of model weights a run can start from (`init: {from: PATH}`);
+        target: a `llmtrain.core_mesh.interfaces.WeightFormat`."""
 
 
 @attrs.frozen

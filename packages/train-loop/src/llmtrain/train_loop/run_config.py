@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from llmtrain.core_mesh.config import Choice, ConfigValueError
+from llmtrain.core_mesh.config import YAML_KEY, Choice, ConfigValueError
 from llmtrain.core_mesh.mesh import MeshSpec
 
 
@@ -207,6 +207,26 @@ class DebugConfig:
     flight_recorder: bool = True
 
 
+def _not_blank(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not value.strip():
+        raise ValueError("must be a path or URL, got an empty string")
+
+
+@attrs.frozen(kw_only=True)
+class InitConfig:
+    """A warm start: the run's model starts from the weights at `from` (an llmtrain checkpoint
+    directory or, through a `weights` plugin, e.g. a Hugging Face directory), with a fresh
+    optimizer, the lr schedule and data from step 0. A run that has checkpoints of its own
+    resumes them instead. `format: auto` takes an llmtrain checkpoint directory as such and asks
+    the installed weight formats about anything else."""
+
+    from_: str = attrs.field(metadata={YAML_KEY: "from"}, validator=_not_blank)
+    step: int | None = attrs.field(default=None, validator=_non_negative)  # default: the newest
+    format: str = attrs.field(default="auto", validator=_not_blank)  # auto, llmtrain, hf, ...
+    check_tokenizer: bool = True
+    storage_options: dict[str, str] = attrs.Factory(dict)
+
+
 def _default_parallel():
     return Choice.of("parallel")(kind="default")
 
@@ -235,6 +255,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = attrs.Factory(CheckpointConfig)
     profile: ProfileConfig | None = None
     debug: DebugConfig = attrs.Factory(DebugConfig)
+    init: InitConfig | None = None
 
 
 def resolved(config: RunConfig, plugins: Any) -> RunConfig:

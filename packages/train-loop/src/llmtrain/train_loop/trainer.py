@@ -37,7 +37,7 @@ from llmtrain.core_mesh.world import (
 )
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.sampling import BatchPlan
-from llmtrain.train_loop import observe
+from llmtrain.train_loop import observe, warm_start
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 from llmtrain.train_loop.run_config import RunConfig, resolved
 from llmtrain.train_loop.schedules import WarmupOptions, constant
@@ -262,6 +262,10 @@ class Trainer:
             },
         }
         self._resume(c.checkpoint.resume == "auto" if resume is None else resume)
+        # init.from when there was nothing to resume (weights only); the provenance either way
+        init = warm_start.start(c.init, self.model, self.checkpoints, self.info, plugins)
+        if init is not None:
+            self.info["init"] = init
         self.step = int(self.counters["step"])
         self.saved_step = self.step if self.step else None
 

@@ -1,0 +1,168 @@
+"""Warm start's decisions without a run: which source `init:` names (a format registered in
+process through the `weights` hook), which model options must match, and the tokenizer check.
+The runs themselves are in integration_tests/test_warm_start.py and llmtrain-hf's tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmtrain.checkpoint.manager import Checkpointer
+from llmtrain.checkpoint.state import ModelState
+from llmtrain.core_mesh.interfaces import WeightFormat
+from llmtrain.core_mesh.plugins import PluginManager, hookimpl
+from llmtrain.train_loop import warm_start
+from llmtrain.train_loop.run_config import InitConfig
+from llmtrain.train_loop.trainer import model_info
+
+TINY = {"kind": "tiny", "vocab_size": 300, "pad_vocab_to": 64, "d_model": 32}
+
+
+class MarkerFormat:
+    """A directory with a WEIGHTS file: a stand-in weight format."""
+
+    def describe(self) -> str:
+        return "a WEIGHTS file"
+
+    def recognizes(self, path, storage_options) -> bool:
+        import os
+
+        return os.path.exists(os.path.join(path, "WEIGHTS"))
+
+    def load(self, path, storage_options):
+        raise AssertionError("not loaded by these tests")
+
+
+class MarkerPlugin:
+    @hookimpl
+    def llmtrain_weight_formats(self, register):
+        register("marker", MarkerFormat(), help="test format")
+
+
+@pytest.fixture
+def plugins() -> PluginManager:
+    """The installed plugins without llmtrain-hf (as in the package's own nox session)."""
+    return PluginManager(blocked={"hf"}).load_entry_points()
+
+
+def test_a_weight_format_plugin_satisfies_the_protocol():
+    assert isinstance(MarkerFormat(), WeightFormat)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_auto_tells_llmtrain_checkpoints_from_registered_formats(plugins, tmp_path):
+    with pytest.raises(warm_start.WarmStartError) as info:
+        warm_start.resolve(InitConfig(from_=str(tmp_path)), plugins)
+    message = str(info.value)
+    assert f"init.from: {tmp_path} is in no format this installation reads" in message
+    assert "installed formats: llmtrain (built in)" in message
+    assert "a Hugging Face directory needs `pip install llmtrain-hf`" in message
+
+    plugins.register(MarkerPlugin(), "marker")
+    (tmp_path / "WEIGHTS").write_text("")
+    assert warm_start.resolve(InitConfig(from_=str(tmp_path)), plugins) == (
+        "marker",
+        str(tmp_path),
+        None,
+    )
+    with pytest.raises(warm_start.WarmStartError, match=r"init\.step: 3 is for llmtrain"):
+        warm_start.resolve(InitConfig(from_=str(tmp_path), step=3), plugins)
+    with pytest.raises(warm_start.WarmStartError, match="holds no committed llmtrain checkpoint"):
+        warm_start.resolve(InitConfig(from_=str(tmp_path), format="llmtrain"), plugins)
+
+    # a committed checkpoint wins over anything else in the directory; a step-<n>/ names a step
+    model = torch.nn.Linear(2, 2)
+    for step in (4, 8):
+        Checkpointer(str(tmp_path)).save(step, {"train": ModelState(model)})
+    assert warm_start.resolve(InitConfig(from_=f"{tmp_path}/"), plugins) == (
+        "llmtrain",
+        str(tmp_path),
+        8,
+    )
+    assert warm_start.resolve(InitConfig(from_=str(tmp_path / "step-4")), plugins)[1:] == (
+        str(tmp_path),
+        4,
+    )
+    with pytest.raises(warm_start.WarmStartError) as info:
+        warm_start.resolve(InitConfig(from_=str(tmp_path), step=5), plugins)
+    assert "init.step:" in str(info.value) and "committed steps in" in str(info.value)
+    assert "4, 8" in str(info.value)
+    # a format named explicitly is asked even beside checkpoints, and must recognise the path
+    assert warm_start.resolve(InitConfig(from_=str(tmp_path), format="marker"), plugins)[0] == (
+        "marker"
+    )
+    (tmp_path / "WEIGHTS").unlink()
+    with pytest.raises(warm_start.WarmStartError) as info:
+        warm_start.resolve(InitConfig(from_=str(tmp_path), format="marker"), plugins)
+    assert (
+        str(info.value)
+        == f"init.from: {tmp_path} is not in format 'marker' (it needs a WEIGHTS file)"
+    )
+
+
+def info_of(plugins, **options) -> dict:
+    from llmtrain.core_mesh.config import Choice, structure
+
+    return model_info(plugins, structure({**TINY, **options}, Choice.of("model"), plugins=plugins))
+
+
+@pytest.mark.parametrize(
+    ("source", "run"),
+    [
+        ({}, {"dropout": 0.1, "doc_masking": True, "init_std": 0.01}),  # training only
+        ({}, {"vocab_size": 310}),  # the same 320 embedding rows
+        ({"max_seq_len": 128}, {"max_seq_len": 512}),  # RoPE: no position weights
+        ({}, {"kind": "transformer", **{k: v for k, v in TINY.items() if k != "kind"}}),
+    ],
+    ids=["training-only", "same-padded-vocab", "rope-length", "same-family"],
+)
+def test_options_that_may_differ(plugins, source, run):
+    from llmtrain.models.presets import PRESETS
+
+    theirs = info_of(plugins, **source)
+    if run.get("kind") == "transformer":  # the tiny preset spelled out under another kind
+        run = {**PRESETS["tiny"], **run}
+    ours = info_of(plugins, **run)
+    assert warm_start.model_differences(theirs, ours, plugins) == []
+
+
+def test_options_that_must_match_are_named_with_both_values(plugins):
+    theirs = info_of(plugins, positions="learned", norm_eps=1e-6, max_seq_len=128)
+    ours = info_of(plugins, positions="learned", max_seq_len=256, vocab_size=400, dropout=0.2)
+    assert warm_start.model_differences(theirs, ours, plugins) == [
+        "model.max_seq_len: 128 in init.from, 256 here",
+        "model.norm_eps: 1e-06 in init.from, 1e-05 here",
+        "model.vocab_size: embedding rows 320 in init.from (vocab_size: 300, pad_vocab_to: 64), "
+        "448 here (vocab_size: 400, pad_vocab_to: 64)",
+    ]
+    other = {"kind": "gpt-from-elsewhere", "d_model": 32}
+    assert warm_start.model_differences(other, theirs, plugins) == [
+        "model.kind: 'gpt-from-elsewhere' in init.from, 'tiny' here (another model family)"
+    ]
+
+
+def test_tensor_differences_name_both_shapes_and_count_the_rest():
+    source = {f"w{i}": (2, 2) for i in range(8)}
+    expected = {**{f"w{i}": (2, 3) for i in range(6)}, "extra": (1,)}
+    assert warm_start.tensor_differences(source, expected) == [
+        "tensor w0: (2, 2) in init.from, (2, 3) here",
+        "tensor w1: (2, 2) in init.from, (2, 3) here",
+        "tensor w2: (2, 2) in init.from, (2, 3) here",
+        "tensor w3: (2, 2) in init.from, (2, 3) here",
+        "(and 5 more tensors)",  # w4, w5, extra: missing in init.from, w6, w7: not in this model
+    ]
+    assert warm_start.tensor_differences(source, source) == []
+
+
+def test_another_tokenizer_names_both_and_the_way_out():
+    own = {"fingerprint": "b" * 8, "tokenizer": {"name": "hf:tokenizer.json"}}
+    warm_start.check_tokenizer("ckpt", {}, own)  # the source does not say: nothing to check
+    warm_start.check_tokenizer("ckpt", {"fingerprint": "b" * 8}, own)
+    with pytest.raises(warm_start.WarmStartError) as info:
+        warm_start.check_tokenizer(
+            "ckpt", {"fingerprint": "a" * 8, "tokenizer": {"name": "bytes"}}, own
+        )
+    message = str(info.value)
+    assert message.startswith("init.from: ckpt was trained on data tokenized by bytes (aaaaaaaa)")
+    assert "packed with hf:tokenizer.json (bbbbbbbb)" in message
+    assert "init.check_tokenizer: false" in message
