@@ -38,6 +38,9 @@ CHATML_SOURCE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# what special tokens usually look like: <|name|> (a template's markers the tokenizer may lack)
+_MARKER = re.compile(r"<\|[A-Za-z0-9_.-]+\|>")
 ASSISTANT = "assistant"
 DEFAULT_ROLES = ("system", "user", "assistant", "tool")
 # tokenizer_config.json entries handed to the template as variables
@@ -98,7 +101,10 @@ class ChatTemplate:
             source, origin, variables = _from_directory(spec.rstrip("/"), fs, path, name)
         elif spec.endswith(".json"):
             config = _read_json(spec)
-            source, origin = _pick(config.get("chat_template"), spec, name), spec
+            source, origin = (
+                _pick(config.get("chat_template"), spec, name),
+                f"{spec} (chat_template)",
+            )
             variables = _variables(config)
         else:
             source, origin = _read_text(spec), spec
@@ -136,8 +142,8 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 **self.variables,
             )
-        except RenderError:
-            raise
+        except RenderError as exc:  # the template's own raise_exception
+            raise RenderError(f"the chat template ({self.origin}) refused it: {exc}") from None
         except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError) as exc:
             raise RenderError(f"the chat template ({self.origin}) failed: {exc}") from None
 
@@ -172,6 +178,13 @@ class ChatTemplate:
                 "written for this tokenizer"
             )
         return [specials[t] for t in self.stop]
+
+    def plain_markers(self, tokenizer: Any) -> list[str]:
+        """Special-token-looking text the template writes (`<|name|>`) that the tokenizer has no
+        single id for: it will be tokenized as plain text (worth a warning)."""
+        text = self.source + "".join(self.variables.values())
+        specials = self.special_ids(tokenizer)
+        return sorted({m for m in _MARKER.findall(text) if m not in specials})
 
 
 def _read_text(url: str) -> str:
@@ -211,7 +224,8 @@ def _from_directory(url: str, fs: Any, path: str, name: str | None):
         named = f"{url}/additional_chat_templates/{name}.jinja"
         return _read_text(named), named, variables
     if config.get("chat_template") is not None:
-        return _pick(config["chat_template"], config_url, name), config_url, variables
+        source = _pick(config["chat_template"], config_url, name)
+        return source, f"{config_url} (chat_template)", variables
     if has("chat_template.jinja"):
         return _read_text(f"{url}/chat_template.jinja"), f"{url}/chat_template.jinja", variables
     if has("chat_template.json"):
@@ -333,6 +347,11 @@ def messages_of(record: Any, settings: ChatSettings) -> list[dict[str, Any]]:
             )
         if not isinstance(content, str):
             raise RenderError(f"{where} ({role}) has no {settings.content_field!r} string")
+        if (bad := _SURROGATE.search(content)) is not None:
+            raise RenderError(
+                f"{where} has an unpaired surrogate \\u{ord(bad.group()):04x} in its content "
+                "(not valid Unicode)"
+            )
         if role in settings.train_roles and not content.strip():
             raise RenderError(f"{where} is an empty {role} turn")
         rest = {

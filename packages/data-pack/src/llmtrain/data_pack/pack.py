@@ -127,6 +127,7 @@ _worker: dict[str, Any] = {}
 
 def _init_worker(tokenizer_raw: dict, storage_options: dict) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
+    _worker.clear()  # one pack's state (a chat encoder) must not reach the next in this process
     _worker["tokenizer"] = tokenizer_from_raw(tokenizer_raw)
     _worker["storage_options"] = storage_options
 
@@ -206,8 +207,7 @@ def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int
         if why is not None:
             bad.append((number, why))
             if stop_on_bad:
-                rendered, numbers = [], []
-                break
+                break  # the conversations before it are still checked for length (below)
     tokens, masks = [], []
     too_long = 0
     for number, (ids, mask) in zip(
@@ -223,7 +223,6 @@ def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int
                         "conversations, or a larger --seq-len",
                     )
                 )
-                tokens, masks = [], []
                 break
             too_long += 1
             if chat.too_long == "skip":
@@ -234,6 +233,7 @@ def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int
                 continue  # nothing left to learn from
         tokens.append(ids)
         masks.append(mask)
+    bad.sort()  # the parent reports the first problem of the file, whatever its kind
     dtype = np.dtype(settings.dtype)
     flat = np.concatenate(tokens) if tokens else np.empty(0, np.int64)
     if len(flat) and (int(flat.max()) >= settings.vocab_size or int(flat.min()) < 0):
@@ -439,7 +439,16 @@ def pack(
         field, on_bad_line, batch_docs, token_type.name, tok.vocab_size, chat, tok.eod_id
     )
     if chat is not None:  # the template compiles and its tokens exist, before any work
-        ChatTemplate.from_meta(chat.template).check_tokenizer(tok)
+        template = ChatTemplate.from_meta(chat.template)
+        template.check_tokenizer(tok)
+        plain = template.plain_markers(tok)
+        if plain:
+            log.warning(
+                "pack.template_markers_not_special",
+                markers=plain,
+                message=f"the chat template writes {', '.join(plain)}, which tokenizer "
+                f"{tok.name} has no single id for: they are tokenized as plain text",
+            )
     sources = expand_inputs(inputs, storage_options)
     total_bytes = sum(s.size for s in sources)
     if split_bytes is None:  # enough tasks that the last ones do not run alone
