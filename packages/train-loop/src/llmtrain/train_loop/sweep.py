@@ -387,6 +387,16 @@ def _last_error(log_file: Path) -> str:
     return lines[-1] if lines else "no output"
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """Whether a file ends without a newline (a process killed mid-write)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except (FileNotFoundError, OSError):  # none yet, or empty (seek before the start)
+        return False
+
+
 def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list[tuple[str, str]]:
     """Run the unfinished runs one after another; returns (run id, why) of the failed ones."""
     failed = []
@@ -403,8 +413,11 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
         say(f"{prefix}: {'resuming' if resuming else 'running'} (output: {log_file})")
         started = time.perf_counter()
         command = run_command(path / "config.yaml", nproc, executable=True)
+        cut = _ends_mid_line(log_file)
         with log_file.open("a", encoding="utf-8") as out:
-            out.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(command)}\n")
+            # a killed run may have left half a line: the header starts a line of its own
+            out.write(("\n" if cut else "") + f"# {time.strftime('%Y-%m-%d %H:%M:%S')} ")
+            out.write(f"{shlex.join(command)}\n")
             out.flush()
             proc = subprocess.Popen(
                 command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
