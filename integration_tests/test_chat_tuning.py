@@ -244,44 +244,18 @@ def test_chat_errors_name_what_to_do(chat, tmp_path):
     plain["training"] = {"steps": 2, "log_every": 1}
     ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "plain.yaml", plain)))
     checkpoints = tmp_path / "runs" / "plain" / "checkpoints"
-    proc = ts.run(
-        ts.llmtrain("generate", "--checkpoint", checkpoints, "--chat", "--prompt", "hi"),
-        check=False,
-    )
+
+    def chat_with(*options: str, check: bool = False):
+        command = ("generate", "--checkpoint", checkpoints, "--chat", "--prompt", "hi", *options)
+        return ts.run(ts.llmtrain(*command, "--max-new-tokens", "5"), check=check)
+
+    proc = chat_with()
     assert proc.returncode != 0
     assert "records no chat template; pass --template" in proc.stderr
     # ... which --template chatml supplies
-    proc = ts.run(
-        ts.llmtrain(
-            "generate",
-            "--checkpoint",
-            checkpoints,
-            "--chat",
-            "--template",
-            "chatml",
-            "--prompt",
-            "hi",
-            "--max-new-tokens",
-            "5",
-        )
-    )
-    assert proc.returncode == 0
+    chat_with("--template", "chatml", check=True)
     # the template's tokens must exist in the tokenizer
-    proc = ts.run(
-        ts.llmtrain(
-            "generate",
-            "--checkpoint",
-            checkpoints,
-            "--chat",
-            "--template",
-            "chatml",
-            "--tokenizer",
-            "bytes",
-            "--prompt",
-            "hi",
-        ),
-        check=False,
-    )
+    proc = chat_with("--template", "chatml", "--tokenizer", "bytes")
     assert proc.returncode != 0
     assert "needs <|im_end|>, <|im_start|> as special tokens" in proc.stderr
 
