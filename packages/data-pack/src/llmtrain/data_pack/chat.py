@@ -21,6 +21,7 @@ Sequences: conversations are laid into blocks of `seq_len` tokens, none across a
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -372,10 +373,7 @@ def pieces(
 ) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, counts) pieces, in order. The pieces join to the
     whole rendering; see the module docstring for what counts."""
-    try:
-        before = template.render([])
-    except RenderError:
-        before = ""  # templates may refuse an empty conversation; the first turn carries it
+    before = _empty(template.source, tuple(sorted(template.variables.items())), template.origin)
     out: list[tuple[str, bool]] = [(before, False)] if before else []
     for i, message in enumerate(messages):
         whole = template.render(messages[: i + 1])
@@ -403,6 +401,15 @@ def pieces(
             out.append((turn, counts))
         before = whole
     return [(text, counts) for text, counts in out if text]
+
+
+@functools.lru_cache(maxsize=8)
+def _empty(source: str, variables: tuple[tuple[str, str], ...], origin: str) -> str:
+    """What a template writes before any message (the same for every conversation)."""
+    try:
+        return ChatTemplate("", source, dict(variables), [], origin).render([])
+    except RenderError:
+        return ""  # templates may refuse an empty conversation; the first turn carries it
 
 
 class Encoder:
@@ -439,20 +446,24 @@ def tokenize_conversations(
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """(ids with a final eod, mask) per conversation: mask[i] says token i is a counted target.
     The first token never counts (nothing precedes it in its conversation), nor the eod."""
-    flat = [text for conv in conversations for text, _ in conv]
-    encoded = iter(encoder.encode(flat))
+    if not conversations:
+        return []
+    encoded = encoder.encode([text for conv in conversations for text, _ in conv])
+    lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+    ids = np.fromiter(itertools.chain.from_iterable(encoded), np.int64, int(lengths.sum()))
+    counts = np.fromiter((c for conv in conversations for _, c in conv), bool, len(encoded))
+    mask = np.repeat(counts, lengths)
+    pieces_per = np.fromiter(map(len, conversations), np.int64, len(conversations))
+    piece_ends = np.cumsum(pieces_per)
+    token_ends = np.concatenate([[0], np.cumsum(lengths)])[piece_ends]
     out = []
-    for conv in conversations:
-        ids: list[int] = []
-        mask: list[bool] = []
-        for _, counts in conv:
-            piece = next(encoded)
-            ids.extend(piece)
-            mask.extend([counts] * len(piece))
-        ids.append(eod_id)
-        mask.append(False)
-        mask[0] = False
-        out.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)))
+    start = 0
+    for end in token_ends.tolist():
+        conv_ids = np.append(ids[start:end], eod_id)
+        conv_mask = np.append(mask[start:end], False)
+        conv_mask[0] = False
+        out.append((conv_ids, conv_mask))
+        start = end
     return out
 
 
