@@ -1099,7 +1099,7 @@ def test_inspect_chat_dataset(tmp_path, run_cli):
     assert (int(mask.sum()), padding) == (12, 61)
 
     code, stdout, _ = run_cli(
-        "data", "inspect", out, "--json", "--window", 40, "--seed", 1,
+        "data", "inspect", out, "--json", "--window", 80, "--seed", 1,
         "--log-dir", tmp_path / "logs",
     )  # fmt: skip
     assert code == 0
@@ -1116,10 +1116,20 @@ def test_inspect_chat_dataset(tmp_path, run_cli):
         "too_long": "skip",
     }
     sample = report["sample"]
-    start = int(np.random.default_rng(1).integers(0, ds.n_tokens - 40))
+    # a chat sample starts at a block (a whole conversation): block 0 or 1 of 80 tokens
+    start = int(np.random.default_rng(1).integers(0, 2)) * 80
     assert sample["start"] == start
-    assert sample["ids"] == tokens[start : start + 40].tolist()
-    assert sample["counted"] == np.flatnonzero(mask[start : start + 40]).tolist()
+    assert sample["ids"] == tokens[start : start + 80].tolist()
+    assert sample["counted"] == np.flatnonzero(mask[start : start + 80]).tolist()
+    # what the loss trains on, run by run, in both blocks
+    for other in (0, 80):
+        seed = next(k for k in range(20) if np.random.default_rng(k).integers(0, 2) * 80 == other)
+        code, stdout, _ = run_cli(
+            "data", "inspect", out, "--json", "--window", 80, "--seed", seed,
+            "--log-dir", tmp_path / "logs",
+        )  # fmt: skip
+        got = json.loads(stdout)["sample"]["counted_text"]
+        assert got == (["Héllo!<|im_end|>", "4<|im_end|>"] if other == 0 else ["A<|im_end|>"])
 
     code, stdout, _ = run_cli("data", "inspect", out, "--log-dir", tmp_path / "logs")
     assert code == 0

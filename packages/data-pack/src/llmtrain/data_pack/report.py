@@ -40,16 +40,20 @@ def inspect_dataset(
     meta = dataset.meta
     tok_meta = meta["tokenizer"]
     start = 0
-    if dataset.n_tokens > window:
-        start = int(np.random.default_rng(seed).integers(0, dataset.n_tokens - window))
+    rng = np.random.default_rng(seed)
+    if dataset.block is not None:  # chat: from the start of a block (a whole conversation)
+        start = int(rng.integers(0, dataset.n_tokens // dataset.block)) * dataset.block
+    elif dataset.n_tokens > window:
+        start = int(rng.integers(0, dataset.n_tokens - window))
     ids = dataset.read(start, min(start + window, dataset.n_tokens))
-    sample, note = None, None
+    sample, note, tok = None, None, None
     try:
         tok = tokenizer_from_raw(dict(tokenizer or tok_meta["spec"]), plugins)
         dataset.check_tokenizer(tok)
         sample = tok.decode(ids.tolist())
     except UserError as exc:
         note = f"cannot decode the sample: {exc}"
+        tok = None
     report = {
         "path": url,
         "counts": meta["counts"],
@@ -72,8 +76,13 @@ def inspect_dataset(
             "train_roles": chat["train_roles"],
             "too_long": chat["too_long"],
         }
-        mask = dataset.loss_mask[start : start + len(ids)]
-        report["sample"]["counted"] = np.flatnonzero(np.asarray(mask)).tolist()
+        counted = np.flatnonzero(np.asarray(dataset.loss_mask[start : start + len(ids)]))
+        report["sample"]["counted"] = counted.tolist()
+        if tok is not None:  # each run of counted tokens, decoded: what the loss trains on
+            runs = np.split(counted, np.flatnonzero(np.diff(counted) != 1) + 1)
+            report["sample"]["counted_text"] = [
+                tok.decode(ids[run].tolist()) for run in runs if len(run)
+            ]
     if as_json:
         return json.dumps(report, indent=2)
     return _text(report)
@@ -114,4 +123,7 @@ def _text(r: dict[str, Any]) -> str:
     s = r["sample"]
     lines.append(f"  sample at token {s['start']:,}:")
     lines.append("    " + (repr(s["text"]) if s["text"] is not None else s["note"]))
+    if s.get("counted_text") is not None:
+        lines.append("  counted by the loss in the sample:")
+        lines.extend(f"    {text!r}" for text in s["counted_text"])
     return "\n".join(lines)
