@@ -39,12 +39,13 @@ def write_conversations(path, n: int, seed: int) -> None:
     rng = random.Random(seed)
     with open(path, "w") as f:
         for _ in range(n):
-            word = rng.choice(sorted(WORDS))
             messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 0.3 else []
-            messages += [
-                {"role": "user", "content": f"Translate {word}"},
-                {"role": "assistant", "content": WORDS[word]},
-            ]
+            for _ in range(2 if rng.random() < 0.3 else 1):  # some ask twice
+                word = rng.choice(sorted(WORDS))
+                messages += [
+                    {"role": "user", "content": f"Translate {word}"},
+                    {"role": "assistant", "content": WORDS[word]},
+                ]
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
@@ -100,7 +101,7 @@ def config(chat, run_dir, name: str, **training) -> dict:
         },
         "optimizer": {"kind": "adamw", "lr": 3e-3, "weight_decay": 0.0},
         "lr_scheduler": {"kind": "cosine", "warmup_steps": 10, "min_ratio": 0.1},
-        "training": {"steps": 150, "log_every": 10, **training},
+        "training": {"steps": 250, "log_every": 10, **training},
     }
 
 
@@ -173,7 +174,7 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
     _, paths = chat
     metrics = ts.read_metrics(trained["run_dir"])
     evals = [m["eval_loss"] for m in metrics if "eval_loss" in m]
-    assert len(evals) == 3
+    assert len(evals) == 5
     untrained = math.log(260)
     assert evals[-1] < 0.1 * untrained, evals
     assert metrics[-1]["loss"] < 0.1 * untrained
@@ -215,6 +216,30 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
         )
     ).stdout
     assert reply == "Katze\n"
+    # a later turn of a conversation: the earlier turns from a file
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(
+        json.dumps(
+            [
+                {"role": "user", "content": "Translate tree"},
+                {"role": "assistant", "content": "Baum"},
+            ]
+        )
+    )
+    reply = ts.run(
+        ts.llmtrain(
+            "generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier,
+            "--prompt", "Translate bread", "--temperature", "0",
+        )
+    ).stdout  # fmt: skip
+    assert reply == "Brot\n"
+    earlier.write_text('{"messages": [{"role": "user"}]}')
+    proc = ts.run(
+        ts.llmtrain("generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier),
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert f"{earlier}: expected a list of {{role, content}} messages" in proc.stderr
 
 
 def test_document_masking_keeps_conversations_apart(chat, trained):

@@ -96,7 +96,9 @@ def _checkpoint_args(parser: argparse.ArgumentParser) -> None:
 # --- llmtrain generate ---
 def configure_generate(parser: argparse.ArgumentParser) -> None:
     _checkpoint_args(parser)
-    parser.add_argument("--prompt", required=True)
+    parser.add_argument(
+        "--prompt", default=None, help="the text to continue (with --chat: a user turn)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=100)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=None)
@@ -113,6 +115,13 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
         "(which stops at the end of the turn)",
     )
     chat.add_argument("--system", default=None, help="a system message before the prompt")
+    chat.add_argument(
+        "--messages",
+        default=None,
+        metavar="JSON",
+        help="earlier turns: a JSON file with a list of {role, content} messages (or "
+        '{"messages": [...]}); --prompt, if given, is added as the next user turn',
+    )
     chat.add_argument(
         "--template",
         default=None,
@@ -208,6 +217,29 @@ def chat_reply(
     return tokenizer.decode(new)
 
 
+def _earlier_turns(path: str) -> list[dict[str, str]]:
+    """The messages of a --messages file, checked: a list of {role, content} strings."""
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except OSError as exc:
+        raise UserError(f"--messages {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from None
+    messages = value.get("messages") if isinstance(value, dict) else value
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise UserError(
+            f"{path}: expected a list of {{role, content}} messages (strings), or "
+            '{"messages": [...]}'
+        )
+    return messages
+
+
 def run_generate(args: argparse.Namespace, ctx: Context) -> int:
     model, info, _ = load_model(args.checkpoint, args.step, ctx.plugins)
     tokenizer = tokenizer_of(info, args.tokenizer, ctx.plugins)
@@ -221,11 +253,17 @@ def run_generate(args: argparse.Namespace, ctx: Context) -> int:
     if args.chat:
         template = chat_template_of(info, args.template, stop=args.stop, name=args.template_name)
         messages = [{"role": "system", "content": args.system}] if args.system else []
-        messages.append({"role": "user", "content": args.prompt})
+        messages += _earlier_turns(args.messages) if args.messages else []
+        if args.prompt is not None:
+            messages.append({"role": "user", "content": args.prompt})
+        if not messages:
+            raise UserError("--chat needs --prompt or --messages")
         print(chat_reply(model, tokenizer, template, messages, **sampling))
         return 0
-    if args.system or args.template or args.stop:
-        raise UserError("--system, --template and --stop go with --chat")
+    if args.system or args.template or args.stop or args.messages:
+        raise UserError("--system, --messages, --template and --stop go with --chat")
+    if args.prompt is None:
+        raise UserError("--prompt is required (with --chat, --messages may give the turns)")
     print(sample_text(model, tokenizer, args.prompt, **sampling))
     return 0
 
