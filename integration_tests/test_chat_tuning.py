@@ -338,3 +338,38 @@ def test_a_step_that_counts_no_target_makes_no_update(chat, tmp_path):
     assert step == 2
     for name, value in weights.items():
         assert torch.equal(value, initial[name]), name
+
+
+def test_fine_tune_a_pretrained_run_after_adding_the_chat_tokens(chat, tmp_path):
+    """The usual path: pretrain on plain text with the bytes tokenizer (258 ids), add
+    <|im_start|>/<|im_end|> for chat (260 ids: the model's padded table already has the rows),
+    and fine-tune from the pretrained checkpoint. The tokenizer check refuses it until told; the
+    fine-tune then starts well below the loss of the same run from scratch."""
+    corpus = ts.pack_corpus(tmp_path / "plain")  # bytes: 256 + <|endoftext|>, <|pad|>
+    pretrain = config(chat, tmp_path / "runs", "pretrain", steps=40, log_every=40)
+    pretrain["model"]["vocab_size"] = 258
+    pretrain["data"]["train"] = [{"path": corpus.train}]
+    del pretrain["data"]["eval"]
+    ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "pretrain.yaml", pretrain)))
+
+    tune = config(chat, tmp_path / "runs", "sft", steps=3, log_every=1)
+    del tune["data"]["eval"]
+    tune["init"] = {"from": str(tmp_path / "runs" / "pretrain" / "checkpoints")}
+    path = ts.write_config(tmp_path / "sft.yaml", tune)
+    proc = ts.run(ts.llmtrain("run", path), check=False)
+    assert proc.returncode != 0
+    assert "init.check_tokenizer: false" in proc.stderr
+    ts.run(ts.llmtrain("run", path, "init.check_tokenizer=false"))
+    first = ts.read_metrics(tmp_path / "runs" / "sft")[0]
+    # the same first batch from scratch: the pretrained model already knows bytes of English
+    scratch = {**tune, "name": "scratch", "init": None}
+    ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "scratch.yaml", scratch)))
+    untrained = ts.read_metrics(tmp_path / "runs" / "scratch")[0]
+    assert first["step"] == untrained["step"] == 1
+    assert first["loss_tokens"] == untrained["loss_tokens"]  # the same counted targets
+    assert first["loss"] < untrained["loss"] - 0.5, (first["loss"], untrained["loss"])
+    from llmtrain.checkpoint.manager import Checkpointer
+
+    info = Checkpointer(str(tmp_path / "runs" / "sft" / "checkpoints")).info(3)["info"]
+    assert info["init"]["from"] == tune["init"]["from"] and info["init"]["step"] == 40
+    assert info["data"]["chat"]["template"]["name"] == "chatml"
