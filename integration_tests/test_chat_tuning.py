@@ -187,52 +187,22 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
     everything = valid.read(np.arange(len(valid)))
     assert result["tokens"] == int(everything["loss_mask"][:, 1:].sum())
     assert result["loss"] < 0.1 * untrained
+
+    def reply(*options: object) -> str:  # greedy
+        command = ("generate", "--checkpoint", checkpoints, "--chat", "--temperature", "0")
+        return ts.run(ts.llmtrain(*command, *options)).stdout
+
     for word in ("dog", "water", "night", "green"):
-        reply = ts.run(
-            ts.llmtrain(
-                "generate",
-                "--checkpoint",
-                checkpoints,
-                "--chat",
-                "--prompt",
-                f"Translate {word}",
-                "--temperature",
-                "0",
-            )
-        ).stdout
-        assert reply == WORDS[word] + "\n", (word, reply)
-    reply = ts.run(
-        ts.llmtrain(
-            "generate",
-            "--checkpoint",
-            checkpoints,
-            "--chat",
-            "--system",
-            SYSTEM,
-            "--prompt",
-            "Translate cat",
-            "--temperature",
-            "0",
-        )
-    ).stdout
-    assert reply == "Katze\n"
+        assert reply("--prompt", f"Translate {word}") == WORDS[word] + "\n", word
+    assert reply("--system", SYSTEM, "--prompt", "Translate cat") == "Katze\n"
     # a later turn of a conversation: the earlier turns from a file
     earlier = tmp_path / "earlier.json"
-    earlier.write_text(
-        json.dumps(
-            [
-                {"role": "user", "content": "Translate tree"},
-                {"role": "assistant", "content": "Baum"},
-            ]
-        )
-    )
-    reply = ts.run(
-        ts.llmtrain(
-            "generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier,
-            "--prompt", "Translate bread", "--temperature", "0",
-        )
-    ).stdout  # fmt: skip
-    assert reply == "Brot\n"
+    turns = [
+        {"role": "user", "content": "Translate tree"},
+        {"role": "assistant", "content": "Baum"},
+    ]
+    earlier.write_text(json.dumps(turns))
+    assert reply("--messages", earlier, "--prompt", "Translate bread") == "Brot\n"
     earlier.write_text('{"messages": [{"role": "user"}]}')
     proc = ts.run(
         ts.llmtrain("generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier),

@@ -63,28 +63,21 @@ def main() -> None:
     base = {"kind": "hf", "path": str(work / "tokenizer.json"), "fast": "off"}
     reference_tok = {**base, "parse_special": True}  # the rendered text's markers as their ids
     settings = ChatSettings(template.to_meta(), args.seq_len)
+    runs = {"reference": ("text", reference_tok, None), "pack-chat": ("chat", base, settings)}
     timings: dict[str, list[float]] = {"reference": [], "pack-chat": []}
     tokens: dict[str, int] = {}
     for _ in range(args.rounds):
         for name in timings:
+            source, tokenizer, chat = runs[name]
             started = time.perf_counter()
-            if name == "reference":
-                summary = pack(
-                    [str(work / "text.jsonl")],
-                    str(work / "text.zarr"),
-                    reference_tok,
-                    workers=args.workers,
-                    overwrite=True,
-                )
-            else:
-                summary = pack(
-                    [str(work / "chat.jsonl")],
-                    str(work / "chat.zarr"),
-                    base,
-                    workers=args.workers,
-                    overwrite=True,
-                    chat=settings,
-                )
+            summary = pack(
+                [str(work / f"{source}.jsonl")],
+                str(work / f"{source}.zarr"),
+                tokenizer,
+                workers=args.workers,
+                overwrite=True,
+                chat=chat,
+            )
             timings[name].append(time.perf_counter() - started)
             tokens[name] = summary.tokens
             if name == "pack-chat":  # the block padding is not work: counted out
