@@ -7,7 +7,7 @@ experts' activation and `mlp_hidden` their hidden size.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 
@@ -32,6 +32,14 @@ def _positive_or_none(instance: object, attribute: attrs.Attribute, value: float
 
 @attrs.frozen(kw_only=True)
 class MoEOptions(TransformerConfig):
+    # the loss terms, the overflow capacity and the kernel: the same experts either way
+    training_only: ClassVar[frozenset[str]] = TransformerConfig.training_only | {
+        "aux_loss_weight",
+        "router_z_loss",
+        "expert_matmul",
+        "capacity_factor",
+    }
+
     n_experts: int = attrs.field(default=8, validator=_at_least_one)
     top_k: int = attrs.field(default=2, validator=_at_least_one)
     # None: dropless (every token reaches its top_k experts); a number: each expert takes at most

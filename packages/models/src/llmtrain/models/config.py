@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import attrs
 
@@ -26,6 +26,12 @@ def _round_up(value: int, multiple: int) -> int:
 
 @attrs.frozen(kw_only=True)
 class TransformerConfig:
+    # options that shape training, not the function the weights compute: a warm start from
+    # weights trained with other values of these is the same model
+    training_only: ClassVar[frozenset[str]] = frozenset(
+        {"dropout", "doc_masking", "init_std", "scale_residual_init"}
+    )
+
     vocab_size: int = attrs.field(default=50257, validator=_positive)
     pad_vocab_to: int = attrs.field(default=64, validator=_positive)
     max_seq_len: int = attrs.field(default=1024, validator=_positive)

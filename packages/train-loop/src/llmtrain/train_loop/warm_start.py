@@ -35,21 +35,6 @@ log = structlog.get_logger("llmtrain.train")
 
 LLMTRAIN = "llmtrain"  # the built-in format: a directory of committed step-<n>/ checkpoints
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# model options that shape training, not the function the weights compute: they may differ
-# (max_seq_len too when positions are RoPE: its tables are computed, not trained)
-TRAINING_ONLY = frozenset(
-    {
-        "dropout",
-        "doc_masking",
-        "init_std",
-        "scale_residual_init",
-        # mixture-of-experts (llmtrain-moe): loss terms, the kernel, the overflow capacity
-        "aux_loss_weight",
-        "router_z_loss",
-        "expert_matmul",
-        "capacity_factor",
-    }
-)
 # values an options class derives from several keys: compared as derived, so that e.g.
 # `mlp_hidden: null` and the hidden size it implies are the same model
 DERIVED = (
@@ -300,9 +285,13 @@ def model_differences(
     if a.get("positions") == b.get("positions") == "rope":
         a.pop("max_seq_len", None)
         b.pop("max_seq_len", None)
+    # each options class names its options that only shape training (`training_only`)
+    training_only = frozenset().union(
+        *(getattr(type(o), "training_only", frozenset()) for o in (theirs, ours) if o is not None)
+    )
     lines = []
     for key in [*a, *(k for k in b if k not in a)]:
-        if key in TRAINING_ONLY or a.get(key, _NONE) == b.get(key, _NONE):
+        if key in training_only or a.get(key, _NONE) == b.get(key, _NONE):
             continue
         if key in _DERIVED_BY_NAME and theirs is not None and ours is not None:
             keys, what = _DERIVED_BY_NAME[key]
