@@ -123,3 +123,71 @@ class WeightFormat(Protocol):
     def load(
         self, path: str, storage_options: Mapping[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+
+class Callback:
+    """Code that runs inside a training run at its events (plugin kind `callback`): subclass it
+    and override the events you need; the others cost nothing (the trainer calls only what a
+    class overrides). `run` is the trainer, as `TrainingRun` describes it. Every rank calls every
+    event, in the same order, so an event may run collectives when all ranks reach it.
+
+    Events, in the order a run meets them:
+    - `on_load(run, step)`: a checkpoint was resumed (this callback's state is already back).
+    - `on_run_start(run)`: the loop is about to start, at `run.step` (0, or the resumed step).
+    - `before_step(run, step)` / `after_step(run, step, metrics)`: around optimizer step `step`
+      (1-based). `metrics` is the step's record: keys added here are logged with it when the step
+      is logged (every `training.log_every` steps, eval steps and the last one).
+    - `before_eval(run, step)` / `after_eval(run, step, metrics)`: around the held-out evaluation;
+      `metrics` holds `eval_loss`, `eval_ppl` and may gain more.
+    - `on_log(run, step, metrics, rank_metrics)`: a logged step, before the loggers get `metrics`
+      (add to it; loggers run on rank 0). `rank_metrics` holds this rank's own values where they
+      differ from the run's; the rank's JSON log line is `metrics` overlaid with them.
+    - `before_save(run, step)` / `after_save(run, step)`: around a checkpoint save.
+    - `on_run_end(run, status)`: the loop ended: `finished` (the target step) or `stopped`
+      (preempted, or a callback called `run.request_stop`).
+    - `on_failure(run, error)`: the run raised `error` (an exception raised here is logged and
+      does not hide `error`).
+
+    State: a callback with `state_dict()` (plain data: numbers, strings, lists, dicts) and
+    `load_state_dict(state)` has it saved in every checkpoint and restored on resume, so a resumed
+    run continues it exactly. The state saved is rank 0's; keep it the same on every rank.
+    """
+
+    def on_load(self, run: Any, step: int) -> None: ...
+
+    def on_run_start(self, run: Any) -> None: ...
+
+    def before_step(self, run: Any, step: int) -> None: ...
+
+    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None: ...
+
+    def before_eval(self, run: Any, step: int) -> None: ...
+
+    def after_eval(self, run: Any, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_log(
+        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+    ) -> None: ...
+
+    def before_save(self, run: Any, step: int) -> None: ...
+
+    def after_save(self, run: Any, step: int) -> None: ...
+
+    def on_run_end(self, run: Any, status: str) -> None: ...
+
+    def on_failure(self, run: Any, error: BaseException) -> None: ...
+
+
+CALLBACK_EVENTS = (
+    "on_load",
+    "on_run_start",
+    "before_step",
+    "after_step",
+    "before_eval",
+    "after_eval",
+    "on_log",
+    "before_save",
+    "after_save",
+    "on_run_end",
+    "on_failure",
+)

@@ -39,6 +39,7 @@ KINDS: dict[str, str] = {
     "parallel": "llmtrain_parallel_strategies",
     "command": "llmtrain_commands",
     "weights": "llmtrain_weight_formats",
+    "callback": "llmtrain_callbacks",
 }
 
 Register = Callable[..., None]
@@ -82,6 +83,11 @@ class Hookspecs:
     def llmtrain_weight_formats(self, register: Register) -> None:
         """Register formats of model weights a run can start from (`init: {from: PATH}`);
         target: a `llmtrain.core_mesh.interfaces.WeightFormat`."""
+
+    @hookspec
+    def llmtrain_callbacks(self, register: Register) -> None:
+        """Register training callbacks (`callbacks: [{kind: NAME, ...}]` in a run config);
+        target: `target(options)` returns a `llmtrain.core_mesh.interfaces.Callback`."""
 
 
 @attrs.frozen
