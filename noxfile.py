@@ -15,10 +15,10 @@ import nox
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop"]
-SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint"]}
+PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
+SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint", "ablate"]}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
-EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "train-loop": "[plot]"}
+EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot]"}
 TEST_GROUPS = {
     "data-pack": ["object-store"],
     "checkpoint": ["object-store"],

@@ -14,12 +14,12 @@ from typing import NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop"]
+PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
 # Which llmtrain siblings each package may depend on and import (DESIGN.md "Dependency rule").
 ALLOWED = {"core-mesh": set(), "train-loop": set(PACKAGES) - {"train-loop"}}
-ALLOWED |= {p: {"core-mesh"} for p in ("data-pack", "models", "parallel", "checkpoint")}
-NO_TORCH_DEP = {"core-mesh", "data-pack"}  # neither may declare torch
-NEVER_TORCH = {"data-pack"}  # not even a lazy import inside a function
+ALLOWED |= {p: {"core-mesh"} for p in ("data-pack", "models", "parallel", "checkpoint", "ablate")}
+NO_TORCH_DEP = {"core-mesh", "data-pack", "ablate"}  # none may declare torch
+NEVER_TORCH = {"data-pack", "ablate"}  # not even a lazy import inside a function
 LAZY_TORCH_ONLY = {"core-mesh"}  # torch only inside functions, never at import time
 # Lazy imports a package may leave undeclared: core-mesh's world/mesh functions use the torch that
 # the packages calling them (models, parallel, ...) declare; core-mesh itself installs without it.
@@ -265,6 +265,9 @@ def test_import_checker_reports_dag_and_torch_violations(bad):
     assert "may not import llmtrain.parallel" in core and "bad.py:4:" not in core
     data = "\n".join(import_violations("data-pack", *bad))
     assert "bad.py:17: data-pack must never import torch" in data and "bad.py:13:" in data
+    ablate = "\n".join(import_violations("ablate", *bad))
+    assert "bad.py:17: ablate must never import torch" in ablate
+    assert "ablate may not import llmtrain.parallel" in ablate
     models = "\n".join(import_violations("models", *bad))
     assert "llmtrain.parallel" in models and "llmtrain.models.block" not in models
     assert import_violations("train-loop", *bad) == []
@@ -287,6 +290,10 @@ def test_dependency_and_project_checkers_can_fail(tmp_path):
     assert dep_violations("train-loop", {f"llmtrain-{p}" for p in ALLOWED["train-loop"]}) == []
     assert dep_violations("data-pack", {"torch", "llmtrain-core-mesh"}) == [
         "data-pack may not depend on torch"
+    ]
+    assert dep_violations("ablate", {"torch", "llmtrain-train-loop"}) == [
+        "ablate may not depend on llmtrain-train-loop (allowed: ['core-mesh'])",
+        "ablate may not depend on torch",
     ]
     (problem,) = dep_violations("models", {"llmtrain-parallel", "torch"})
     assert problem.startswith("models may not depend on llmtrain-parallel")

@@ -18,9 +18,7 @@ from typing import Any
 
 import attrs
 
-from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.errors import UserError
-from llmtrain.train_loop.runs import (
+from llmtrain.ablate.runs import (
     SEED_KEYS,
     Run,
     find_runs,
@@ -29,6 +27,8 @@ from llmtrain.train_loop.runs import (
     shown,
     varied_keys,
 )
+from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.errors import UserError
 
 
 @attrs.frozen

@@ -2,7 +2,7 @@
 
 One panel per metric (train `loss` and, where runs have it, `eval_loss`), against steps or
 tokens. Runs that differ only in their seed share a colour and one legend entry. matplotlib is an
-optional extra: `pip install 'llmtrain-train-loop[plot]'`.
+optional extra: `pip install 'llmtrain-ablate[plot]'`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.errors import UserError
-from llmtrain.train_loop.runs import (
+from llmtrain.ablate.runs import (
     Run,
     find_runs,
     group_by_settings,
@@ -22,6 +20,8 @@ from llmtrain.train_loop.runs import (
     short_keys,
     varied_keys,
 )
+from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.errors import UserError
 
 FORMATS = (".png", ".svg", ".pdf")
 TITLES = {"loss": "train loss", "eval_loss": "eval loss"}
@@ -51,7 +51,7 @@ def plot(
         from matplotlib.figure import Figure
     except ImportError:
         raise UserError(
-            "llmtrain plot needs matplotlib: pip install 'llmtrain-train-loop[plot]'"
+            "llmtrain plot needs matplotlib: pip install 'llmtrain-ablate[plot]'"
         ) from None
     output = Path(output)
     if output.suffix.lower() not in FORMATS:

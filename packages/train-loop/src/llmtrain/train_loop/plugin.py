@@ -1,6 +1,7 @@
 """train-loop's plugin (entry point `train_loop`): the run-level commands (`run`, `eval`,
-`generate`, `quickstart`, `config`, `sweep`, `compare`, `plot`), the optimizers, lr schedules
-and loggers. Loading it imports no torch."""
+`generate`, `quickstart`, `config`, `sweep`, `estimate`), the optimizers, lr schedules and
+loggers. Loading it imports no torch. The commands that read runs back (`compare`, `plot`,
+`profile`, `ranks`) are llmtrain-ablate's."""
 
 from __future__ import annotations
 
@@ -17,18 +18,7 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
-from llmtrain.train_loop import (
-    commands,
-    compare,
-    estimate,
-    loggers,
-    optim,
-    plot,
-    quickstart,
-    reports,
-    schedules,
-    sweep,
-)
+from llmtrain.train_loop import commands, estimate, loggers, optim, quickstart, schedules, sweep
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
 
@@ -123,38 +113,6 @@ def llmtrain_commands(register):
             help="memory per rank for a config and world size, without allocating it",
             configure=estimate.configure,
             run=estimate.run,
-        ),
-    )
-    register(
-        "profile",
-        Command(
-            help="the top operators by self time in a run's profiler trace",
-            configure=reports.configure_profile,
-            run=reports.run_profile,
-        ),
-    )
-    register(
-        "ranks",
-        Command(
-            help="per-rank step time, data and sync wait, memory: which rank is the slowest",
-            configure=reports.configure_ranks,
-            run=reports.run_ranks,
-        ),
-    )
-    register(
-        "compare",
-        Command(
-            help="a table of runs or sweeps: what varies, eval loss, tokens/s, MFU, wall time",
-            configure=compare.configure,
-            run=compare.run,
-        ),
-    )
-    register(
-        "plot",
-        Command(
-            help="loss curves of runs or sweeps (PNG/SVG; needs matplotlib)",
-            configure=plot.configure,
-            run=plot.run,
         ),
     )
 

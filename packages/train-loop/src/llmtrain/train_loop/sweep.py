@@ -29,6 +29,7 @@ from typing import Any
 import attrs
 import yaml
 
+from llmtrain.ablate.runs import flatten, read_metrics, read_summary, safe_name, short_keys, shown
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.config import (
     ConfigError,
@@ -43,7 +44,6 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.train_loop.run_config import RunConfig, resolved
-from llmtrain.train_loop.runs import flatten, read_summary, safe_name, short_keys, shown
 
 WEIGHTS = "data.weights"  # one list per run: the weight of each dataset in data.train, in order
 MAX_ID = 100
@@ -475,8 +475,6 @@ def _has_checkpoints(run: PlannedRun) -> bool:
 
 
 def _result(path: Path) -> str:
-    from llmtrain.train_loop.runs import read_metrics
-
     evals = [m["eval_loss"] for m in read_metrics(path / "metrics.jsonl") if "eval_loss" in m]
     return f", eval loss {evals[-1]:.4f}" if evals else ""
 

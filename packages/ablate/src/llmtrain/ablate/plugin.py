@@ -1,0 +1,44 @@
+"""ablate's plugin (entry point `ablate`): the commands that read run directories back
+(`compare`, `plot`, `profile`, `ranks`). Loading it imports no torch and no matplotlib."""
+
+from __future__ import annotations
+
+from llmtrain.ablate import compare, plot, reports
+from llmtrain.core_mesh.cli import Command
+from llmtrain.core_mesh.plugins import hookimpl
+
+
+@hookimpl
+def llmtrain_commands(register):
+    register(
+        "profile",
+        Command(
+            help="the top operators by self time in a run's profiler trace",
+            configure=reports.configure_profile,
+            run=reports.run_profile,
+        ),
+    )
+    register(
+        "ranks",
+        Command(
+            help="per-rank step time, data and sync wait, memory: which rank is the slowest",
+            configure=reports.configure_ranks,
+            run=reports.run_ranks,
+        ),
+    )
+    register(
+        "compare",
+        Command(
+            help="a table of runs or sweeps: what varies, eval loss, tokens/s, MFU, wall time",
+            configure=compare.configure,
+            run=compare.run,
+        ),
+    )
+    register(
+        "plot",
+        Command(
+            help="loss curves of runs or sweeps (PNG/SVG; needs matplotlib)",
+            configure=plot.configure,
+            run=plot.run,
+        ),
+    )
