@@ -156,4 +156,5 @@ def test_entry_points_load_the_builtin_plugin():
         "parallel",
         "command",
         "weights",
+        "callback",
     }
