@@ -1,11 +1,14 @@
-"""The plugin manager: registries per kind, and broken plugins recorded instead of raised."""
+"""The plugin manager: registries per kind, broken plugins recorded instead of raised, and the
+options and builds of chosen entries."""
 
 from __future__ import annotations
 
 import types
 
+import attrs
 import pytest
 
+from llmtrain.core_mesh.config import Choice, ConfigError, structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import (
     KINDS,
@@ -158,3 +161,68 @@ def test_entry_points_load_the_builtin_plugin():
         "weights",
         "callback",
     }
+
+
+@attrs.frozen(kw_only=True)
+class Depth:
+    layers: int = 2
+
+
+@attrs.frozen(kw_only=True)
+class NetOptions:
+    width: int = 8
+    rate: float = 0.1
+    depth: Depth = attrs.Factory(Depth)
+
+
+class Nets:
+    @hookimpl
+    def llmtrain_models(self, register):
+        register("net", lambda options, *args: (options, args), options=NetOptions)
+        register(
+            "wide-net",
+            lambda options, *args: (options, args),
+            options=NetOptions,
+            defaults={"width": 64, "rate": 1, "depth": {"layers": 6}},
+        )
+        register("plain", lambda options, *args: (options, args))
+
+
+def test_options_of_a_choice():
+    pm = fresh(Nets())
+    model = Choice.of("model")
+    given = NetOptions(width=3)
+    assert pm.options_of("model", model("wide-net", given)) is given
+    assert pm.options_of("model", model("net")) == NetOptions()
+    # the defaults are structured as a config section `{kind: wide-net}` would be
+    preset = pm.options_of("model", model("wide-net"))
+    assert preset == NetOptions(width=64, rate=1.0, depth=Depth(layers=6))
+    assert preset == structure({"kind": "wide-net"}, model, plugins=pm).options
+    assert type(preset.rate) is float
+    assert pm.options_of("model", model("plain")) is None
+    with pytest.raises(UnknownEntryError, match="unknown model 'nett'"):
+        pm.options_of("model", model("nett"))
+
+
+def test_options_of_reports_bad_defaults_as_the_plugins():
+    class Broken:
+        @hookimpl
+        def llmtrain_models(self, register):
+            register("bad", object(), options=NetOptions, defaults={"width": "wide"})
+
+    pm = fresh(Broken())
+    with pytest.raises(ConfigError) as info:
+        pm.options_of("model", Choice.of("model")("bad"))
+    assert "model 'bad' of plugin 'p0' (registered in process) (its defaults)" in str(info.value)
+    assert [p.dotted for p in info.value.problems] == ["width"]
+
+
+def test_build_passes_the_options_and_the_arguments():
+    pm = fresh(Nets())
+    model = Choice.of("model")
+    assert pm.build("model", model("wide-net"), "part", 2) == (
+        NetOptions(width=64, rate=1.0, depth=Depth(layers=6)),
+        ("part", 2),
+    )
+    assert pm.build("model", model("net", NetOptions(width=5))) == (NetOptions(width=5), ())
+    assert pm.build("model", model("plain"), 1) == (None, (1,))

@@ -249,7 +249,10 @@ def set_value(raw: Any, path: PathParts, value: Any, *, where: str) -> None:
 
 @attrs.frozen
 class Choice:
-    """A component chosen by `kind:`, with that entry's structured options (or None)."""
+    """A component chosen by `kind:`, with that entry's structured options (or None).
+
+    A choice made in code may leave `options` None; `PluginManager.options_of(kind, choice)`
+    then gives the entry's defaults, and `PluginManager.build(kind, choice, ...)` builds it."""
 
     kind: str
     options: Any = None

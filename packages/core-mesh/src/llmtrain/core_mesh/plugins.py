@@ -275,6 +275,29 @@ class PluginManager:
     def entries(self) -> list[Entry]:
         return [entry for registry in self._collect().values() for entry in registry.values()]
 
+    # -- building ----------------------------------------------------------------------------
+
+    def options_of(self, kind: str, choice: Any) -> Any:
+        """The options of a `kind:` choice (a `Choice.of(kind)`): its structured options; when it
+        has none (a choice made in code, `Choice.of("parallel")(kind="default")`), the entry's
+        defaults structured into its options class, as a config section `{kind: NAME}` would
+        give them; None when the entry takes no options."""
+        if choice.options is not None:
+            return choice.options
+        entry = self.registry(kind).get(choice.kind)
+        if entry.options is None:
+            return None
+        from llmtrain.core_mesh.config import structure  # config builds on this module
+
+        where = f"{kind} {choice.kind!r} of {entry.origin.describe()} (its defaults)"
+        return structure(dict(entry.defaults), entry.options, plugins=self, source=where)
+
+    def build(self, kind: str, choice: Any, *args: Any) -> Any:
+        """What the chosen entry builds: `entry.target(self.options_of(kind, choice), *args)`
+        (a model from its options, an optimizer from its options and the model, ...)."""
+        entry = self.registry(kind).get(choice.kind)
+        return entry.target(self.options_of(kind, choice), *args)
+
     def _collect(self) -> dict[str, Registry]:
         if self._registries is not None:
             return self._registries
