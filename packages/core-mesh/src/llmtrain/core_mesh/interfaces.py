@@ -6,10 +6,13 @@ tensors, modules and arrays appear as `Any`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import attrs
+
+if TYPE_CHECKING:
+    from llmtrain.core_mesh.mesh import MeshSpec
 
 
 @runtime_checkable
@@ -123,6 +126,139 @@ class WeightFormat(Protocol):
     def load(
         self, path: str, storage_options: Mapping[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+
+@runtime_checkable
+class ModelOptions(Protocol):
+    """What the training code reads of a model plugin's options class (the `model:` section):
+
+    - `vocab_size`: token ids the model embeds (packed data with more ids is refused);
+    - `max_seq_len`: the longest sequence it takes (a longer `data.seq_len` is refused);
+    - `doc_masking`: attention stays within each packed document (the data then carries
+      document starts, which the model takes as `doc_starts=`);
+    - `training_only` (a class attribute): the options that shape training but not the function
+      the weights compute (dropout, ...); a warm start may change them.
+    """
+
+    training_only: ClassVar[frozenset[str]]
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def max_seq_len(self) -> int: ...
+
+    @property
+    def doc_masking(self) -> bool: ...
+
+
+@runtime_checkable
+class ParallelModel(Protocol):
+    """A model laid out over the device mesh (what a `ParallelStrategy` returns): the parts this
+    rank holds and how to run a step on them, whatever the layout.
+
+    Losses are sums over target tokens. `forward_backward` backpropagates `loss_sum * scale`
+    (the trainer passes 1 / the global count of counted targets) and returns this rank's summed
+    loss; `evaluate` returns it without gradients. `sum_over_data` sums a number over the ranks
+    that read different data (`data_world` of them; this one reads slice `data_rank`).
+    """
+
+    @property
+    def parts(self) -> Sequence[Any]:
+        """The modules this rank holds (one per pipeline stage here; the whole model without
+        pipelining): what optimizers and checkpoints take."""
+        ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def spec(self) -> MeshSpec: ...
+
+    @property
+    def data_rank(self) -> int: ...
+
+    @property
+    def data_world(self) -> int: ...
+
+    def size(self, dim: str, /) -> int:
+        """The degree of one mesh dimension (pp, dp_replicate, dp_shard, cp, tp, dp, ...)."""
+        ...
+
+    def parameters(self) -> Iterator[Any]: ...
+
+    def train(self, mode: bool = ..., /) -> None: ...
+
+    def forward_backward(
+        self,
+        tokens: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        /,
+        *,
+        scale: float = ...,
+        doc_starts: Any = ...,
+    ) -> Any: ...
+
+    def evaluate(
+        self,
+        tokens: Any,
+        targets: Any,
+        loss_fn: Callable[[Any, Any], Any],
+        /,
+        *,
+        doc_starts: Any = ...,
+    ) -> Any: ...
+
+    def sum_over_data(self, value: Any, /) -> Any: ...
+
+    def clip_grad_norm_(self, max_norm: float | None, /) -> float:
+        """Clip the gradients to a global L2 norm (None: only measure it); returns the norm."""
+        ...
+
+    def after_optimizer_step(self) -> None: ...
+
+    def materialize(self, init: Callable[[Any], None], /) -> None:
+        """Allocate parts built on the meta device on this rank's device; `init(part)` fills them."""
+        ...
+
+    def load_full_state_dict(self, state: Mapping[str, Any], /) -> None:
+        """Load unsharded weights (every rank passes the same); each part takes its own keys."""
+        ...
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The unsharded weights of the parts this rank holds."""
+        ...
+
+
+@runtime_checkable
+class ParallelStrategy(Protocol):
+    """What a `parallel` plugin builds from its options: it checks a layout before any process
+    group exists, then lays a model out over the device mesh.
+
+    - `check(mesh, world_size, description, *, seq_len, device_type, microbatches,
+      document_masking)`: the resolved mesh spec, or a UserError naming every reason the model
+      does not fit the layout (`microbatches`: gradient accumulation steps per optimizer step).
+    - `parallelize(description, device_mesh, device, *, microbatches)`: the model of
+      `description` (built on the meta device) as a `ParallelModel` on `device_mesh`.
+    """
+
+    def check(
+        self,
+        mesh: MeshSpec,
+        world_size: int,
+        description: ModelDescription,
+        /,
+        *,
+        seq_len: int,
+        device_type: str,
+        microbatches: int,
+        document_masking: bool,
+    ) -> MeshSpec: ...
+
+    def parallelize(
+        self, description: ModelDescription, device_mesh: Any, device: Any, /, *, microbatches: int
+    ) -> ParallelModel: ...
 
 
 class Callback:
