@@ -1,5 +1,6 @@
 """The `parallel` plugin: registers the `default` strategy with its options class, builds a
-DefaultStrategy, and loads without torch."""
+DefaultStrategy (a core-mesh `ParallelStrategy` whose models are `ParallelModel`s), and loads
+without torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 
 import llmtrain.parallel.plugin as plugin
 from llmtrain.core_mesh.config import Choice, ConfigError, structure
+from llmtrain.core_mesh.conformance import protocol_mismatches
+from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy
 from llmtrain.core_mesh.plugins import KINDS, PluginManager
 from llmtrain.parallel.options import ParallelOptions, Pipeline
 
@@ -45,9 +48,20 @@ def test_the_target_builds_a_default_strategy(plugins):
     from llmtrain.parallel.strategy import DefaultStrategy
 
     options = ParallelOptions(compile=True, pipeline=Pipeline(schedule="GPipe"))
-    strategy = plugins.registry("parallel").get("default").target(options)
+    strategy = plugins.build("parallel", Choice.of("parallel")("default", options))
     assert isinstance(strategy, DefaultStrategy)
     assert strategy.options is options
+    made_in_code = plugins.build("parallel", Choice.of("parallel")("default"))
+    assert made_in_code.options == ParallelOptions()
+
+
+def test_the_strategy_and_its_model_are_the_typed_seams():
+    """What train-loop calls (core-mesh's Protocols), with signatures that take those calls."""
+    from llmtrain.parallel.strategy import DefaultStrategy, Parallelized
+
+    assert protocol_mismatches(DefaultStrategy, ParallelStrategy) == []
+    assert protocol_mismatches(Parallelized, ParallelModel) == []
+    assert isinstance(DefaultStrategy(ParallelOptions()), ParallelStrategy)
 
 
 def test_a_config_chooses_it_by_kind(plugins):
