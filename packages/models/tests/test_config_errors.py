@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from llmtrain.core_mesh.config import Choice, ConfigError, ConfigValueError, structure
+from llmtrain.core_mesh.conformance import protocol_mismatches
+from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models.config import TransformerConfig
 from llmtrain.models.presets import PRESETS, preset_config
@@ -157,6 +159,14 @@ def test_llama_kind_with_override_structures(plugins):
 def test_transformer_kind_is_the_plain_defaults(plugins):
     cfg = structure({"model": {"kind": "transformer"}}, Schema, plugins=plugins)
     assert (cfg.model.options.d_model, cfg.model.options.n_layers) == (768, 12)
+
+
+def test_the_options_are_what_the_trainer_reads(plugins):
+    """core-mesh's ModelOptions: vocab_size, max_seq_len, doc_masking and training_only."""
+    assert protocol_mismatches(TransformerConfig, ModelOptions) == []
+    options = plugins.options_of("model", Choice.of("model")("tiny"))
+    assert isinstance(options, ModelOptions) and options == preset_config("tiny")
+    assert TransformerConfig.training_only <= {a.name for a in attrs.fields(TransformerConfig)}
 
 
 def test_bad_shape_under_a_kind_is_reported_at_its_path(plugins):
