@@ -15,6 +15,8 @@ from llmtrain_moe.model import MoE, MoETransformer, build_model
 from llmtrain_moe.options import PRESETS, MoEOptions, preset_options
 
 from llmtrain.core_mesh.config import Choice, ConfigError, structure
+from llmtrain.core_mesh.conformance import protocol_mismatches
+from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models.generate import generate
 
@@ -206,8 +208,15 @@ def test_plugin_entry_point_registers_the_presets_without_importing_torch():
     assert {"moe-tiny", "moe-small"} <= set(plugins.registry("model").names())
     entry = plugins.registry("model").get("moe-tiny")
     assert entry.origin.distribution == "llmtrain-moe" and entry.defaults == PRESETS["moe-tiny"]
-    model = entry.target(entry.options(**entry.defaults))
-    assert isinstance(model, MoETransformer)
+    model = plugins.build("model", Choice.of("model")("moe-tiny"))
+    assert isinstance(model, MoETransformer) and model.cfg == preset_options("moe-tiny")
+
+
+def test_the_options_are_what_the_trainer_reads():
+    """core-mesh's ModelOptions, and the MoE losses and kernels are training-only options."""
+    assert protocol_mismatches(MoEOptions, ModelOptions) == []
+    assert {"aux_loss_weight", "expert_matmul"} <= MoEOptions.training_only
+    assert MoEOptions.training_only <= {a.name for a in attrs.fields(MoEOptions)}
 
 
 @attrs.frozen
