@@ -256,6 +256,8 @@ class RunConfig:
     profile: ProfileConfig | None = None
     debug: DebugConfig = attrs.Factory(DebugConfig)
     init: InitConfig | None = None
+    # plugin callbacks, called after the built-in ones in this order (train-loop README)
+    callbacks: list[Choice.of("callback")] = attrs.Factory(list)  # type: ignore[valid-type]
 
 
 def resolved(config: RunConfig, plugins: Any) -> RunConfig:
@@ -263,11 +265,9 @@ def resolved(config: RunConfig, plugins: Any) -> RunConfig:
     written config reads back to the same run even if a default changes later."""
 
     def fill(kind: str, choice: Any) -> Any:
-        if choice is None or choice.options is not None:
-            return choice
-        entry = plugins.registry(kind).get(choice.kind)
-        options = entry.options(**entry.defaults) if entry.options is not None else None
-        return attrs.evolve(choice, options=options)
+        if choice is None:
+            return None
+        return attrs.evolve(choice, options=plugins.options_of(kind, choice))
 
     return attrs.evolve(
         config,
@@ -276,4 +276,5 @@ def resolved(config: RunConfig, plugins: Any) -> RunConfig:
         lr_scheduler=fill("lr_scheduler", config.lr_scheduler),
         parallel=fill("parallel", config.parallel),
         loggers=[fill("logger", choice) for choice in config.loggers],
+        callbacks=[fill("callback", choice) for choice in config.callbacks],
     )

@@ -1,16 +1,15 @@
 """The Trainer: one run config, any scale. `__init__` reads top to bottom as the recipe:
 
 world and layout (checked before any process group) → data → process group, logs, seeds → model
-on the meta device → parallelize → initialise weights → optimizers and lr schedule → checkpoint
-resume → loggers. `train()` is the loop; `train_step()` is one optimizer step.
+on the meta device → parallelize → initialise weights → optimizers and lr schedule → callbacks →
+checkpoint resume → loggers. `train()` is the loop; `train_step()` is one optimizer step.
+Everything around the step that a run may or may not want (watchdog, profiler, throughput,
+stragglers, summary.json, plugins' callbacks) happens in callbacks (`callbacks.py`).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import queue
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,15 +36,14 @@ from llmtrain.core_mesh.world import (
 )
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.sampling import BatchPlan
-from llmtrain.train_loop import observe, warm_start
+from llmtrain.train_loop import callbacks, observe, warm_start
+from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
+from llmtrain.train_loop.prefetch import Prefetcher
 from llmtrain.train_loop.run_config import RunConfig, resolved
 from llmtrain.train_loop.schedules import WarmupOptions, constant
 
 log = structlog.get_logger("llmtrain.train")
-
-# dense bf16 peak of the GPUs we know, for MFU (override with training.peak_tflops)
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
 
 
 class NonFiniteError(UserError):
@@ -71,41 +69,6 @@ def model_info(plugins: PluginManager, choice: Any) -> dict[str, Any]:
     return {"kind": choice.kind, **(unstructure(options) if options is not None else {})}
 
 
-class Prefetcher:
-    """Reads the next step's batch in a background thread while this one computes."""
-
-    def __init__(self, dataset: Any, plan: BatchPlan, start_step: int, depth: int = 2):
-        self.dataset, self.plan = dataset, plan
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(start_step,), daemon=True)
-        self.thread.start()
-
-    def _run(self, step: int) -> None:
-        while not self.stop.is_set():
-            try:
-                item = (step, self.dataset.read(np.concatenate(self.plan.step(step))))
-            except Exception as exc:  # noqa: BLE001 - re-raised in the training thread
-                item = (step, exc)
-            while not self.stop.is_set():
-                try:
-                    self.queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            step += 1
-
-    def next(self) -> tuple[int, dict[str, np.ndarray]]:
-        step, batch = self.queue.get()
-        if isinstance(batch, BaseException):
-            raise batch
-        return step, batch
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(timeout=5)
-
-
 class Trainer:
     def __init__(
         self,
@@ -124,9 +87,9 @@ class Trainer:
         self.device_type = default_device_type() if c.device == "auto" else c.device
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
-        self.model_options = options_of(plugins, "model", c.model)
+        self.model_options = plugins.options_of("model", c.model)
         with torch.device("meta"):
-            meta_model = build(plugins, "model", c.model)
+            meta_model = plugins.build("model", c.model)
         self.description = meta_model.describe()
         max_len = getattr(self.model_options, "max_seq_len", None)
         if max_len is not None and c.data.seq_len > max_len:
@@ -134,7 +97,7 @@ class Trainer:
                 f"data.seq_len={c.data.seq_len} is longer than the model's max_seq_len "
                 f"({max_len}); raise model.max_seq_len or shorten data.seq_len"
             )
-        self.strategy = build(plugins, "parallel", c.parallel)
+        self.strategy = plugins.build("parallel", c.parallel)
         dp = c.mesh.resolve(self.world.world_size).dp
         try:
             self.global_batch, self.accum = c.data.batch_sizes(dp)
@@ -211,6 +174,13 @@ class Trainer:
                 message=f"{self.total_steps} steps read {epochs:.2f} epochs of the training data "
                 f"({len(self.train_data)} windows); samples repeat in a new order each epoch",
             )
+        if self.chat is not None and not self.doc_masking and self.world.is_main:
+            log.warning(
+                "data.chat_without_doc_masking",
+                message="the training data is chat conversations, packed several to a "
+                "window, and model.doc_masking is off: each conversation attends to the ones "
+                "before it in its window; set model.doc_masking: true to keep them apart",
+            )
         self._deterministic_before = observe.seed_everything(c.seed, c.debug)
         observe.start_memory_history(self.device, c.debug)
 
@@ -226,19 +196,19 @@ class Trainer:
 
         # optimizers (one list per model part) and the lr schedule, a pure function of the step
         self.optimizers = [
-            build(plugins, "optimizer", c.optimizer, part) for part in self.model.parts
+            plugins.build("optimizer", c.optimizer, part) for part in self.model.parts
         ]
         for opt in self._all_optimizers():
             for group in opt.param_groups:
                 group.setdefault("base_lr", group["lr"])
         schedule = c.lr_scheduler or None
         self.lr_factor = (
-            build(plugins, "lr_scheduler", schedule, self.total_steps)
+            plugins.build("lr_scheduler", schedule, self.total_steps)
             if schedule is not None
             else constant(WarmupOptions(), self.total_steps)
         )
 
-        # this rank's data order; checkpoint resume
+        # this rank's data order; callbacks (their state rides with checkpoints); resume
         self.plan = BatchPlan(self.global_batch, self.model.data_world, self.model.data_rank)
         self.counters = Values(step=0, tokens=0, skipped=0, consumed=0, elapsed_s=0.0)
         self.checkpoints = Checkpointer(
@@ -261,6 +231,12 @@ class Trainer:
                 "chat": self.chat,
             },
         }
+        self.data_wait_s = self.sync_wait_s = 0.0  # seconds waited, for the throughput callback
+        self.last_local_loss: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stop_reason: str | None = None
+        self.callbacks = callbacks.Callbacks(
+            [*builtin_callbacks(self), *callbacks.configured(c.callbacks, plugins)]
+        )
         self._resume(c.checkpoint.resume == "auto" if resume is None else resume)
         # init.from when there was nothing to resume (weights only); the provenance either way
         init = warm_start.start(c.init, self.model, self.checkpoints, self.info, plugins)
@@ -282,16 +258,7 @@ class Trainer:
                 start_step=self.step,
                 config=unstructure(c, converter=make_converter(plugins)),
             )
-            self.sinks = [build(plugins, "logger", choice, run) for choice in c.loggers]
-        self.flops_per_token = self.description.flops_per_token(c.data.seq_len)
-        self.peak_flops = self._peak_flops()
-        self.sync_wait = 0.0
-        self.clock = None
-        if self.world.world_size > 1:
-            self.clock = observe.CollectiveClock()
-            self.clock.install()
-        self.profiler = observe.StepProfiler(c.profile, self.run_dir, self.world.rank, self.device)
-        self.watchdog = observe.Watchdog(c.debug.watchdog, self.run_dir / "logs", self.world.rank)
+            self.sinks = [plugins.build("logger", choice, run) for choice in c.loggers]
 
     # --- setup helpers ---
     def _open(self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None):
@@ -338,21 +305,13 @@ class Trainer:
                 "order would differ; keep the batch size to resume"
             )
         step = self.checkpoints.load(self.state, step=latest)
+        saved = self.checkpoints.info(step).get("info", {}).get("callbacks", {})
+        self.callbacks.load_state(saved, self.checkpoints.step_url(step))
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
+        self.callbacks.emit("on_load", self, step)
 
     def _initial_weights(self) -> dict[str, torch.Tensor]:
         return initial_model(self.plugins, self.config.model, self.config.seed).state_dict()
-
-    def _peak_flops(self) -> float | None:
-        if self.config.training.peak_tflops is not None:
-            return self.config.training.peak_tflops * 1e12
-        if self.device.type != "cuda":
-            return None
-        name = torch.cuda.get_device_name(self.device)
-        for key, tflops in PEAK_TFLOPS.items():
-            if key in name:
-                return tflops * 1e12
-        return None
 
     def _all_optimizers(self) -> Iterator[Any]:
         for opts in self.optimizers:
@@ -361,78 +320,84 @@ class Trainer:
     # --- the loop ---
     def train(self) -> int:
         """Run to the target; returns the last step. Saves on preemption (SIGTERM/SIGUSR1).
-        Rank 0 ends by writing `summary.json` (finished, stopped, failed or interrupted)."""
-        summary = self.run_dir / "summary.json"
-        if self.world.is_main:
-            summary.unlink(missing_ok=True)  # absent while running (or after a hard kill)
-            if self.chat is not None and not self.doc_masking:
-                log.warning(
-                    "data.chat_without_doc_masking",
-                    message="the training data is chat conversations, packed several to a "
-                    "window, and model.doc_masking is off: each conversation attends to the ones "
-                    "before it in its window; set model.doc_masking: true to keep them apart",
-                )
+        Callbacks hear every event; the summary one writes `summary.json` on rank 0."""
         try:
-            step = self._train()
+            self.callbacks.emit("on_run_start", self)
+            status = self._train()
         except torch.OutOfMemoryError as exc:
-            self._write_summary("failed", error=f"OutOfMemoryError: {exc}")
+            self.callbacks.emit_failure(self, exc)
             raise self._out_of_memory(exc) from None
         except BaseException as exc:
-            status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            self._write_summary(status, error=f"{type(exc).__name__}: {exc}")
+            self.callbacks.emit_failure(self, exc)
             raise
-        self._write_summary("finished" if step >= self.total_steps else "stopped")
-        return step
+        self.callbacks.emit("on_run_end", self, status)
+        return self.step
 
-    def _train(self) -> int:
-        c = self.config
+    def _train(self) -> str:
+        """Steps until the target (`finished`), a preemption signal or a callback's stop request
+        (`stopped`). The last step is saved, unless a callback stopped the run."""
         preemption = Preemption(device=self.device)
         data = Prefetcher(self.train_data, self.plan, self.step)
-        window = {"time": time.perf_counter(), "wait": 0.0, "tokens": 0, "steps": 0}
         started, elapsed = time.perf_counter(), float(self.counters["elapsed_s"])
         try:
             while self.step < self.total_steps:
-                self.watchdog.start("step", self.step + 1)
-                self.profiler.before_step(self.step + 1, self.total_steps)
-                waited = time.perf_counter()
-                data_step, batch = data.next()
-                window["wait"] += time.perf_counter() - waited
-                assert data_step == self.step, (data_step, self.step)
-                metrics = self.train_step(batch)
-                self.profiler.after_step()
-                self.watchdog.end()
-                window["tokens"] += self.global_batch * c.data.seq_len
-                window["steps"] += 1
-                if c.data.eval and self.step % c.data.eval.every == 0:
-                    self.watchdog.start("eval", self.step)
-                    metrics.update(self.evaluate())
-                    self.watchdog.end()
+                metrics = self._next_step(data)
                 self.counters["elapsed_s"] = elapsed + time.perf_counter() - started
-                log_now = self.step % c.training.log_every == 0 or self.step == self.total_steps
-                if log_now or "eval_loss" in metrics:
-                    self._log(metrics, window)
-                every = c.training.checkpoint_every
-                if every and self.step % every == 0:
-                    self.save()
+                self._log_and_save(metrics)
                 if preemption.should_stop():
-                    if self.saved_step != self.step:
-                        self.save(blocking=True)
-                    self.checkpoints.wait()
+                    self._save_last()
                     log.warning(
                         "run.preempted",
                         message=f"stopped by a signal after step {self.step}; the checkpoint is "
                         f"saved and `llmtrain run` with the same config resumes it",
                     )
-                    return self.step
-            if self.saved_step != self.step:
-                self.save(blocking=True)
-            return self.step
+                    return "stopped"
+                if self.stop_reason is not None:
+                    log.warning("run.stopped", step=self.step, message=self.stop_reason)
+                    return "stopped"
+            self._save_last()
+            return "finished"
         finally:
-            self.watchdog.end()
-            self.profiler.close()
             data.close()
             preemption.restore()
             self.checkpoints.close()
+
+    def _next_step(self, data: Prefetcher) -> dict[str, float]:
+        """One step with its batch, its callbacks and, when due, the evaluation."""
+        self.callbacks.emit("before_step", self, self.step + 1)
+        waited = time.perf_counter()
+        data_step, batch = data.next()
+        self.data_wait_s += time.perf_counter() - waited
+        assert data_step == self.step, (data_step, self.step)
+        metrics = self.train_step(batch)
+        self.callbacks.emit("after_step", self, self.step, metrics)
+        evaluation = self.config.data.eval
+        if evaluation and self.step % evaluation.every == 0:
+            self.callbacks.emit("before_eval", self, self.step)
+            metrics.update(self.evaluate())
+            self.callbacks.emit("after_eval", self, self.step, metrics)
+        return metrics
+
+    def _log_and_save(self, metrics: dict[str, float]) -> None:
+        training = self.config.training
+        if (
+            self.step % training.log_every == 0
+            or self.step == self.total_steps
+            or "eval_loss" in metrics
+        ):
+            self._log(metrics)
+        if training.checkpoint_every and self.step % training.checkpoint_every == 0:
+            self.save()
+
+    def _save_last(self) -> None:
+        if self.saved_step != self.step:
+            self.save(blocking=True)
+        self.checkpoints.wait()
+
+    def request_stop(self, reason: str) -> None:
+        """End the run after this step without saving it (a callback's call: the steps since
+        the last checkpoint are not kept). `summary.json` says `stopped`."""
+        self.stop_reason = reason
 
     def _out_of_memory(self, exc: BaseException) -> UserError:
         where = ""
@@ -453,33 +418,15 @@ class Trainer:
             "(mesh.dp_shard, tp), and compare with `llmtrain estimate`"
         )
 
-    def _write_summary(self, status: str, error: str | None = None) -> None:
-        """`summary.json` beside the metrics: how the run ended (sweeps skip finished runs)."""
-        if not self.world.is_main:
-            return
-        step = int(self.counters["step"])  # applied steps (a rejected non-finite one is not)
-        summary = {
-            "status": status,
-            "step": step,
-            "total_steps": self.total_steps,
-            "tokens": step * self.global_batch * self.config.data.seq_len,
-            "wall_time_s": round(float(self.counters["elapsed_s"]), 3),
-            "world_size": self.world.world_size,
-            "error": error,
-        }
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        tmp.replace(self.run_dir / "summary.json")
-
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step over this rank's share of the global batch."""
         c = self.config
         inputs, targets, doc_starts = self._to_device(batch)
         # the first collective of the step: ranks that got here early wait for the slowest
         waited = time.perf_counter()
-        count = self.model.sum_over_data((targets != IGNORE).sum().float()).item()
-        self.sync_wait += time.perf_counter() - waited
+        local_count = (targets != IGNORE).sum().float()
+        count = self.model.sum_over_data(local_count.clone()).item()
+        self.sync_wait_s += time.perf_counter() - waited
         lr_factor = self.lr_factor(self.step)
         for opt in self._all_optimizers():
             for group in opt.param_groups:
@@ -489,6 +436,7 @@ class Trainer:
         local = self.model.forward_backward(
             inputs, targets, self.loss_fn, scale=1.0 / count, doc_starts=doc_starts
         )
+        self.last_local_loss = (local.detach(), local_count)
         loss = (self.model.sum_over_data(local) / count).item()
         grad_norm = self.model.clip_grad_norm_(c.training.max_grad_norm)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -577,49 +525,24 @@ class Trainer:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
     def save(self, *, blocking: bool | None = None) -> None:
-        """Save this step (in the background when checkpoint.async_save; `blocking` overrides)."""
-        self.watchdog.start("save", self.step)
-        self.checkpoints.save(self.step, self.state, info=self.info, blocking=blocking)
-        self.watchdog.end()
+        """Save this step (in the background when checkpoint.async_save; `blocking` overrides),
+        with the callbacks' state."""
+        self.callbacks.emit("before_save", self, self.step)
+        info = {**self.info, "callbacks": self.callbacks.state()}
+        self.checkpoints.save(self.step, self.state, info=info, blocking=blocking)
+        self.callbacks.emit("after_save", self, self.step)
         self.saved_step = self.step
 
-    def _log(self, metrics: dict[str, float], window: dict[str, float]) -> None:
-        now = time.perf_counter()
-        elapsed = max(now - window["time"], 1e-9)
-        tokens_per_s = window["tokens"] / elapsed
-        metrics = {
-            **metrics,
-            "tokens": self.step * self.global_batch * self.config.data.seq_len,
-            "tokens_per_s": tokens_per_s,
-            "step_time_s": elapsed / max(window["steps"], 1),
-            "data_wait": window["wait"] / elapsed,
-            "sync_wait": self.sync_wait / elapsed,
-            **observe.memory_mib(self.device),
-        }
-        self.sync_wait = 0.0
-        if self.peak_flops:
-            world = self.world.world_size
-            metrics["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_flops * world)
-        # this rank's own numbers go to its JSON log; the metrics get the worst rank's
-        mine = dict(metrics)
-        if self.clock is not None:
-            ranks = self.clock.gather(
-                [metrics[k] for k in ("data_wait", "sync_wait", "peak_memory_mib")], self.device
-            )
-            lag = observe.arrival_lag(ranks)
-            if lag is not None:
-                # the share of the window the others spent waiting for this rank to arrive
-                mine["arrival_lag"] = lag[self.world.rank] / elapsed
-                slowest = max(range(len(ranks)), key=lambda r: lag[r])
-            else:  # different collectives per rank (pipeline stages): the one that waits least
-                slowest = min(range(len(ranks)), key=lambda r: ranks[r][1])
-            metrics["slowest_rank"] = slowest
-            metrics["data_wait_max"] = max(r[0] for r in ranks)
-            metrics["peak_memory_mib"] = max(r[2] for r in ranks)
-        log.debug("step", step=self.step, **{k: round(v, 6) for k, v in mine.items()})
+    def _log(self, metrics: dict[str, float]) -> None:
+        """A logged step: callbacks add to the record, then this rank's JSON log line (its own
+        values where they differ) and the loggers (rank 0) get it."""
+        metrics["tokens"] = self.counters["tokens"]
+        rank_metrics: dict[str, float] = {}
+        self.callbacks.emit("on_log", self, self.step, metrics, rank_metrics)
+        line = {**metrics, **rank_metrics}
+        log.debug("step", step=self.step, **{k: round(v, 6) for k, v in line.items()})
         for sink in self.sinks:
             sink.log(self.step, metrics)
-        window.update(time=now, wait=0.0, tokens=0, steps=0)
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -627,9 +550,6 @@ class Trainer:
                 sink.close()
             except Exception as exc:  # noqa: BLE001 - a plugin's failure, reported
                 log.warning("logger.close_failed", logger=type(sink).__name__, error=repr(exc))
-        self.watchdog.close()
-        if getattr(self, "clock", None) is not None:
-            self.clock.remove()
         observe.restore_determinism(self._deterministic_before)
         shutdown_distributed()
 
@@ -662,7 +582,7 @@ def initial_model(plugins: PluginManager, choice: Any, seed: int) -> torch.nn.Mo
     """The whole model initialised on CPU from the run seed: the same on every process (the
     weights a run with `training.init: full` starts from)."""
     with torch.device("meta"):
-        full = build(plugins, "model", choice)
+        full = plugins.build("model", choice)
     full.to_empty(device="cpu")
     torch.manual_seed(seed)
     _init_weights(full)

@@ -1,0 +1,233 @@
+"""The callbacks every run has, set by the config sections they always had (`debug.watchdog`,
+`profile`, ...), in the order they run: summary, watchdog, profiler, throughput, stragglers.
+
+They wrap the tools of `observe.py`; the loop itself knows none of them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.train_loop import observe
+from llmtrain.train_loop.callbacks import Named
+
+# dense bf16 peak of the GPUs we know, for MFU (override with training.peak_tflops)
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
+ORIGIN = "llmtrain-train-loop (built in)"
+
+
+def builtin_callbacks(run: Any) -> list[Named]:
+    callbacks = [
+        ("summary", Summary()),
+        ("watchdog", WatchdogCallback()),
+        ("profiler", ProfilerCallback()),
+        ("throughput", Throughput(run)),
+    ]
+    if run.world.world_size > 1:
+        callbacks.append(("stragglers", Stragglers()))
+    return [Named(key, callback, ORIGIN) for key, callback in callbacks]
+
+
+class Summary(Callback):
+    """`summary.json` beside the metrics, written by rank 0 when the run ends (finished,
+    stopped, failed or interrupted); absent while the run runs (sweeps skip finished runs)."""
+
+    def on_run_start(self, run: Any) -> None:
+        if run.world.is_main:
+            (run.run_dir / "summary.json").unlink(missing_ok=True)
+
+    def on_run_end(self, run: Any, status: str) -> None:
+        self._write(run, status)
+
+    def on_failure(self, run: Any, error: BaseException) -> None:
+        status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+        self._write(run, status, error=f"{type(error).__name__}: {error}")
+
+    def _write(self, run: Any, status: str, error: str | None = None) -> None:
+        if not run.world.is_main:
+            return
+        step = int(run.counters["step"])  # applied steps (a rejected non-finite one is not)
+        summary = {
+            "status": status,
+            "step": step,
+            "total_steps": run.total_steps,
+            "tokens": step * run.global_batch * run.config.data.seq_len,
+            "wall_time_s": round(float(run.counters["elapsed_s"]), 3),
+            "world_size": run.world.world_size,
+            "error": error,
+        }
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        tmp = run.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        tmp.replace(run.run_dir / "summary.json")
+
+
+class WatchdogCallback(Callback):
+    """The hang watchdog (`debug.watchdog`) times each step, evaluation and save."""
+
+    watchdog: observe.Watchdog | None = None
+
+    def on_run_start(self, run: Any) -> None:
+        self.watchdog = observe.Watchdog(
+            run.config.debug.watchdog, run.run_dir / "logs", run.world.rank
+        )
+
+    def before_step(self, run: Any, step: int) -> None:
+        self.watchdog.start("step", step)
+
+    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        self.watchdog.end()
+
+    def before_eval(self, run: Any, step: int) -> None:
+        self.watchdog.start("eval", step)
+
+    def after_eval(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        self.watchdog.end()
+
+    def before_save(self, run: Any, step: int) -> None:
+        if self.watchdog is not None:  # the save of a run that never started its loop
+            self.watchdog.start("save", step)
+
+    def after_save(self, run: Any, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.end()
+
+    def on_run_end(self, run: Any, status: str) -> None:
+        self._close()
+
+    def on_failure(self, run: Any, error: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.end()
+            self.watchdog.close()
+            self.watchdog = None
+
+
+class ProfilerCallback(Callback):
+    """torch.profiler windows (`profile:`), one trace per rank and window."""
+
+    profiler: observe.StepProfiler | None = None
+
+    def on_run_start(self, run: Any) -> None:
+        self.profiler = observe.StepProfiler(
+            run.config.profile, run.run_dir, run.world.rank, run.device
+        )
+
+    def before_step(self, run: Any, step: int) -> None:
+        self.profiler.before_step(step, run.total_steps)
+
+    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        self.profiler.after_step()
+
+    def on_run_end(self, run: Any, status: str) -> None:
+        self._close()
+
+    def on_failure(self, run: Any, error: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
+
+
+class Throughput(Callback):
+    """Per logging window: tokens/s, step time, the shares of time spent waiting for data and
+    at the step's first collective, memory, and MFU where the peak FLOP rate is known."""
+
+    def __init__(self, run: Any):
+        self.tokens_per_step = run.global_batch * run.config.data.seq_len
+        self.flops_per_token = run.description.flops_per_token(run.config.data.seq_len)
+        self.peak_flops = peak_flops(run.config.training.peak_tflops, run.device)
+        self.world_size = run.world.world_size
+
+    def on_run_start(self, run: Any) -> None:
+        self._new_window(run, time.perf_counter())
+
+    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+        self.steps += 1
+
+    def on_log(
+        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+    ) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        tokens_per_s = self.steps * self.tokens_per_step / elapsed
+        metrics.update(
+            tokens_per_s=tokens_per_s,
+            step_time_s=elapsed / max(self.steps, 1),
+            data_wait=(run.data_wait_s - self.data_wait_s) / elapsed,
+            sync_wait=(run.sync_wait_s - self.sync_wait_s) / elapsed,
+            **observe.memory_mib(run.device),
+        )
+        if self.peak_flops:
+            metrics["mfu"] = (
+                tokens_per_s * self.flops_per_token / (self.peak_flops * self.world_size)
+            )
+        self._new_window(run, now)
+
+    def _new_window(self, run: Any, now: float) -> None:
+        self.started, self.steps = now, 0
+        self.data_wait_s, self.sync_wait_s = run.data_wait_s, run.sync_wait_s
+
+
+def peak_flops(peak_tflops: float | None, device: torch.device) -> float | None:
+    """The device's dense bf16 FLOP/s: `training.peak_tflops`, or known from the GPU's name."""
+    if peak_tflops is not None:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+class Stragglers(Callback):
+    """With several ranks: at each logged step the run's metrics get the worst rank's data
+    wait (`data_wait_max`) and peak memory, and `slowest_rank`; each rank's own log line gets
+    its `arrival_lag` (the share of the window the others waited for it at collectives)."""
+
+    clock: observe.CollectiveClock | None = None
+
+    def on_run_start(self, run: Any) -> None:
+        self.clock = observe.CollectiveClock()
+        self.clock.install()
+        self.started = time.perf_counter()
+
+    def on_log(
+        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+    ) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - self.started, 1e-9)
+        self.started = now
+        keys = ("data_wait", "sync_wait", "peak_memory_mib")
+        ranks = self.clock.gather([metrics[k] for k in keys], run.device)
+        lag = observe.arrival_lag(ranks)
+        if lag is not None:
+            rank_metrics["arrival_lag"] = lag[run.world.rank] / elapsed
+            slowest = max(range(len(ranks)), key=lambda r: lag[r])
+        else:  # different collectives per rank (pipeline stages): the one that waits least
+            slowest = min(range(len(ranks)), key=lambda r: ranks[r][1])
+        rank_metrics["peak_memory_mib"] = metrics["peak_memory_mib"]
+        metrics["slowest_rank"] = slowest
+        metrics["data_wait_max"] = max(r[0] for r in ranks)
+        metrics["peak_memory_mib"] = max(r[2] for r in ranks)
+
+    def on_run_end(self, run: Any, status: str) -> None:
+        self._remove()
+
+    def on_failure(self, run: Any, error: BaseException) -> None:
+        self._remove()
+
+    def _remove(self) -> None:
+        if self.clock is not None:
+            self.clock.remove()
+            self.clock = None

@@ -1,0 +1,143 @@
+"""The callbacks of one run, in their order, and how the loop calls them.
+
+Order (the same for every event): the built-in callbacks (`builtin_callbacks.py`: summary,
+watchdog, profiler, throughput, stragglers), then the run config's `callbacks:` list as written.
+A callback sees what the ones before it added to a metrics dict.
+
+Only the events a callback's class overrides are called, so an idle callback costs nothing per
+step. A callback that raises stops the run with a `CallbackError` naming it and its plugin
+package (the traceback goes to the rank's JSON log); during `on_failure` an exception is logged
+and the run's own error goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import structlog
+
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import CALLBACK_EVENTS, Callback
+from llmtrain.core_mesh.plugins import PluginManager
+
+log = structlog.get_logger("llmtrain.callbacks")
+
+
+class CallbackError(UserError):
+    pass
+
+
+@attrs.frozen
+class Named:
+    """A callback with the name its state is saved under and where it comes from."""
+
+    key: str  # `loss_spike`, or `loss_spike#2` for the second of one kind
+    callback: Any
+    origin: str  # `plugin 'moe' (llmtrain-moe 0.3.0)`, for errors
+
+
+def overrides(callback: Any, event: str) -> bool:
+    """Whether `callback` does something at `event` (not the base class's no-op)."""
+    method = getattr(type(callback), event, None)
+    return method is not None and method is not getattr(Callback, event)
+
+
+class Callbacks:
+    """Calls each event on the callbacks that implement it, in order."""
+
+    def __init__(self, named: Iterable[Named]):
+        self.named = list(named)
+        self._by_event = {
+            event: [n for n in self.named if overrides(n.callback, event)]
+            for event in CALLBACK_EVENTS
+        }
+
+    def emit(self, event: str, *args: Any) -> None:
+        for named in self._by_event[event]:
+            try:
+                getattr(named.callback, event)(*args)
+            except Exception as exc:
+                log.error("callback.failed", callback=named.key, at=event, exc_info=True)
+                raise CallbackError(
+                    f"callback {named.key!r} of {named.origin} failed in {event}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+
+    def emit_failure(self, run: Any, error: BaseException) -> None:
+        """`on_failure` on every callback; one that raises is logged, not raised."""
+        for named in self._by_event["on_failure"]:
+            try:
+                named.callback.on_failure(run, error)
+            except Exception as exc:  # noqa: BLE001 - the run's own error matters more
+                log.error(
+                    "callback.failed",
+                    callback=named.key,
+                    at="on_failure",
+                    message=f"callback {named.key!r} of {named.origin} failed in on_failure: "
+                    f"{type(exc).__name__}: {exc}",
+                    exc_info=True,
+                )
+
+    # --- state carried by checkpoints ---
+    def state(self) -> dict[str, Any]:
+        """Each stateful callback's `state_dict()`, as JSON-safe plain data (a copy)."""
+        states = {}
+        for named in self.named:
+            if not callable(getattr(named.callback, "state_dict", None)):
+                continue
+            try:
+                states[named.key] = json.loads(json.dumps(named.callback.state_dict()))
+            except Exception as exc:
+                raise CallbackError(
+                    f"callback {named.key!r} of {named.origin}: state_dict() must return plain "
+                    f"data (numbers, strings, lists, dicts): {type(exc).__name__}: {exc}"
+                ) from exc
+        return states
+
+    def load_state(self, states: Mapping[str, Any], where: str) -> None:
+        """Give each stateful callback its saved state; one the checkpoint lacks starts fresh."""
+        for named in self.named:
+            if not callable(getattr(named.callback, "load_state_dict", None)):
+                continue
+            if named.key not in states:
+                log.info("callback.fresh_state", callback=named.key, checkpoint=where)
+                continue
+            try:
+                named.callback.load_state_dict(copy.deepcopy(states[named.key]))
+            except Exception as exc:
+                raise CallbackError(
+                    f"callback {named.key!r} of {named.origin} could not load its state from "
+                    f"{where}: {type(exc).__name__}: {exc}"
+                ) from exc
+
+
+def configured(choices: Iterable[Any], plugins: PluginManager) -> list[Named]:
+    """The run config's `callbacks:` entries, built by their plugins, in order."""
+    named: list[Named] = []
+    seen: dict[str, int] = {}
+    for index, choice in enumerate(choices):
+        entry = plugins.registry("callback").get(choice.kind)
+        origin = entry.origin.describe()
+        try:
+            callback = plugins.build("callback", choice)
+        except UserError:
+            raise
+        except Exception as exc:
+            raise CallbackError(
+                f"callbacks[{index}]: callback {choice.kind!r} of {origin} failed to build: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if not any(overrides(callback, event) for event in CALLBACK_EVENTS):
+            raise CallbackError(
+                f"callbacks[{index}]: callback {choice.kind!r} of {origin} built a "
+                f"{type(callback).__name__}, which has no callback event method; subclass "
+                "llmtrain.core_mesh.interfaces.Callback"
+            )
+        seen[choice.kind] = seen.get(choice.kind, 0) + 1
+        key = choice.kind if seen[choice.kind] == 1 else f"{choice.kind}#{seen[choice.kind]}"
+        named.append(Named(key, callback, origin))
+    return named

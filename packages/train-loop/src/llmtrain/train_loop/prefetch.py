@@ -1,0 +1,46 @@
+"""Reading the next step's batch while this one computes."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import numpy as np
+
+from llmtrain.data_pack.sampling import BatchPlan
+
+
+class Prefetcher:
+    """Reads the next step's batch in a background thread while this one computes."""
+
+    def __init__(self, dataset: Any, plan: BatchPlan, start_step: int, depth: int = 2):
+        self.dataset, self.plan = dataset, plan
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(start_step,), daemon=True)
+        self.thread.start()
+
+    def _run(self, step: int) -> None:
+        while not self.stop.is_set():
+            try:
+                item = (step, self.dataset.read(np.concatenate(self.plan.step(step))))
+            except Exception as exc:  # noqa: BLE001 - re-raised in the training thread
+                item = (step, exc)
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            step += 1
+
+    def next(self) -> tuple[int, dict[str, np.ndarray]]:
+        step, batch = self.queue.get()
+        if isinstance(batch, BaseException):
+            raise batch
+        return step, batch
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=5)
