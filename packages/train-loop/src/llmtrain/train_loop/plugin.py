@@ -1,6 +1,6 @@
 """train-loop's plugin (entry point `train_loop`): the run-level commands (`run`, `eval`,
-`generate`, `quickstart`, `config`, `sweep`, `estimate`), the optimizers, lr schedules and
-loggers. Loading it imports no torch. The commands that read runs back (`compare`, `plot`,
+`generate`, `quickstart`, `config`, `sweep`, `estimate`), the optimizers, lr schedules,
+loggers and the `loss_spike` callback. Loading it imports no torch. The commands that read runs back (`compare`, `plot`,
 `profile`, `ranks`) are llmtrain-ablate's."""
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
-from llmtrain.train_loop import commands, estimate, loggers, optim, quickstart, schedules, sweep
+from llmtrain.train_loop import (
+    commands,
+    estimate,
+    loggers,
+    loss_spike,
+    optim,
+    quickstart,
+    schedules,
+    sweep,
+)
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
 
@@ -148,3 +157,8 @@ def llmtrain_lr_schedulers(register):
 def llmtrain_loggers(register):
     register("console", loggers.ConsoleSink, options=loggers.ConsoleOptions, help="progress line")
     register("jsonl", loggers.JsonlSink, options=loggers.JsonlOptions, help="metrics.jsonl")
+
+
+@hookimpl
+def llmtrain_callbacks(register):
+    loss_spike.register_callbacks(register)
