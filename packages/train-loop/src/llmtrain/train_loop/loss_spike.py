@@ -20,6 +20,7 @@ import structlog
 
 from llmtrain.core_mesh.config import ConfigValueError
 from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.train_loop.run_config import _positive
 
 log = structlog.get_logger("llmtrain.train")
 
@@ -27,11 +28,6 @@ log = structlog.get_logger("llmtrain.train")
 def _above_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
     if value <= 1:
         raise ValueError(f"must be more than 1, got {value}")
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 1:
-        raise ValueError(f"must be at least 1, got {value}")
 
 
 @attrs.frozen(kw_only=True)
