@@ -1,4 +1,5 @@
-"""The MoE decoder's options and presets: plain attrs (no torch), checked before any allocation.
+"""The MoE decoder's options and presets, and the router statistics callback's options: plain
+attrs (no torch), checked before any allocation.
 
 `MoEOptions` is llmtrain-models' `TransformerConfig` (every decoder option, same names and
 checks) plus the Mixture-of-Experts options. The MLP options describe one expert: `mlp` is the
@@ -100,3 +101,13 @@ def preset_options(name: str, **overrides: Any) -> MoEOptions:
     if name not in PRESETS:
         raise KeyError(f"unknown MoE preset {name!r}; presets: {', '.join(PRESETS)}")
     return MoEOptions(**{**PRESETS[name], **overrides})
+
+
+@attrs.frozen(kw_only=True)
+class RouterStatsOptions:
+    """The `moe_router_stats` callback: router statistics on the logged steps that are
+    multiples of `every` (null: every logged step)."""
+
+    every: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least_one)
+    )
