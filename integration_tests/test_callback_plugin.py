@@ -10,6 +10,7 @@ import signal
 import sys
 import sysconfig
 import textwrap
+from pathlib import Path
 
 import pytest
 import train_support as ts
@@ -155,9 +156,9 @@ def test_a_bad_callback_option_is_a_config_error(python, data, tmp_path):
     path = write(data, tmp_path, decay="high")
     proc = ts.run(llmtrain(python, "run", path), timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr
-    assert "callbacks" in proc.stderr and "decay" in proc.stderr and "expected float" in (
-        proc.stderr
-    ), proc.stderr
+    line = Path(path).read_text().splitlines().index("  decay: high") + 1
+    want = f"run.yaml:{line}: callbacks[0].decay: expected float, got str 'high'"
+    assert want in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
 
 

@@ -216,7 +216,7 @@ def test_document_masking_keeps_conversations_apart(chat, trained):
     """In a window of several conversations, each one's logits equal those of the conversation
     alone; without document masking the later ones see the earlier ones."""
     from llmtrain.data_pack.loader import open_windows
-    from llmtrain.train_loop.commands import load_model
+    from llmtrain.train_loop.saved_model import load_model
 
     _, paths = chat
     model, _, _ = load_model(str(trained["run_dir"] / "checkpoints"), None, _plugins())

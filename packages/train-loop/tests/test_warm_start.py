@@ -13,7 +13,7 @@ from llmtrain.core_mesh.interfaces import WeightFormat
 from llmtrain.core_mesh.plugins import PluginManager, hookimpl
 from llmtrain.train_loop import warm_start
 from llmtrain.train_loop.run_config import InitConfig
-from llmtrain.train_loop.trainer import model_info
+from llmtrain.train_loop.saved_model import model_info
 
 TINY = {"kind": "tiny", "vocab_size": 300, "pad_vocab_to": 64, "d_model": 32}
 

@@ -16,7 +16,7 @@ from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import build_model
-from llmtrain.train_loop.commands import load_model
+from llmtrain.train_loop.saved_model import load_model
 
 
 def hf_logits(model, tokens):

@@ -15,8 +15,8 @@ from llmtrain_hf.convert import from_hf_state_dict, options_from_hf
 
 from llmtrain.checkpoint.export import load_model_weights
 from llmtrain.data_pack.pack import pack
-from llmtrain.train_loop.commands import load_model
 from llmtrain.train_loop.quickstart import write_corpus
+from llmtrain.train_loop.saved_model import load_model
 
 # the run's model section for each directory: presets plus what the directory's config says
 # (GPT-2 with dropout: an option that only shapes training may differ)

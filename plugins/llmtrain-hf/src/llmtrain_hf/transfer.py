@@ -80,7 +80,7 @@ def export_checkpoint(
 
     `tokenizer` is a tokenizer.json to use instead of the recorded path (it must be the same
     tokenizer); `with_tokenizer=False` writes the model only."""
-    from llmtrain.train_loop.commands import load_model
+    from llmtrain.train_loop.saved_model import load_model
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")

@@ -522,10 +522,6 @@ def tokenizer_choice(text: str, plugins: PluginManager, extra: Sequence[str] = (
     return structure(raw, TokenizerChoice, plugins=plugins, source="--tokenizer")
 
 
-def build_tokenizer(choice: Choice, plugins: PluginManager):
-    return plugins.registry("tokenizer").get(choice.kind).target(choice.options)
-
-
 def choice_to_raw(choice: Choice, plugins: PluginManager) -> dict[str, Any]:
     """Plain data for a tokenizer choice (stored in dataset metadata, sent to worker processes)."""
     return unstructure(choice, converter=make_converter(plugins))
@@ -534,7 +530,7 @@ def choice_to_raw(choice: Choice, plugins: PluginManager) -> dict[str, Any]:
 def tokenizer_from_raw(raw: dict[str, Any], plugins: PluginManager | None = None):
     if plugins is None:
         plugins = PluginManager().load_entry_points()
-    return build_tokenizer(structure(raw, TokenizerChoice, plugins=plugins), plugins)
+    return plugins.build("tokenizer", structure(raw, TokenizerChoice, plugins=plugins))
 
 
 # -- training --------------------------------------------------------------------------------------

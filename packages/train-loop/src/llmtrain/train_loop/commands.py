@@ -8,10 +8,11 @@ import sys
 from typing import Any
 
 from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.config import load_config, structure
+from llmtrain.core_mesh.config import load_config
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.train_loop.run_config import RunConfig
+from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
 
 
 # --- llmtrain run ---
@@ -47,43 +48,6 @@ def run_run(args: argparse.Namespace, ctx: Context) -> int:
     if trainer.world.is_main:
         print(f"{config.name}: {step} steps; run directory {trainer.run_dir}", file=sys.stderr)
     return 0
-
-
-# --- shared: a model from a checkpoint ---
-def load_model(checkpoint: str, step: int | None, plugins: PluginManager) -> tuple[Any, dict, int]:
-    """The whole model (one process, CPU) with the weights of a committed checkpoint."""
-    import torch
-
-    from llmtrain.checkpoint.export import load_model_weights
-    from llmtrain.core_mesh.config import Choice
-
-    weights, record, step = load_model_weights(checkpoint, step=step)
-    info = record.get("info", {})
-    if "model" not in info:
-        raise UserError(f"{checkpoint}: the checkpoint does not say which model it holds")
-    raw = dict(info["model"])
-    choice = structure(raw, Choice.of("model"), plugins=plugins, source=f"{checkpoint} (model)")
-    model = plugins.registry("model").get(choice.kind).target(choice.options)
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith(("rope_cos", "rope_sin"))]
-    if missing or unexpected:
-        raise UserError(
-            f"{checkpoint} step {step} does not fit its model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    model.to(torch.float32).eval()
-    return model, info, step
-
-
-def tokenizer_of(info: dict, given: str | None, plugins: PluginManager):
-    from llmtrain.data_pack.tokenizer import build_tokenizer, tokenizer_choice, tokenizer_from_raw
-
-    if given:
-        return build_tokenizer(tokenizer_choice(given, plugins), plugins)
-    spec = info.get("data", {}).get("tokenizer", {}).get("spec")
-    if spec is None:
-        raise UserError("the checkpoint does not record its tokenizer; pass --tokenizer")
-    return tokenizer_from_raw(spec, plugins)
 
 
 def _checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -290,8 +254,10 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
     seq_len = args.seq_len or info.get("data", {}).get("seq_len")
     if seq_len is None:
         raise UserError("the checkpoint does not record its seq_len; pass --seq-len")
-    doc_masking = bool(getattr(model.cfg, "doc_masking", False))
-    data = open_windows([args.data], seq_len, shuffle=False, doc_starts=doc_masking)
+    options: ModelOptions = ctx.plugins.options_of(
+        "model", model_choice(info["model"], ctx.plugins)
+    )
+    data = open_windows([args.data], seq_len, shuffle=False, doc_starts=options.doc_masking)
     fingerprint = info.get("data", {}).get("fingerprint")
     if fingerprint is not None and data.sources[0].dataset.fingerprint != fingerprint:
         raise UserError(

@@ -71,8 +71,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.core_mesh.logs import configure_logging
     from llmtrain.data_pack.pack import pack
     from llmtrain.data_pack.train_tokenizer import train_tokenizer
-    from llmtrain.train_loop.commands import load_model, sample_text, tokenizer_of
+    from llmtrain.train_loop.commands import sample_text
     from llmtrain.train_loop.run_config import RunConfig
+    from llmtrain.train_loop.saved_model import load_model, tokenizer_of
     from llmtrain.train_loop.trainer import Trainer
 
     configure_logging(console=sys.stderr)  # stdout carries only the sample

@@ -1,0 +1,67 @@
+"""A trained model as checkpoints keep it: the model info a run stores beside its weights (the
+`model:` section as plain data, enough to rebuild the model), and the whole model loaded back
+from a committed checkpoint on one process, with the tokenizer it was trained with.
+
+Used by `llmtrain generate` / `eval`, the quickstart and plugins (llmtrain-hf's export). Loading
+this module imports no torch; `load_model` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from llmtrain.core_mesh.config import Choice, structure, unstructure
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
+
+
+def model_info(plugins: PluginManager, choice: Choice) -> dict[str, Any]:
+    """The model section as plain data (stored in checkpoints to rebuild the model)."""
+    options = plugins.options_of("model", choice)
+    return {"kind": choice.kind, **(unstructure(options) if options is not None else {})}
+
+
+def model_choice(
+    info: Mapping[str, Any], plugins: PluginManager, *, source: str | None = None
+) -> Choice:
+    """The model choice of a model info dict (`{"kind": ..., **options}`), structured strictly;
+    `source` names where the info came from in errors."""
+    return structure(dict(info), Choice.of("model"), plugins=plugins, source=source)
+
+
+def load_model(checkpoint: str, step: int | None, plugins: PluginManager) -> tuple[Any, dict, int]:
+    """The whole model (one process, CPU, float32, eval mode) with the weights of a committed
+    checkpoint (the newest, or `step`); returns (model, the checkpoint's info, step)."""
+    import torch
+
+    from llmtrain.checkpoint.export import load_model_weights
+
+    weights, record, step = load_model_weights(checkpoint, step=step)
+    info = record.get("info", {})
+    if "model" not in info:
+        raise UserError(f"{checkpoint}: the checkpoint does not say which model it holds")
+    choice = model_choice(info["model"], plugins, source=f"{checkpoint} (model)")
+    model = plugins.build("model", choice)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if not k.endswith(("rope_cos", "rope_sin"))]
+    if missing or unexpected:
+        raise UserError(
+            f"{checkpoint} step {step} does not fit its model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.to(torch.float32).eval()
+    return model, info, step
+
+
+def tokenizer_of(info: Mapping[str, Any], given: str | None, plugins: PluginManager):
+    """The tokenizer `given` on the command line (`tokenizer_choice`'s spellings), else the one
+    the checkpoint's training data was packed with."""
+    from llmtrain.data_pack.tokenizer import tokenizer_choice, tokenizer_from_raw
+
+    if given:
+        return plugins.build("tokenizer", tokenizer_choice(given, plugins))
+    spec = info.get("data", {}).get("tokenizer", {}).get("spec")
+    if spec is None:
+        raise UserError("the checkpoint does not record its tokenizer; pass --tokenizer")
+    return tokenizer_from_raw(spec, plugins)
