@@ -35,9 +35,7 @@ class OnlyEnd(Callback):
 
 def test_events_run_in_order_and_see_what_earlier_callbacks_added():
     calls: list = []
-    cbs = Callbacks(
-        [Named("a", Recorder("a", calls), "x"), Named("b", Recorder("b", calls), "y")]
-    )
+    cbs = Callbacks([Named("a", Recorder("a", calls), "x"), Named("b", Recorder("b", calls), "y")])
     metrics = {"loss": 1.0}
     cbs.emit("before_step", None, 7)
     cbs.emit("after_step", None, 7, metrics)
@@ -168,8 +166,9 @@ def test_callback_options_are_strict(plugins, tmp_path):
         load_config(str(config), RunConfig, plugins=plugins)
     lines = str(info.value).splitlines()[1:]
     assert lines[0].endswith("run.yaml:6: callbacks[0].every: expected int, got str 'often'")
-    assert "run.yaml:6: callbacks[1].kind: unknown callback 'evry' (did you mean 'every'?)" in (
-        lines[1]
+    assert (
+        "run.yaml:6: callbacks[1].kind: unknown callback 'evry' (did you mean 'every'?)"
+        in (lines[1])
     )
 
 

@@ -72,7 +72,7 @@ class Callbacks:
         for named in self._by_event["on_failure"]:
             try:
                 named.callback.on_failure(run, error)
-            except Exception as exc:  # noqa: BLE001 - the run's own error matters more
+            except Exception as exc:  # the run's own error matters more: log this one
                 log.error(
                     "callback.failed",
                     callback=named.key,

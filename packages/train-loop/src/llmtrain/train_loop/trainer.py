@@ -24,7 +24,7 @@ from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
 from llmtrain.core_mesh.config import ConfigValueError, dump_config, make_converter, unstructure
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import RunInfo
+from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel, ParallelStrategy, RunInfo
 from llmtrain.core_mesh.logs import configure_logging
 from llmtrain.core_mesh.mesh import build_device_mesh
 from llmtrain.core_mesh.plugins import PluginManager
@@ -87,23 +87,23 @@ class Trainer:
         self.device_type = default_device_type() if c.device == "auto" else c.device
         if self.device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
-        self.model_options = plugins.options_of("model", c.model)
+        self.model_options: ModelOptions = plugins.options_of("model", c.model)
         with torch.device("meta"):
             meta_model = plugins.build("model", c.model)
         self.description = meta_model.describe()
-        max_len = getattr(self.model_options, "max_seq_len", None)
-        if max_len is not None and c.data.seq_len > max_len:
+        max_len = self.model_options.max_seq_len
+        if c.data.seq_len > max_len:
             raise UserError(
                 f"data.seq_len={c.data.seq_len} is longer than the model's max_seq_len "
                 f"({max_len}); raise model.max_seq_len or shorten data.seq_len"
             )
-        self.strategy = plugins.build("parallel", c.parallel)
+        self.strategy: ParallelStrategy = plugins.build("parallel", c.parallel)
         dp = c.mesh.resolve(self.world.world_size).dp
         try:
             self.global_batch, self.accum = c.data.batch_sizes(dp)
         except ConfigValueError as exc:
             raise UserError(f"data.{exc.field}: {exc}") from None
-        self.doc_masking = bool(getattr(self.model_options, "doc_masking", False))
+        self.doc_masking = self.model_options.doc_masking
         spec = self.strategy.check(
             c.mesh,
             self.world.world_size,
@@ -186,7 +186,7 @@ class Trainer:
 
         # the model: parallelize on the meta device, then allocate and initialise
         mesh = build_device_mesh(spec, self.device_type)
-        self.model = self.strategy.parallelize(
+        self.model: ParallelModel = self.strategy.parallelize(
             self.description, mesh, self.device, microbatches=self.accum
         )
         self.model.materialize(_init_weights)
@@ -273,9 +273,9 @@ class Trainer:
             cache_bytes=c.data.cache_mib << 20,
             storage_options=c.data.storage_options,
         )
-        vocab = getattr(self.model_options, "vocab_size", None)
+        vocab = self.model_options.vocab_size
         packed = data.sources[0].dataset.vocab_size
-        if vocab is not None and packed > vocab:
+        if packed > vocab:
             raise UserError(
                 f"{paths[0]} was packed with a tokenizer of {packed} ids, but model.vocab_size "
                 f"is {vocab}; set model.vocab_size: {packed} (or more)"
@@ -313,7 +313,7 @@ class Trainer:
     def _initial_weights(self) -> dict[str, torch.Tensor]:
         return initial_model(self.plugins, self.config.model, self.config.seed).state_dict()
 
-    def _all_optimizers(self) -> Iterator[Any]:
+    def _all_optimizers(self) -> Iterator[torch.optim.Optimizer]:
         for opts in self.optimizers:
             yield from opts
 
