@@ -18,7 +18,7 @@ from support import run
 
 PLUGIN = """
 import attrs
-from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.core_mesh.interfaces import Callback, TrainingRun
 from llmtrain.core_mesh.plugins import hookimpl
 
 
@@ -35,6 +35,12 @@ class LossEma(Callback):
         self.options = options
         self.ema = None
         self.seen = 0
+
+    def on_run_start(self, run):
+        if not isinstance(run, TrainingRun):
+            wanted = [m for m in dir(TrainingRun) if not m.startswith("_")]
+            missing = [m for m in wanted if not hasattr(run, m)]
+            raise TypeError(f"the run lacks {missing}")
 
     def after_step(self, run, step, metrics):
         if step == self.options.fail_at:

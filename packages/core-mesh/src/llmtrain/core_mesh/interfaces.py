@@ -12,7 +12,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import attrs
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from llmtrain.core_mesh.mesh import MeshSpec
+    from llmtrain.core_mesh.world import World
 
 
 @runtime_checkable
@@ -261,6 +264,74 @@ class ParallelStrategy(Protocol):
     ) -> ParallelModel: ...
 
 
+@runtime_checkable
+class TrainingRun(Protocol):
+    """What a callback sees of the run it is in (train-loop's Trainer): read these, change
+    nothing but through `request_stop`.
+
+    - `config`: the resolved run config (train-loop's `RunConfig`); `run_info`: what loggers are
+      told of the run (name, run dir, steps, the config as plain data);
+    - `run_dir`, `world` (rank, world size), `device`;
+    - `model`: the parallelized model; `description`: what the model said about itself;
+    - `step`: optimizer steps applied so far; `total_steps`; `global_batch` (sequences per step);
+    - `plan`: this rank's data order (`plan.step(i)`: its sample indices of 0-based step `i`, one
+      array per micro-batch);
+    - `counters`: the values checkpoints carry (`step`, `tokens`, `elapsed_s`, ...);
+    - `data_wait_s`, `sync_wait_s`: seconds this rank has waited for data and at each step's
+      first collective, since the process started;
+    - `last_local_loss`: (this rank's summed loss, its counted targets) of the last step, tensors;
+    - `request_stop(reason)`: end the run after this step, without saving it; call it on every
+      rank alike (decide from numbers all ranks share).
+    """
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def run_info(self) -> RunInfo: ...
+
+    @property
+    def run_dir(self) -> Path: ...
+
+    @property
+    def world(self) -> World: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def model(self) -> ParallelModel: ...
+
+    @property
+    def description(self) -> ModelDescription: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def total_steps(self) -> int: ...
+
+    @property
+    def global_batch(self) -> int: ...
+
+    @property
+    def plan(self) -> Any: ...
+
+    @property
+    def counters(self) -> Any: ...
+
+    @property
+    def data_wait_s(self) -> float: ...
+
+    @property
+    def sync_wait_s(self) -> float: ...
+
+    @property
+    def last_local_loss(self) -> tuple[Any, Any] | None: ...
+
+    def request_stop(self, reason: str, /) -> None: ...
+
+
 class Callback:
     """Code that runs inside a training run at its events (plugin kind `callback`): subclass it
     and override the events you need; the others cost nothing (the trainer calls only what a
@@ -289,29 +360,29 @@ class Callback:
     run continues it exactly. The state saved is rank 0's; keep it the same on every rank.
     """
 
-    def on_load(self, run: Any, step: int) -> None: ...
+    def on_load(self, run: TrainingRun, step: int) -> None: ...
 
-    def on_run_start(self, run: Any) -> None: ...
+    def on_run_start(self, run: TrainingRun) -> None: ...
 
-    def before_step(self, run: Any, step: int) -> None: ...
+    def before_step(self, run: TrainingRun, step: int) -> None: ...
 
-    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None: ...
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None: ...
 
-    def before_eval(self, run: Any, step: int) -> None: ...
+    def before_eval(self, run: TrainingRun, step: int) -> None: ...
 
-    def after_eval(self, run: Any, step: int, metrics: dict[str, float]) -> None: ...
+    def after_eval(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None: ...
 
     def on_log(
-        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+        self, run: TrainingRun, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
     ) -> None: ...
 
-    def before_save(self, run: Any, step: int) -> None: ...
+    def before_save(self, run: TrainingRun, step: int) -> None: ...
 
-    def after_save(self, run: Any, step: int) -> None: ...
+    def after_save(self, run: TrainingRun, step: int) -> None: ...
 
-    def on_run_end(self, run: Any, status: str) -> None: ...
+    def on_run_end(self, run: TrainingRun, status: str) -> None: ...
 
-    def on_failure(self, run: Any, error: BaseException) -> None: ...
+    def on_failure(self, run: TrainingRun, error: BaseException) -> None: ...
 
 
 CALLBACK_EVENTS = (

@@ -246,19 +246,19 @@ class Trainer:
         self.saved_step = self.step if self.step else None
 
         # loggers (rank 0) and the resolved config beside them
+        self.run_info = RunInfo(
+            name=c.name,
+            run_dir=str(self.run_dir),
+            total_steps=self.total_steps,
+            start_step=self.step,
+            config=unstructure(c, converter=make_converter(plugins)),
+        )
         self.sinks = []
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             text = dump_config(c, converter=make_converter(plugins))
             (self.run_dir / "config.yaml").write_text(provenance_header() + text)
-            run = RunInfo(
-                name=c.name,
-                run_dir=str(self.run_dir),
-                total_steps=self.total_steps,
-                start_step=self.step,
-                config=unstructure(c, converter=make_converter(plugins)),
-            )
-            self.sinks = [plugins.build("logger", choice, run) for choice in c.loggers]
+            self.sinks = [plugins.build("logger", choice, self.run_info) for choice in c.loggers]
 
     # --- setup helpers ---
     def _open(self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None):
