@@ -110,7 +110,7 @@ def trained(chat, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trained")
     cfg = config(chat, tmp / "runs", "chat")
     path = ts.write_config(tmp / "run.yaml", cfg)
-    ts.run(ts.llmtrain("run", path), timeout=240)
+    ts.run(ts.llmtrain("run", path), timeout=600)
     return {"cfg": cfg, "run_dir": tmp / "runs" / "chat"}
 
 
@@ -137,7 +137,7 @@ def test_loss_is_the_masked_cross_entropy_over_the_global_batch(chat, tmp_path, 
     cfg["model"]["tied_embeddings"] = False  # so a pipeline can cut the model
     del cfg["data"]["eval"]
     path = ts.write_config(tmp_path / "run.yaml", cfg)
-    ts.run(ts.torchrun(2, "run", path, *overrides), timeout=180)
+    ts.run(ts.torchrun(2, "run", path, *overrides), timeout=600)
     logged = ts.read_metrics(tmp_path / "runs" / "masked")[0]
 
     from llmtrain.core_mesh.config import load_config
@@ -297,7 +297,7 @@ def test_a_step_that_counts_no_target_makes_no_update(chat, tmp_path):
     cfg["optimizer"]["weight_decay"] = 0.1  # a step on zero gradients would still decay
     del cfg["data"]["eval"]
     path = ts.write_config(tmp_path / "run.yaml", cfg)
-    ts.run(ts.llmtrain("run", path), timeout=120)
+    ts.run(ts.llmtrain("run", path), timeout=600)
     metrics = ts.read_metrics(tmp_path / "runs" / "silent")
     assert [m["loss_tokens"] for m in metrics] == [0, 0]
     assert all("loss" not in m for m in metrics)

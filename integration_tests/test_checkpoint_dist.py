@@ -44,7 +44,7 @@ def reshard(tmp_path_factory):
     b_params = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     (tmp / "out").mkdir()
-    torchrun(WORKER, "reshard", tmp / "out", tmp / "a", tmp / "b", nproc=2, timeout=180)
+    torchrun(WORKER, "reshard", tmp / "out", tmp / "a", tmp / "b", nproc=2, timeout=600)
     ranks = [json.loads((tmp / "out" / f"rank{r}.json").read_text()) for r in range(2)]
 
     def tensors(name):
@@ -356,7 +356,7 @@ def test_sigterm_to_rank_0_stops_both_ranks_at_one_step_with_a_final_checkpoint(
 def test_every_rank_gets_the_same_answer_when_a_signal_lands_during_the_stop_vote(tmp_path):
     # ranks that answer differently leave the loop at different steps and then hang in
     # mismatched collectives; a signal lost in the vote never stops the run
-    torchrun(WORKER, "stop-vote", tmp_path, nproc=2, timeout=120)
+    torchrun(WORKER, "stop-vote", tmp_path, nproc=2, timeout=600)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert rank0["signal"] == "SIGUSR1" and rank1["signal"] is None
     assert rank0["votes"] == rank1["votes"], (rank0, rank1)

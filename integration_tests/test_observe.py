@@ -97,7 +97,7 @@ def profiled(data, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("profiled")
     config = small_config(data, work / "runs", "profiled", PROFILED_STEPS)
     config["profile"] = PROFILE
-    ts.run(ts.torchrun(2, "run", ts.write_config(work / "run.yaml", config)), timeout=120)
+    ts.run(ts.torchrun(2, "run", ts.write_config(work / "run.yaml", config)), timeout=600)
     return work / "runs" / "profiled"
 
 
@@ -111,7 +111,7 @@ def straggler(data, tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("SLOW_RANK", "1")
         env.setenv("SLOW_SECONDS", str(SLEEP))
-        ts.run(worker_torchrun(2, path), timeout=120)
+        ts.run(worker_torchrun(2, path), timeout=600)
     return work / "runs" / "straggler"
 
 
@@ -129,7 +129,7 @@ def repeats(data, tmp_path_factory) -> dict[str, Path]:
         name: ts.start(ts.llmtrain("run", path, f"name={name}", *extra))
         for name, extra in runs.items()
     }
-    finish_all(procs, timeout=120)
+    finish_all(procs, timeout=600)
     return {name: work / "runs" / name for name in runs}
 
 
@@ -266,7 +266,7 @@ def measured(data, tmp_path_factory) -> dict:
         # resident in its heap; a fixed threshold returns them, so RSS follows live tensors
         env.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
         procs = {name: ts.start(ts.llmtrain("run", path)) for name, path in paths.items()}
-        finish_all(procs, timeout=150)
+        finish_all(procs, timeout=600)
     peaks = {name: ts.read_metrics(work / "runs" / name)[-1]["peak_memory_mib"] for name in paths}
     return {
         "paths": paths,

@@ -197,7 +197,7 @@ def test_a_run_repeats_alone_from_its_config_yaml(sweep, tmp_path):
     run_dir = sweep.dir / "n_layers=2,seed=1"
     copy = tmp_path / "copy.yaml"
     shutil.copy(run_dir / "config.yaml", copy)
-    ts.run(ts.llmtrain("run", copy, f"run_dir={tmp_path / 'alone'}", "name=again"), timeout=120)
+    ts.run(ts.llmtrain("run", copy, f"run_dir={tmp_path / 'alone'}", "name=again"), timeout=600)
     alone = metrics_of(tmp_path / "alone" / "again")
     swept = metrics_of(run_dir)
     assert list(alone) == list(swept)
@@ -346,7 +346,7 @@ def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_p
     assert max(ts.committed_steps(run_dir / "checkpoints")) < 60
     assert not (sweeps / "cut" / "seed=1" / "summary.json").exists()
 
-    resumed = ts.run(killed, timeout=240)
+    resumed = ts.run(killed, timeout=600)
     assert f"[1/2] seed=0: resuming (output: {run_dir.resolve()}/output.log)" in resumed.stderr
     assert "[2/2] seed=1: running" in resumed.stderr
     assert "sweep cut: all 2 runs finished" in resumed.stderr
@@ -362,7 +362,7 @@ def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_p
     events = [json.loads(line) for line in (run_dir / "logs" / "rank0.jsonl").open()]
     assert [e["step"] for e in events if e["event"] == "run.resumed"][-1] >= 6
 
-    ts.run(sweep_cmd(bases.long, sweeps, "--seeds", 1, "--name", "whole"), timeout=120)
+    ts.run(sweep_cmd(bases.long, sweeps, "--seeds", 1, "--name", "whole"), timeout=600)
     whole = metrics_of(sweeps / "whole" / "seed=0")
     got = metrics_of(run_dir)
     assert list(got) == list(whole) == list(range(1, 61))
@@ -588,7 +588,7 @@ def test_slurm_and_print_cover_only_the_unfinished_runs(failed, sweep):
 
 def test_a_weights_sweep_trains_each_run_on_its_mixture(bases, sweep, tmp_path):
     sweeps = tmp_path / "sweeps"
-    proc = ts.run(sweep_cmd(bases.mix, sweeps, "--grid", "data.weights=[1,0],[0,1]"), timeout=120)
+    proc = ts.run(sweep_cmd(bases.mix, sweeps, "--grid", "data.weights=[1,0],[0,1]"), timeout=600)
     assert "sweep mix: all 2 runs finished" in proc.stderr
     sweep_dir = sweeps / "mix"
     manifest = json.loads((sweep_dir / "manifest.json").read_text())

@@ -31,7 +31,7 @@ def reference(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     config = ts.run_config(data, tmp / "runs", name="ref")
     path = ts.write_config(tmp / "run.yaml", config)
-    proc = ts.run(ts.llmtrain("run", path), timeout=180)
+    proc = ts.run(ts.llmtrain("run", path), timeout=600)
     run_dir = tmp / "runs" / "ref"
     return {
         "tmp": tmp,
@@ -142,7 +142,7 @@ def test_two_ranks_log_the_same_numbers_as_one_process(reference, layout, overri
             2, "run", reference["path"], f"name={name}", "training.checkpoint_every=null",
             *overrides,
         ),
-        timeout=180,
+        timeout=600,
     )  # fmt: skip
     run_dir = reference["tmp"] / "runs" / name
     start = json.loads((run_dir / "logs" / "rank0.jsonl").read_text().splitlines()[0])
@@ -190,7 +190,7 @@ def test_every_eval_is_logged(reference, run_cli):  # noqa: F811
 
 def test_quickstart(tmp_path):
     work = tmp_path / "qs"
-    proc = ts.run(ts.llmtrain("quickstart", "--dir", work, "--steps", 30), timeout=240)
+    proc = ts.run(ts.llmtrain("quickstart", "--dir", work, "--steps", 30), timeout=600)
     assert "Traceback" not in proc.stderr
     assert "[quickstart] 6/6 sample: 'The cat'" in proc.stderr
     run_dir = work / "runs" / "quickstart"

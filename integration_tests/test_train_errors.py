@@ -24,7 +24,7 @@ def base(tmp_path_factory):
     config = ts.run_config(data, tmp / "runs", name="base")
     config["training"]["steps"] = 10
     path = ts.write_config(tmp / "run.yaml", config)
-    ts.run(ts.llmtrain("run", path), timeout=180)
+    ts.run(ts.llmtrain("run", path), timeout=600)
     return {"tmp": tmp, "data": data, "other": other, "path": path}
 
 

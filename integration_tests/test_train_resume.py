@@ -37,7 +37,7 @@ def config(data, tmp_path):
 
 def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(config, tmp_path):
     path = ts.write_config(tmp_path / "run.yaml", config)
-    ts.run(ts.llmtrain("run", path, "name=whole"), timeout=180)
+    ts.run(ts.llmtrain("run", path, "name=whole"), timeout=600)
     whole = ts.by_step(ts.read_metrics(tmp_path / "runs" / "whole"))
 
     kill_at = random.Random(KILL_SEED).randint(8, 22)
@@ -54,7 +54,7 @@ def test_sigkill_at_a_random_step_then_resume_equals_the_uninterrupted_run(confi
     committed = ts.committed_steps(run_dir / "checkpoints")
     assert committed and committed[-1] % 5 == 0 and committed[-1] < 30
 
-    resumed = ts.run(ts.llmtrain("run", path, "name=killed"), timeout=180)
+    resumed = ts.run(ts.llmtrain("run", path, "name=killed"), timeout=600)
     assert "run.resumed" in resumed.stderr
     metrics = ts.read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 31)), f"killed at step {seen}"
@@ -93,7 +93,7 @@ def test_sigterm_saves_exits_zero_and_the_next_start_finishes(config, tmp_path, 
     assert f"run: {stopped} steps" in done.stderr
     assert ts.committed_steps(run_dir / "checkpoints")[-1] == stopped
 
-    again = ts.run(ts.llmtrain("run", path, "training.checkpoint_every=null"), timeout=180)
+    again = ts.run(ts.llmtrain("run", path, "training.checkpoint_every=null"), timeout=600)
     assert "run: 120 steps" in again.stderr
     steps = [m["step"] for m in ts.read_metrics(run_dir)]
     assert steps == list(range(1, 121))

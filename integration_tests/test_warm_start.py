@@ -47,7 +47,7 @@ def pretrained(tmp_path_factory):
     config = ts.run_config(data, root / "runs", name="pre")
     config["data"].pop("eval")
     config["training"].update(steps=PRETRAIN_STEPS, checkpoint_every=10)
-    ts.run(ts.llmtrain("run", ts.write_config(root / "pre.yaml", config)), timeout=120)
+    ts.run(ts.llmtrain("run", ts.write_config(root / "pre.yaml", config)), timeout=600)
     run_dir = root / "runs" / "pre"
     return SimpleNamespace(
         root=root,
@@ -143,7 +143,7 @@ def test_killed_fine_tune_learns_from_the_pretrained_loss_and_resumes_its_own_ch
     assert first["loss"] < untrained - 1.0, (first["loss"], last, untrained)
     killed_at = ts.committed_steps(run_dir / "checkpoints")[-1]
 
-    again = ts.run(ts.llmtrain("run", path), timeout=120)
+    again = ts.run(ts.llmtrain("run", path), timeout=600)
     assert "run.resumed" in again.stderr and "init.from" in again.stderr
     assert "run.warm_start " not in again.stderr
     steps = [m["step"] for m in ts.read_metrics(run_dir)]

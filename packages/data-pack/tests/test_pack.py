@@ -631,7 +631,7 @@ def test_pack_imports_no_torch(tmp_path, write_jsonl, texts, tokenizer_json):
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, check=False
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.endswith("ok\n")

@@ -110,7 +110,7 @@ def test_options_are_validated_with_the_config_path(data, tmp_path, run_cli):
 
 def test_run_writes_every_logged_metric_and_the_config(data, tmp_path):
     path = ts.write_config(tmp_path / "run.yaml", config(data, tmp_path))
-    ts.run(ts.llmtrain("run", path), timeout=180)
+    ts.run(ts.llmtrain("run", path), timeout=600)
     run_dir = tmp_path / "runs" / "run"
 
     metrics = ts.read_metrics(run_dir)
@@ -142,7 +142,7 @@ def test_sigkill_past_a_checkpoint_then_resume_shows_each_step_once(data, tmp_pa
     resumed_from = ts.committed_steps(run_dir / "checkpoints")[-1]
     assert resumed_from < killed_at < 30, "the kill did not land between a checkpoint and the end"
 
-    resumed = ts.run(ts.llmtrain("run", path), timeout=180)
+    resumed = ts.run(ts.llmtrain("run", path), timeout=600)
     assert "run.resumed" in resumed.stderr
 
     # the files hold the killed process's steps past the checkpoint and the resumed ones
