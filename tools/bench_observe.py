@@ -2,14 +2,17 @@
 
     python tools/bench_observe.py [--steps 120] [--repeats 3] [--model tiny|30m]
 
-Three Trainer runs over the same data, alternated `--repeats` times (best median of each):
+Four Trainer runs over the same data, alternated `--repeats` times (best median of each):
 - reference: the hang watchdog off, no profiler;
 - watchdog: the default (a thread checking the current step four times a second);
-- profiled: the watchdog and `profile: {every: 10, warmup: 1, active: 1}`.
+- profiled: the watchdog and `profile: {every: 10, warmup: 1, active: 1}`;
+- callbacks: the default and 8 idle plugin callbacks (each hears before_step, after_step and
+  on_log, and does nothing).
 Each logs every step; the figure is the median step time over the steps outside profiler windows
 (steps s with s % 10 in {0, 1} are left out of every run alike). Prints each variant's median step
-time, the profiler's ratio (profiled against watchdog, which differ only in the windows) and the
-watchdog's (watchdog against reference); goal for both: overhead < 1%, ratio >= 0.99.
+time, the profiler's ratio (profiled against watchdog, which differ only in the windows), the
+watchdog's (watchdog against reference) and the idle callbacks' (callbacks against watchdog);
+goal for each: overhead < 1%, ratio >= 0.99.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 from bench_train import MODELS, make_data
 
 from llmtrain.core_mesh.config import load_config
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.core_mesh.plugins import PluginManager, hookimpl
 from llmtrain.train_loop.run_config import RunConfig
 from llmtrain.train_loop.trainer import Trainer
 
@@ -32,7 +36,30 @@ VARIANTS = {
     "reference": "debug: {watchdog: {enabled: false}}\n",
     "watchdog": "",
     "profiled": "profile: {every: 10, warmup: 1, active: 1}\n",
+    "callbacks": "callbacks: [" + ", ".join(["{kind: idle}"] * 8) + "]\n",
 }
+
+
+class Idle(Callback):
+    """Hears the per-step events and does nothing: what a callback costs by being there."""
+
+    def __init__(self, options: None):
+        pass
+
+    def before_step(self, run, step):
+        pass
+
+    def after_step(self, run, step, metrics):
+        pass
+
+    def on_log(self, run, step, metrics, rank_metrics):
+        pass
+
+
+class IdlePlugin:
+    @hookimpl
+    def llmtrain_callbacks(self, register):
+        register("idle", Idle, help="does nothing")
 
 
 def run(work: Path, data: str, model: dict, args, variant: str, repeat: int, plugins) -> float:
@@ -75,6 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     plugins = PluginManager().load_entry_points()
+    plugins.register(IdlePlugin(), "bench-idle")
     best = {name: float("inf") for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -90,6 +118,8 @@ def main() -> None:
     watchdog = best["reference"] / best["watchdog"]
     print(f"\nprofiler on untouched steps: ratio {profiler:.3f} (goal >= 0.99)")
     print(f"watchdog: ratio {watchdog:.3f} (goal >= 0.99)")
+    idle = best["watchdog"] / best["callbacks"]
+    print(f"8 idle callbacks: ratio {idle:.3f} (goal >= 0.99)")
 
 
 if __name__ == "__main__":
