@@ -26,10 +26,12 @@ from llmtrain.checkpoint.export import model_prefix
 from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
 from llmtrain.checkpoint.safe_io import SafeFsspecReader, UnsafeCheckpointError
 from llmtrain.checkpoint.state import ModelState
-from llmtrain.core_mesh.config import Choice, structure, unstructure
+from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.train_loop.run_config import InitConfig
+from llmtrain.train_loop.saved_model import model_choice
 
 log = structlog.get_logger("llmtrain.train")
 
@@ -52,12 +54,12 @@ class WarmStartError(UserError):
 
 def start(
     init: InitConfig | None,
-    model: Any,
+    model: ParallelModel,
     checkpoints: Checkpointer,
     info: Mapping[str, Any],
     plugins: PluginManager,
 ) -> dict[str, Any] | None:
-    """Load `init.from` into `model` (a `Parallelized`) unless the run has a checkpoint of its
+    """Load `init.from` into `model` unless the run has a checkpoint of its
     own; every rank calls it. Returns the provenance checkpoints record as `info["init"]`: this
     warm start's, or the one the resumed checkpoint recorded (None when there is none)."""
     latest = checkpoints.latest_step()
@@ -185,7 +187,7 @@ def _exists(fs: Any, root: str) -> bool:
 
 
 def _load_checkpoint(
-    init: InitConfig, url: str, step: int, model: Any, info: Mapping[str, Any], plugins
+    init: InitConfig, url: str, step: int, model: ParallelModel, info: Mapping[str, Any], plugins
 ) -> int:
     """DCP into the parts this rank holds, resharded to this run's layout."""
     checkpoints = Checkpointer(url, storage_options=init.storage_options)
@@ -220,7 +222,7 @@ def _load_checkpoint(
 
 
 def _load_format(
-    init: InitConfig, fmt: str, url: str, model: Any, info: Mapping[str, Any], plugins
+    init: InitConfig, fmt: str, url: str, model: ParallelModel, info: Mapping[str, Any], plugins
 ) -> int:
     """A plugin's whole state dict (on CPU, every rank the same); each rank keeps its shards."""
     weight_format = plugins.registry("weights").get(fmt).target
@@ -264,9 +266,9 @@ def check_source(
 
 def _full_tensors(own: Mapping[str, Any], plugins: PluginManager):
     """Every tensor of this run's whole model (its state dict on the meta device)."""
-    choice = structure(dict(own), Choice.of("model"), plugins=plugins, source="model")
+    choice = model_choice(own, plugins, source="model")
     with torch.device("meta"):
-        module = plugins.registry("model").get(choice.kind).target(choice.options)
+        module = plugins.build("model", choice)
     return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
 
 
@@ -286,9 +288,7 @@ def model_differences(
         a.pop("max_seq_len", None)
         b.pop("max_seq_len", None)
     # each options class names its options that only shape training (`training_only`)
-    training_only = frozenset().union(
-        *(getattr(type(o), "training_only", frozenset()) for o in (theirs, ours) if o is not None)
-    )
+    training_only = frozenset().union(*(o.training_only for o in (theirs, ours) if o is not None))
     lines = []
     for key in [*a, *(k for k in b if k not in a)]:
         if key in training_only or a.get(key, _NONE) == b.get(key, _NONE):
@@ -316,10 +316,10 @@ def _raw(raw: Mapping[str, Any], options: Any, keys: Sequence[str]) -> str:
     return ", ".join(f"{k}: {'null' if v is None else v}" for k, v in values.items())
 
 
-def _options(model_info: Mapping[str, Any], plugins: PluginManager) -> Any:
+def _options(model_info: Mapping[str, Any], plugins: PluginManager) -> ModelOptions | None:
     """The structured options of a model info dict, or None (a kind this install lacks)."""
     try:
-        return structure(dict(model_info), Choice.of("model"), plugins=plugins).options
+        return plugins.options_of("model", model_choice(model_info, plugins))
     except UserError:
         return None
 
