@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llmtrain.core_mesh.config import ConfigError, structure
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import PluginManager, hookimpl
 from llmtrain.train_loop import estimate, observe
 from llmtrain.train_loop.run_config import ProfileConfig, RunConfig, WatchdogConfig
 
@@ -145,12 +145,10 @@ def small_config(plugins, **extra):
 
 
 def test_estimate_parameters_gradients_and_adam_state_are_exact(plugins):
-    from llmtrain.train_loop.trainer import build
-
     config = small_config(plugins)
     est = estimate.estimate(config, plugins, world=1)
     with torch.device("meta"):
-        model = build(plugins, "model", config.model)
+        model = plugins.build("model", config.model)
     n = sum(p.numel() for p in model.parameters())
     assert est.n_params == n
     assert est.params == est.grads == 4 * n
@@ -172,4 +170,21 @@ def test_estimate_scales_with_the_layout(plugins):
     bf16 = small_config(plugins, parallel={"kind": "default", "param_dtype": "bfloat16"})
     assert estimate.estimate(bf16, plugins, world=1).activations == pytest.approx(
         base.activations / 2, rel=0.01
+    )
+
+
+def test_estimate_of_another_strategy_takes_the_default_options():
+    class Other:
+        @hookimpl
+        def llmtrain_parallel_strategies(self, register):
+            register("other", object())
+
+    plugins = PluginManager(blocked=()).load_entry_points()
+    plugins.register(Other(), "other")
+    base = estimate.estimate(small_config(plugins), plugins, world=2)
+    other = estimate.estimate(small_config(plugins, parallel={"kind": "other"}), plugins, world=2)
+    assert other.rows() == base.rows() and other.layout == base.layout
+    assert other.notes == (
+        "parallel.kind 'other' is estimated as the default strategy with its default options",
+        *base.notes,
     )

@@ -27,7 +27,10 @@ import attrs
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, load_config
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.parallel.options import ParallelOptions
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -119,17 +122,15 @@ def saved_activation_bytes(
     return per_block, outside, block_input[0] if block_input else 0, logits.numel()
 
 
-def optimizer_state_bytes(plugins: Any, config: RunConfig, model: Any) -> int:
+def optimizer_state_bytes(plugins: PluginManager, config: RunConfig, model: Any) -> int:
     """Build the configured optimizer on the meta model, step once with meta gradients, and
     measure its state."""
     import torch
 
-    from llmtrain.train_loop.trainer import build
-
     for p in model.parameters():
         p.grad = torch.empty_like(p)
     total = 0
-    for opt in build(plugins, "optimizer", config.optimizer, model):
+    for opt in plugins.build("optimizer", config.optimizer, model):
         opt.step()
         for state in opt.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
@@ -138,36 +139,35 @@ def optimizer_state_bytes(plugins: Any, config: RunConfig, model: Any) -> int:
     return total
 
 
-def estimate(config: RunConfig, plugins: Any, world: int) -> Estimate:
+def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
     import torch
-
-    from llmtrain.train_loop.trainer import build, options_of
 
     config = resolved(config, plugins)
     spec = config.mesh.resolve(world)
     dp = spec.dp
     _, accum = config.data.batch_sizes(dp)
     micro, seq = config.data.micro_batch, config.data.seq_len
-    options = options_of(plugins, "parallel", config.parallel)
-    ac = getattr(options, "activation_checkpointing", None)
-    ac_mode = getattr(ac, "mode", "none")
-    ac_every = getattr(ac, "every", 2)
-    param_bytes = DTYPE_BYTES[getattr(options, "param_dtype", "float32")]
-    reduce_bytes = DTYPE_BYTES[getattr(options, "reduce_dtype", "float32")]
-    sp = getattr(options, "sequence_parallel", True)
-    reshard = getattr(options, "reshard_after_forward", "default")
-    pipeline = getattr(options, "pipeline", None)
-    schedule = getattr(pipeline, "schedule", "1F1B") if pipeline is not None else "1F1B"
+    notes = []
+    options = plugins.options_of("parallel", config.parallel)
+    if not isinstance(options, ParallelOptions):
+        notes.append(
+            f"parallel.kind {config.parallel.kind!r} is estimated as the default strategy with "
+            "its default options"
+        )
+        options = ParallelOptions()
+    ac = options.activation_checkpointing
+    param_bytes = DTYPE_BYTES[options.param_dtype]
+    reduce_bytes = DTYPE_BYTES[options.reduce_dtype]
 
-    max_len = getattr(options_of(plugins, "model", config.model), "max_seq_len", None)
-    if max_len is not None and seq > max_len:
+    model_options: ModelOptions = plugins.options_of("model", config.model)
+    if seq > model_options.max_seq_len:
         raise ConfigValueError(
             "seq_len",
-            f"data.seq_len={seq} is longer than the model's max_seq_len ({max_len}); raise "
-            "model.max_seq_len or shorten data.seq_len",
+            f"data.seq_len={seq} is longer than the model's max_seq_len "
+            f"({model_options.max_seq_len}); raise model.max_seq_len or shorten data.seq_len",
         )
     with torch.device("meta"):
-        model = build(plugins, "model", config.model)
+        model = plugins.build("model", config.model)
     desc = model.describe()
     blocks = list(desc.blocks)
     n_blocks = len(blocks)
@@ -191,36 +191,39 @@ def estimate(config: RunConfig, plugins: Any, world: int) -> Estimate:
     per_block, outside, block_input, logit_count = saved_activation_bytes(model, blocks, micro, seq)
     scale = (param_bytes / 4) / cp  # autocast / FSDP compute dtype; a cp-th of each sequence
     blocks_here = per_block[:stage_blocks]
-    tp_div = tp if sp else 1  # without SP the norms' activations are whole on every TP rank
+    tp_div = (
+        tp if options.sequence_parallel else 1
+    )  # without SP the norms' activations are whole on every TP rank
     kept = []
     for i, size in enumerate(blocks_here):
         size = size / tp if tp > 1 else size
-        if ac_mode == "full" or (ac_mode == "blocks" and i % ac_every == 0):
+        if ac.mode == "full" or (ac.mode == "blocks" and i % ac.every == 0):
             kept.append(block_input / tp_div)
-        elif ac_mode == "ops":
+        elif ac.mode == "ops":
             kept.append(size / 2)  # roughly: matmul and attention outputs kept, the rest recomputed
         else:
             kept.append(size)
-    recompute = max(per_block[:stage_blocks], default=0) / tp if ac_mode != "none" else 0
+    recompute = max(per_block[:stage_blocks], default=0) / tp if ac.mode != "none" else 0
     one_micro = (sum(kept) + outside / max(pp, 1) / tp_div) * scale
-    in_flight = 1 if pp == 1 else (accum if schedule == "GPipe" else min(accum, pp))
+    in_flight = (
+        1 if pp == 1 else (accum if options.pipeline.schedule == "GPipe" else min(accum, pp))
+    )
     activations = math.ceil(one_micro * in_flight + recompute * scale)
 
     # transients: logits (fp32), their log-softmax and gradient; FSDP's gathered blocks
-    loss_tp = tp if getattr(options, "loss_parallel", False) else 1
+    loss_tp = tp if options.loss_parallel else 1
     logits = logit_count / cp * 4 * 3 / loss_tp
     gathered = 0
     if shard > 1:
-        unsharded_blocks = stage_blocks if reshard == "never" else 2
+        unsharded_blocks = stage_blocks if options.reshard_after_forward == "never" else 2
         gathered = unsharded_blocks * biggest_block / tp * (param_bytes + reduce_bytes)
     transient = math.ceil(logits + gathered)
 
     layout = (
         f"world {world}: dp_replicate {spec.dp_replicate} x dp_shard {spec.dp_shard} x cp {cp} "
         f"x tp {tp} x pp {pp}; micro-batch {micro} x seq {seq}, {accum} micro-batches per step, "
-        f"activation checkpointing {ac_mode}, params {getattr(options, 'param_dtype', 'float32')}"
+        f"activation checkpointing {ac.mode}, params {options.param_dtype}"
     )
-    notes = []
     if config.training.init == "full":
         notes.append(
             "training.init: full also builds one whole fp32 model per process on the host at start "
