@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 import torch
 
+from llmtrain.core_mesh.errors import UserError
 from llmtrain.train_loop.run_config import DebugConfig, ProfileConfig, WatchdogConfig
 
 log = structlog.get_logger("llmtrain.train_loop")
@@ -79,6 +80,31 @@ def dump_memory_snapshot(path: Path) -> Path | None:
         log.warning("memory.snapshot_failed", error=str(exc))
         return None
     return path
+
+
+def out_of_memory_error(
+    exc: BaseException,
+    device: torch.device,
+    run_dir: Path,
+    step: int,
+    rank: int,
+    debug: DebugConfig,
+) -> UserError:
+    """What a rank that ran out of memory in `step` tells the user; on CUDA it first writes the
+    allocator's snapshot beside the run and names the file."""
+    where = ""
+    if device.type == "cuda":
+        path = run_dir / "memory" / f"oom-step{step}-rank{rank}.pickle"
+        if dump_memory_snapshot(path) is not None:
+            where = f" A memory snapshot is in {path} (drag it into https://pytorch.org/memory_viz"
+            if not debug.memory_history:
+                where += "; set debug.memory_history: true to record where each block was allocated"
+            where += ")."
+    return UserError(
+        f"rank {rank}: out of memory in step {step} ({exc}).{where} "
+        "Lower data.micro_batch, turn on parallel.activation_checkpointing, shard more "
+        "(mesh.dp_shard, tp), and compare with `llmtrain estimate`"
+    )
 
 
 # --- per-rank numbers, gathered at log steps ---

@@ -41,6 +41,7 @@ from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 from llmtrain.train_loop.prefetch import Prefetcher
 from llmtrain.train_loop.run_config import RunConfig, resolved
+from llmtrain.train_loop.saved_model import model_info
 from llmtrain.train_loop.schedules import WarmupOptions, constant
 
 log = structlog.get_logger("llmtrain.train")
@@ -48,25 +49,6 @@ log = structlog.get_logger("llmtrain.train")
 
 class NonFiniteError(UserError):
     pass
-
-
-def options_of(plugins: PluginManager, kind: str, choice: Any) -> Any:
-    """The structured options of a `kind:` choice (defaults when the config gave none)."""
-    if choice.options is not None:
-        return choice.options
-    entry = plugins.registry(kind).get(choice.kind)
-    return entry.options(**entry.defaults) if entry.options is not None else None
-
-
-def build(plugins: PluginManager, kind: str, choice: Any, *args: Any) -> Any:
-    entry = plugins.registry(kind).get(choice.kind)
-    return entry.target(options_of(plugins, kind, choice), *args)
-
-
-def model_info(plugins: PluginManager, choice: Any) -> dict[str, Any]:
-    """The model section as plain data (stored in checkpoints to rebuild the model)."""
-    options = options_of(plugins, "model", choice)
-    return {"kind": choice.kind, **(unstructure(options) if options is not None else {})}
 
 
 class Trainer:
@@ -84,8 +66,8 @@ class Trainer:
 
         # world and layout, all checked before any process group exists
         self.world = World.from_env()
-        self.device_type = default_device_type() if c.device == "auto" else c.device
-        if self.device_type == "cuda" and not torch.cuda.is_available():
+        device_type = default_device_type() if c.device == "auto" else c.device
+        if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
         self.model_options: ModelOptions = plugins.options_of("model", c.model)
         with torch.device("meta"):
@@ -109,7 +91,7 @@ class Trainer:
             self.world.world_size,
             self.description,
             seq_len=c.data.seq_len,
-            device_type=self.device_type,
+            device_type=device_type,
             microbatches=self.accum,
             document_masking=self.doc_masking,
         )
@@ -128,19 +110,14 @@ class Trainer:
                     f"data.eval.path: {c.data.eval.path} was packed with another tokenizer "
                     f"({packed}) than the training data ({trained}); pack it with the same one"
                 )
-        # chat data: the loss counts only masked-in targets; generate --chat reads the template
-        self.loss_masked = self.train_data.loss_mask
-        self.chat = next(
-            (s.dataset.chat for s in self.train_data.sources if s.dataset.chat is not None), None
-        )
         tokens_per_step = self.global_batch * c.data.seq_len
         self.total_steps = c.training.steps or math.ceil(c.training.tokens / tokens_per_step)
         epochs = self.total_steps * self.global_batch / len(self.train_data)
 
         # process group, logs, seeds; from here on a failure also stops the process group
-        if self.device_type == "cuda":
+        if device_type == "cuda":
             observe.flight_recorder_env(c.debug, self.run_dir / "logs")
-        self.device = init_distributed(self.world, self.device_type)
+        self.device = init_distributed(self.world, device_type)
         try:
             self._build(spec, epochs, tokens_per_step, console, resume)
         except BaseException:
@@ -174,7 +151,10 @@ class Trainer:
                 message=f"{self.total_steps} steps read {epochs:.2f} epochs of the training data "
                 f"({len(self.train_data)} windows); samples repeat in a new order each epoch",
             )
-        if self.chat is not None and not self.doc_masking and self.world.is_main:
+        # chat data: the loss counts only masked-in targets; generate --chat reads the template
+        sources = self.train_data.sources
+        chat = next((s.dataset.chat for s in sources if s.dataset.chat is not None), None)
+        if chat is not None and not self.doc_masking and self.world.is_main:
             log.warning(
                 "data.chat_without_doc_masking",
                 message="the training data is chat conversations, packed several to a "
@@ -185,7 +165,7 @@ class Trainer:
         observe.start_memory_history(self.device, c.debug)
 
         # the model: parallelize on the meta device, then allocate and initialise
-        mesh = build_device_mesh(spec, self.device_type)
+        mesh = build_device_mesh(spec, self.device.type)
         self.model: ParallelModel = self.strategy.parallelize(
             self.description, mesh, self.device, microbatches=self.accum
         )
@@ -228,7 +208,7 @@ class Trainer:
                 "tokenizer": self.train_data.sources[0].dataset.meta["tokenizer"],
                 "global_batch": self.global_batch,
                 "seq_len": c.data.seq_len,
-                "chat": self.chat,
+                "chat": chat,
             },
         }
         self.data_wait_s = self.sync_wait_s = 0.0  # seconds waited, for the throughput callback
@@ -326,7 +306,9 @@ class Trainer:
             status = self._train()
         except torch.OutOfMemoryError as exc:
             self.callbacks.emit_failure(self, exc)
-            raise self._out_of_memory(exc) from None
+            raise observe.out_of_memory_error(
+                exc, self.device, self.run_dir, self.step + 1, self.world.rank, self.config.debug
+            ) from None
         except BaseException as exc:
             self.callbacks.emit_failure(self, exc)
             raise
@@ -399,25 +381,6 @@ class Trainer:
         the last checkpoint are not kept). `summary.json` says `stopped`."""
         self.stop_reason = reason
 
-    def _out_of_memory(self, exc: BaseException) -> UserError:
-        where = ""
-        if self.device.type == "cuda":
-            path = self.run_dir / "memory" / f"oom-step{self.step + 1}-rank{self.world.rank}.pickle"
-            if observe.dump_memory_snapshot(path) is not None:
-                where = (
-                    f" A memory snapshot is in {path} (drag it into https://pytorch.org/memory_viz"
-                )
-                if not self.config.debug.memory_history:
-                    where += (
-                        "; set debug.memory_history: true to record where each block was allocated"
-                    )
-                where += ")."
-        return UserError(
-            f"rank {self.world.rank}: out of memory in step {self.step + 1} ({exc}).{where} "
-            "Lower data.micro_batch, turn on parallel.activation_checkpointing, shard more "
-            "(mesh.dp_shard, tp), and compare with `llmtrain estimate`"
-        )
-
     def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
         """One optimizer step over this rank's share of the global batch."""
         c = self.config
@@ -452,7 +415,7 @@ class Trainer:
         self._advance()
         lr = self.optimizers[0][0].param_groups[0]["lr"]
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
-        if self.loss_masked:
+        if self.train_data.loss_mask:
             metrics["loss_tokens"] = count
         return metrics
 
