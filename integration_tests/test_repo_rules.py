@@ -1,4 +1,5 @@
-"""Repository rules from DESIGN.md: PEP 420 namespace, the dependency DAG, one VERSION file.
+"""Repository rules from ARCHITECTURE.md ("Packages and dependencies"): PEP 420 namespace, the
+dependency DAG, one VERSION file; and ARCHITECTURE.md itself names every package and plugin kind.
 
 They only read pyproject.toml files and parse sources with `ast`: no torch or llmtrain needed."""
 
@@ -15,7 +16,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
-# Which llmtrain siblings each package may depend on and import (DESIGN.md "Dependency rule").
+# Which llmtrain siblings each package may depend on and import (ARCHITECTURE.md "Packages and
+# dependencies").
 ALLOWED = {"core-mesh": set(), "train-loop": set(PACKAGES) - {"train-loop"}}
 ALLOWED |= {p: {"core-mesh"} for p in ("data-pack", "models", "parallel", "checkpoint", "ablate")}
 NO_TORCH_DEP = {"core-mesh", "data-pack", "ablate"}  # none may declare torch
@@ -169,12 +171,37 @@ def fail_if(problems: list[str], rule: str) -> None:
         pytest.fail(f"{rule}:\n  " + "\n  ".join(problems), pytrace=False)
 
 
+def plugin_kinds(path: Path) -> dict[str, str]:
+    """`KINDS` (plugin kind -> hook) of core-mesh's plugins.py, read with `ast`."""
+    for node in ast.parse(path.read_text(encoding="utf-8"), filename=str(path)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "KINDS" for t in targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{rel(path)} assigns no KINDS at module level")
+
+
+def unnamed_in_architecture(text: str, packages: list[str], kinds: dict[str, str]) -> list[str]:
+    """What the architecture text does not name in backticks: a package (`name` or
+    `packages/name`), a plugin kind (`kind`) or its hook (`llmtrain_...`)."""
+    out = []
+    for pkg in packages:
+        if not re.search(rf"`(packages/)?{re.escape(pkg)}/?`", text):
+            out.append(f"package {pkg!r} (name it as `{pkg}`)")
+    for kind, hook in kinds.items():
+        for name, what in ((kind, "plugin kind"), (hook, "hook")):
+            if f"`{name}`" not in text:
+                out.append(f"{what} {name!r} (name it as `{name}`)")
+    return out
+
+
 # --- the rules, on the real tree ---------------------------------------------------------------
 
 
 def test_packages_dir_matches_the_dag():
     on_disk = sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
-    assert on_disk == sorted(PACKAGES), "packages/ and the DAG in this test (and DESIGN.md) differ"
+    assert on_disk == sorted(PACKAGES), (
+        "packages/ and the DAG in this test (and ARCHITECTURE.md) differ"
+    )
 
 
 def test_llmtrain_is_a_namespace_package():
@@ -217,6 +244,18 @@ def test_root_version_and_dependencies():
     deps = [req_name(r) for r in root["project"].get("dependencies", [])]
     want = [f"llmtrain-{p}" for p in PACKAGES]
     assert sorted(deps) == sorted(want), f"root [project].dependencies must be {want}, not {deps}"
+
+
+def test_architecture_names_every_package_and_plugin_kind():
+    doc = ROOT / "ARCHITECTURE.md"
+    assert doc.is_file(), "ARCHITECTURE.md, the description of record, is missing at the repo root"
+    packages = sorted(
+        p.name for p in (ROOT / "packages").iterdir() if p.is_dir() and p.name[0] not in "._"
+    )
+    kinds = plugin_kinds(ROOT / "packages/core-mesh/src/llmtrain/core_mesh/plugins.py")
+    assert "model" in kinds and "callback" in kinds, f"KINDS read from plugins.py: {kinds}"
+    problems = unnamed_in_architecture(doc.read_text(encoding="utf-8"), packages, kinds)
+    fail_if(problems, "ARCHITECTURE.md has fallen behind the tree; describe these there")
 
 
 # --- the checkers can fail (so the rule tests above are not vacuous) --------------------------
@@ -301,3 +340,26 @@ def test_dependency_and_project_checkers_can_fail(tmp_path):
     (tmp_path / "plugins/x/src/llmtrain/__init__.py").write_text("")
     assert len(namespace_inits(tmp_path)) == 1
     assert len(version_problems({"project": {"version": "1.0"}}, "VERSION")) == 3
+
+
+def test_architecture_checker_can_fail(tmp_path):
+    source = tmp_path / "plugins.py"
+    source.write_text(
+        "GROUP = 'llmtrain'\n"
+        "KINDS: dict[str, str] = {'model': 'llmtrain_models', 'callback': 'llmtrain_callbacks'}\n"
+    )
+    kinds = plugin_kinds(source)
+    assert kinds == {"model": "llmtrain_models", "callback": "llmtrain_callbacks"}
+    text = "`core-mesh` and `packages/models/`: kind `model` (`llmtrain_models`), callbacks"
+    assert unnamed_in_architecture(text, ["core-mesh", "models", "data-pack"], kinds) == [
+        "package 'data-pack' (name it as `data-pack`)",
+        "plugin kind 'callback' (name it as `callback`)",
+        "hook 'llmtrain_callbacks' (name it as `llmtrain_callbacks`)",
+    ]
+    assert unnamed_in_architecture("`mesh` `llmtrain.models`", ["core-mesh", "models"], {}) == [
+        "package 'core-mesh' (name it as `core-mesh`)",
+        "package 'models' (name it as `models`)",
+    ]
+    source.write_text("KIND = {}\n")
+    with pytest.raises(AssertionError, match="assigns no KINDS"):
+        plugin_kinds(source)
