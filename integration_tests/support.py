@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +35,30 @@ def torchrun(script, *args, nproc, env=None, timeout=300):
         env=env,
         timeout=timeout,
     )
+
+
+def make_plugin(base: Path, dist: str, module: str, source: str) -> Path:
+    """A plugin package `dist` in `base`: one module, `source`, declared as the `llmtrain` entry
+    point of the same name; `pip install` it to use it."""
+    pkg = base / dist
+    (pkg / "src").mkdir(parents=True)
+    (pkg / "src" / f"{module}.py").write_text(textwrap.dedent(source))
+    (pkg / "pyproject.toml").write_text(
+        textwrap.dedent(f'''
+        [build-system]
+        requires = ["hatchling"]
+        build-backend = "hatchling.build"
+
+        [project]
+        name = "{dist}"
+        version = "1.2.3"
+        dependencies = ["llmtrain-core-mesh"]
+
+        [project.entry-points.llmtrain]
+        {module} = "{module}"
+
+        [tool.hatch.build.targets.wheel]
+        packages = ["src/{module}.py"]
+    ''')
+    )
+    return pkg

@@ -9,12 +9,11 @@ import os
 import signal
 import sys
 import sysconfig
-import textwrap
 from pathlib import Path
 
 import pytest
 import train_support as ts
-from support import run
+from support import make_plugin, run
 
 PLUGIN = """
 import attrs
@@ -64,33 +63,13 @@ def llmtrain_callbacks(register):
     register("loss_ema", LossEma, options=EmaOptions, help="moving average of the loss")
 """
 
-PYPROJECT = """
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "llmtrain-ema"
-version = "1.2.3"
-dependencies = ["llmtrain-core-mesh"]
-
-[project.entry-points.llmtrain]
-ema = "llmtrain_ema"
-
-[tool.hatch.build.targets.wheel]
-packages = ["src/llmtrain_ema.py"]
-"""
-
 
 @pytest.fixture(scope="module")
 def python(tmp_path_factory):
     """A venv that sees this environment's packages (a .pth file) and has the plugin package
     installed into it, so `llmtrain` finds the callback through its entry point only."""
     base = tmp_path_factory.mktemp("callback-plugin")
-    pkg = base / "llmtrain-ema"
-    (pkg / "src").mkdir(parents=True)
-    (pkg / "src" / "llmtrain_ema.py").write_text(textwrap.dedent(PLUGIN))
-    (pkg / "pyproject.toml").write_text(textwrap.dedent(PYPROJECT))
+    pkg = make_plugin(base, "llmtrain-ema", "llmtrain_ema", PLUGIN)
     env = base / "venv"
     run(["uv", "venv", "-q", "--python", sys.executable, str(env)])
     python = env / "bin" / "python"
@@ -173,7 +152,10 @@ def test_a_callback_that_raises_stops_the_run_naming_its_package(python, data, t
     proc = ts.run(llmtrain(python, "run", path), timeout=300, check=False)
     assert proc.returncode == 2, proc.stderr
     [line] = ts.error_lines(proc.stderr)
-    assert "callback 'loss_ema' of plugin 'ema' (llmtrain-ema 1.2.3) failed in after_step" in line
+    assert (
+        "callback 'loss_ema' of plugin 'llmtrain_ema' (llmtrain-ema 1.2.3) failed in after_step"
+        in line
+    )
     assert "RuntimeError: refusing step 4" in line
     summary = json.loads((tmp_path / "runs" / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["step"] == 4

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import textwrap
 
 import pytest
-from support import ROOT, run
+from support import ROOT, make_plugin, run
 
 GOOD = """
 import attrs
@@ -35,31 +34,6 @@ def llmtrain_models(register):
     register("mamba", "other builder")
     register("rwkv", "rwkv builder")
 """
-
-
-def make_plugin(base, dist, module, source):
-    pkg = base / dist
-    (pkg / "src").mkdir(parents=True)
-    (pkg / "src" / f"{module}.py").write_text(textwrap.dedent(source))
-    (pkg / "pyproject.toml").write_text(
-        textwrap.dedent(f'''
-        [build-system]
-        requires = ["hatchling"]
-        build-backend = "hatchling.build"
-
-        [project]
-        name = "{dist}"
-        version = "1.2.3"
-        dependencies = ["llmtrain-core-mesh"]
-
-        [project.entry-points.llmtrain]
-        {module} = "{module}"
-
-        [tool.hatch.build.targets.wheel]
-        packages = ["src/{module}.py"]
-    ''')
-    )
-    return pkg
 
 
 @pytest.fixture(scope="module")

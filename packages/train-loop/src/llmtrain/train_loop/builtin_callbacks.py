@@ -67,7 +67,20 @@ class Summary(Callback):
         tmp.replace(run.run_dir / "summary.json")
 
 
-class WatchdogCallback(Callback):
+class ClosedAtTheEnd(Callback):
+    """Closes what it opened when the run ends, however it ends."""
+
+    def on_run_end(self, run: Any, status: str) -> None:
+        self.close()
+
+    def on_failure(self, run: Any, error: BaseException) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class WatchdogCallback(ClosedAtTheEnd):
     """The hang watchdog (`debug.watchdog`) times each step, evaluation and save."""
 
     watchdog: observe.Watchdog | None = None
@@ -97,20 +110,14 @@ class WatchdogCallback(Callback):
         if self.watchdog is not None:
             self.watchdog.end()
 
-    def on_run_end(self, run: Any, status: str) -> None:
-        self._close()
-
-    def on_failure(self, run: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
+    def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.end()
             self.watchdog.close()
             self.watchdog = None
 
 
-class ProfilerCallback(Callback):
+class ProfilerCallback(ClosedAtTheEnd):
     """torch.profiler windows (`profile:`), one trace per rank and window."""
 
     profiler: observe.StepProfiler | None = None
@@ -126,13 +133,7 @@ class ProfilerCallback(Callback):
     def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
         self.profiler.after_step()
 
-    def on_run_end(self, run: Any, status: str) -> None:
-        self._close()
-
-    def on_failure(self, run: Any, error: BaseException) -> None:
-        self._close()
-
-    def _close(self) -> None:
+    def close(self) -> None:
         if self.profiler is not None:
             self.profiler.close()
 
@@ -190,7 +191,7 @@ def peak_flops(peak_tflops: float | None, device: torch.device) -> float | None:
     return None
 
 
-class Stragglers(Callback):
+class Stragglers(ClosedAtTheEnd):
     """With several ranks: at each logged step the run's metrics get the worst rank's data
     wait (`data_wait_max`) and peak memory, and `slowest_rank`; each rank's own log line gets
     its `arrival_lag` (the share of the window the others waited for it at collectives)."""
@@ -221,13 +222,7 @@ class Stragglers(Callback):
         metrics["data_wait_max"] = max(r[0] for r in ranks)
         metrics["peak_memory_mib"] = max(r[2] for r in ranks)
 
-    def on_run_end(self, run: Any, status: str) -> None:
-        self._remove()
-
-    def on_failure(self, run: Any, error: BaseException) -> None:
-        self._remove()
-
-    def _remove(self) -> None:
+    def close(self) -> None:
         if self.clock is not None:
             self.clock.remove()
             self.clock = None
