@@ -1,7 +1,9 @@
 """`llmtrain run` with `model: {kind: moe-tiny}` end to end on CPU, the plugin found through its
 entry point: one process learns; 2 gloo ranks under torchrun (FSDP, TP, PP) log the same numbers
 as one process with the same micro-batches per rank; `llmtrain eval`, `generate` and `estimate`
-take the model too. Each run is a real `python -m llmtrain` subprocess (auxiliary losses on)."""
+take the model too. Each run is a real `python -m llmtrain` subprocess (auxiliary losses on) with
+the `moe_router_stats` callback, whose figures of the whole global batch's last micro-batches
+are the same at every layout as in one process."""
 
 from __future__ import annotations
 
@@ -23,6 +25,16 @@ MODEL = {
     "aux_loss_weight": 0.01,
     "router_z_loss": 0.001,
 }
+CALLBACKS = [{"kind": "moe_router_stats"}]
+ROUTER_KEYS = [
+    f"moe/{where}{key}"
+    for where in ("layer0/", "layer1/", "")
+    for key in ("balance_loss", "max_load", "dropped_share", "z_loss")
+]
+# The z-loss is continuous in the weights, like the loss. The loads count top-k choices (512 a
+# layer in the reference's micro-batch): one choice flipped between layouts by float32 rounding
+# would move max_load by 4/512 and the balance loss by far less
+ROUTER_RTOL = {"z_loss": RTOL, "balance_loss": 1e-3, "max_load": 2e-2, "dropped_share": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +47,7 @@ def _run_one_process(data, tmp, name: str, micro_batch: int) -> dict:
     config["model"] = dict(MODEL)
     config["data"]["micro_batch"] = micro_batch
     config["training"] = {"steps": STEPS, "log_every": 1}
+    config["callbacks"] = CALLBACKS
     path = ts.write_config(tmp / f"{name}.yaml", config)
     proc = ts.run(ts.llmtrain("run", path), timeout=180)
     run_dir = tmp / "runs" / name
@@ -86,6 +99,8 @@ def test_two_ranks_log_the_same_numbers_as_one_process(reference, layout, overri
     assert list(got) == list(range(1, STEPS + 1))
     ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
     assert got[STEPS]["loss"] < got[1]["loss"] - 1.0
+    # FSDP: each rank routes half the batch, and the counts of both make the whole one's
+    assert_same_router_stats(reference["metrics"], got)
 
 
 def test_pipeline_logs_the_same_numbers_as_one_process_with_as_many_micro_batches(accumulated):
@@ -95,6 +110,31 @@ def test_pipeline_logs_the_same_numbers_as_one_process_with_as_many_micro_batche
     assert ts.error_lines(proc.stderr) == []
     got = ts.by_step(ts.read_metrics(accumulated["tmp"] / "runs" / "two-pp"))
     ts.assert_close_runs(accumulated["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
+    # each stage holds one layer; rank 0's metrics have both, of the last micro-batch
+    assert_same_router_stats(accumulated["metrics"], got)
+
+
+def assert_same_router_stats(expected: dict[int, dict], got: dict[int, dict]) -> None:
+    assert list(got) == list(expected)
+    for key in ROUTER_KEYS:
+        ts.assert_close_runs(expected, got, ROUTER_RTOL[key.rsplit("/", 1)[1]], [key])
+
+
+def test_router_statistics_are_logged_at_every_step(reference):
+    metrics = reference["metrics"]
+    for step, line in metrics.items():
+        router = {k: v for k, v in line.items() if k.startswith("moe/")}
+        assert sorted(router) == sorted(ROUTER_KEYS), step
+        for layer in ("layer0/", "layer1/", ""):
+            assert router[f"moe/{layer}dropped_share"] == 0.0  # dropless
+            assert 1.0 - 1e-6 <= router[f"moe/{layer}balance_loss"] <= 4.0
+            assert 1.0 <= router[f"moe/{layer}max_load"] <= 4.0
+            assert router[f"moe/{layer}z_loss"] > 0.0
+    means = [
+        (metrics[s]["moe/layer0/balance_loss"] + metrics[s]["moe/layer1/balance_loss"]) / 2
+        for s in metrics
+    ]
+    assert [metrics[s]["moe/balance_loss"] for s in metrics] == pytest.approx(means, rel=1e-12)
 
 
 def test_aux_weight_counts_per_micro_batch(reference, accumulated):
