@@ -9,13 +9,8 @@ import sys
 
 from support import ROOT, run
 
-DISTS = [
-    "llmtrain",
-    *(
-        f"llmtrain-{p}"
-        for p in ("core-mesh", "data-pack", "models", "parallel", "checkpoint", "train-loop")
-    ),
-]
+PACKAGES = ("core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop")
+DISTS = ["llmtrain", *(f"llmtrain-{p}" for p in PACKAGES)]
 
 
 def test_help_does_not_import_torch():
@@ -36,6 +31,7 @@ def test_builtin_plugins_are_healthy():
     assert ("command", "config", "train_loop") in rows
     assert {("command", name, "data_pack") for name in ["data"]} <= rows
     assert {("command", name, "checkpoint") for name in ["export", "checkpoints"]} <= rows
+    assert {("command", name, "ablate") for name in ["compare", "plot", "profile", "ranks"]} <= rows
     assert {("tokenizer", name, "data_pack") for name in ["bytes", "hf", "tiktoken"]} <= rows
     assert ("parallel", "default", "parallel") in rows
     listed = json.loads(run(["llmtrain", "plugins", "--json"]).stdout)

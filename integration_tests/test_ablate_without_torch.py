@@ -1,0 +1,72 @@
+"""A real sweep read back on a machine without torch: `pip install llmtrain-core-mesh
+llmtrain-ablate` into a fresh venv (torch not importable there), and `llmtrain compare` and
+`llmtrain ranks` print what they print here, with every package installed. `plot` there asks for
+the `[plot]` extra instead of failing on an import."""
+
+from __future__ import annotations
+
+import pytest
+import train_support as ts
+from support import ROOT, run
+
+pytestmark = pytest.mark.slow
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """`llmtrain sweep --grid model.n_layers=1,2 --seeds 2` of 6-step runs, here (with torch)."""
+    work = tmp_path_factory.mktemp("ablate")
+    data = ts.pack_corpus(work / "data")
+    config = ts.run_config(data, work / "unused", "abl")
+    config["data"]["eval"]["every"] = 3
+    config["training"].update(steps=STEPS, log_every=1, checkpoint_every=STEPS)
+    base = ts.write_config(work / "base.yaml", config)
+    cmd = ts.llmtrain("sweep", base, "--grid", "model.n_layers=1,2", "--seeds", 2)
+    ts.run([*cmd, "--dir", work / "sweeps"], timeout=600)
+    return work / "sweeps" / "abl"
+
+
+@pytest.fixture(scope="module")
+def light_venv(tmp_path_factory):
+    """core-mesh and ablate with their declared dependencies, nothing else."""
+    env_dir = tmp_path_factory.mktemp("ablate-venv") / "venv"
+    run(["uv", "venv", "-q", str(env_dir)])
+    python = str(env_dir / "bin" / "python")
+    packages = [str(ROOT / "packages" / name) for name in ("core-mesh", "ablate")]
+    run(["uv", "pip", "install", "-q", "--python", python, *packages])
+    return env_dir
+
+
+def test_the_light_venv_has_no_torch(light_venv):
+    probe = "import importlib.util as u; print(u.find_spec('torch'), u.find_spec('matplotlib'))"
+    assert run([str(light_venv / "bin" / "python"), "-c", probe]).stdout == "None None\n"
+
+
+def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
+    for run_dir in sorted(p for p in sweep.iterdir() if p.is_dir()):
+        written = {"config.yaml", "metrics.jsonl", "summary.json", "logs/rank0.jsonl"}
+        assert all((run_dir / name).is_file() for name in written), run_dir
+    light = str(light_venv / "bin" / "llmtrain")
+    one_run = sweep / "n_layers=2,seed=1"
+    for args in (
+        ("compare", sweep),
+        ("compare", sweep, "--per-run", "--format", "csv"),
+        ("compare", *sorted(p for p in sweep.iterdir() if p.is_dir()), "--format", "markdown"),
+        ("ranks", one_run),
+    ):
+        here = ts.run(ts.llmtrain(*args), timeout=60).stdout
+        there = run([light, *map(str, args)], timeout=60).stdout
+        assert there == here, args
+    table = run([light, "compare", sweep], timeout=60).stdout.splitlines()
+    assert table[0].split()[:4] == ["n_layers", "runs", "status", "final_eval_loss"]
+    rows = [line.split()[:4] for line in table[2:]]
+    assert rows == [["1", "2", "2", "finished"], ["2", "2", "2", "finished"]]
+
+
+def test_plot_without_matplotlib_names_the_extra(sweep, light_venv, tmp_path):
+    light = str(light_venv / "bin" / "llmtrain")
+    proc = run([light, "plot", sweep, "-o", tmp_path / "x.png"], check=False, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'llmtrain-ablate[plot]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
