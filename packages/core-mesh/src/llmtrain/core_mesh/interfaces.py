@@ -280,7 +280,8 @@ class TrainingRun(Protocol):
     - `model`: the parallelized model; `description`: what the model said about itself;
     - `step`: optimizer steps applied so far; `total_steps`; `global_batch` (sequences per step);
     - `plan`: this rank's data order (`plan.step(i)`: its sample indices of 0-based step `i`, one
-      array per micro-batch);
+      array per micro-batch); `train_data`: the training windows (data-pack's `WindowDataset`:
+      `sampler.lookup(samples)` gives each sample's dataset and window);
     - `counters`: the values checkpoints carry (`step`, `tokens`, `elapsed_s`, ...);
     - `data_wait_s`, `sync_wait_s`: seconds this rank has waited for data and at each step's
       first collective, since the process started;
@@ -321,6 +322,9 @@ class TrainingRun(Protocol):
 
     @property
     def plan(self) -> Any: ...
+
+    @property
+    def train_data(self) -> Any: ...
 
     @property
     def counters(self) -> Any: ...

@@ -117,7 +117,7 @@ class LossSpikeMonitor(Callback):
             by_data_rank.setdefault(int(data_rank), rank_loss)  # ranks sharing data share it
         rank_losses = [by_data_rank.get(r, math.nan) for r in range(model.data_world)]
         samples = [micro.tolist() for micro in run.plan.step(step - 1)]
-        sampler = getattr(getattr(run, "train_data", None), "sampler", None)
+        sampler = run.train_data.sampler
         fields: dict[str, Any] = {
             "step": step,
             "loss": loss,
@@ -125,9 +125,9 @@ class LossSpikeMonitor(Callback):
             "data_rank": model.data_rank,
             "samples": samples,
         }
-        if sampler is not None:  # which dataset and window each sample read
-            sources, windows = sampler.lookup([s for micro in samples for s in micro])
-            fields.update(sources=sources.tolist(), windows=windows.tolist())
+        # which dataset and window each sample read
+        sources, windows = sampler.lookup([s for micro in samples for s in micro])
+        fields.update(sources=sources.tolist(), windows=windows.tolist())
         if run.world.is_main:
             start, end = (step - 1) * run.global_batch, step * run.global_batch
             finite = [r for r, x in enumerate(rank_losses) if math.isfinite(x)]
@@ -141,9 +141,9 @@ class LossSpikeMonitor(Callback):
                 f"of the data order; data rank {highest} has the highest loss; each rank's "
                 "log names its samples",
             )
-            if sampler is not None:  # passes over each dataset before this batch
-                epochs = [int(e) for e in sampler.epochs_at(start)]
-                fields["epoch"] = epochs[0] if len(epochs) == 1 else epochs
+            # passes over each dataset before this batch
+            epochs = [int(e) for e in sampler.epochs_at(start)]
+            fields["epoch"] = epochs[0] if len(epochs) == 1 else epochs
         log.warning("loss.spike", **fields)
 
 
