@@ -27,11 +27,10 @@ import attrs
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, load_config
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.parallel.options import ParallelOptions
-from llmtrain.train_loop.run_config import RunConfig, resolved
+from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MIB = 2**20
@@ -159,7 +158,7 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
     param_bytes = DTYPE_BYTES[options.param_dtype]
     reduce_bytes = DTYPE_BYTES[options.reduce_dtype]
 
-    model_options: ModelOptions = plugins.options_of("model", config.model)
+    model_options = checked_model_options(plugins, config.model)
     if seq > model_options.max_seq_len:
         raise ConfigValueError(
             "seq_len",

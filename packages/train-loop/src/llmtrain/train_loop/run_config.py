@@ -13,6 +13,9 @@ from typing import Any, Literal
 import attrs
 
 from llmtrain.core_mesh.config import YAML_KEY, Choice, ConfigValueError
+from llmtrain.core_mesh.conformance import protocol_mismatches
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.mesh import MeshSpec
 
 
@@ -278,3 +281,18 @@ def resolved(config: RunConfig, plugins: Any) -> RunConfig:
         loggers=[fill("logger", choice) for choice in config.loggers],
         callbacks=[fill("callback", choice) for choice in config.callbacks],
     )
+
+
+def checked_model_options(plugins: Any, choice: Any) -> ModelOptions:
+    """The `model:` section's options, checked to offer what training reads of them
+    (`ModelOptions`), so a model plugin that lacks one hears which, not an AttributeError."""
+    options = plugins.options_of("model", choice)
+    missing = [m.split(":")[0] for m in protocol_mismatches(type(options), ModelOptions)]
+    if missing:
+        entry = plugins.registry("model").get(choice.kind)
+        raise UserError(
+            f"model: kind {choice.kind!r} of {entry.origin.describe()} has options "
+            f"({type(options).__name__}) without {', '.join(missing)}; a model plugin's options "
+            "class must provide them (llmtrain.core_mesh.interfaces.ModelOptions)"
+        )
+    return options

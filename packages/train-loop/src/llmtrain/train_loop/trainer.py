@@ -24,7 +24,7 @@ from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
 from llmtrain.core_mesh.config import ConfigValueError, dump_config, make_converter, unstructure
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel, ParallelStrategy, RunInfo
+from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo
 from llmtrain.core_mesh.logs import configure_logging
 from llmtrain.core_mesh.mesh import build_device_mesh
 from llmtrain.core_mesh.plugins import PluginManager
@@ -40,7 +40,7 @@ from llmtrain.train_loop import callbacks, observe, warm_start
 from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 from llmtrain.train_loop.prefetch import Prefetcher
-from llmtrain.train_loop.run_config import RunConfig, resolved
+from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
 from llmtrain.train_loop.saved_model import model_info
 from llmtrain.train_loop.schedules import WarmupOptions, constant
 
@@ -69,7 +69,7 @@ class Trainer:
         device_type = default_device_type() if c.device == "auto" else c.device
         if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
-        self.model_options: ModelOptions = plugins.options_of("model", c.model)
+        self.model_options = checked_model_options(plugins, c.model)
         with torch.device("meta"):
             meta_model = plugins.build("model", c.model)
         self.description = meta_model.describe()
