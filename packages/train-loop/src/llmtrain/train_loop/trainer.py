@@ -125,7 +125,8 @@ class Trainer:
             raise
 
     def _build(self, spec, epochs, tokens_per_step, console, resume: bool | None) -> None:
-        """The recipe after the process group: logs, seeds, model, optimizers, resume, loggers."""
+        """The recipe after the process group: logs, seeds, model, optimizers, callbacks, resume,
+        loggers."""
         c, plugins = self.config, self.plugins
         configure_logging(
             rank=self.world.rank,
