@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TextIO
 
 import numpy as np
 import structlog
@@ -22,7 +22,13 @@ import torch
 from llmtrain.checkpoint.manager import Checkpointer, KeepPolicy
 from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
-from llmtrain.core_mesh.config import ConfigValueError, dump_config, make_converter, unstructure
+from llmtrain.core_mesh.config import (
+    Choice,
+    ConfigValueError,
+    dump_config,
+    make_converter,
+    unstructure,
+)
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo
 from llmtrain.core_mesh.logs import configure_logging
@@ -58,7 +64,7 @@ class Trainer:
         plugins: PluginManager,
         *,
         resume: bool | None = None,
-        console: Any = None,
+        console: TextIO | None = None,
     ):
         c = self.config = resolved(config, plugins)
         self.plugins = plugins
@@ -542,7 +548,7 @@ def provenance_header() -> str:
     return "\n".join([lines[0], *sorted(set(lines[1:]))]) + "\n"
 
 
-def initial_model(plugins: PluginManager, choice: Any, seed: int) -> torch.nn.Module:
+def initial_model(plugins: PluginManager, choice: Choice, seed: int) -> torch.nn.Module:
     """The whole model initialised on CPU from the run seed: the same on every process (the
     weights a run with `training.init: full` starts from)."""
     with torch.device("meta"):
