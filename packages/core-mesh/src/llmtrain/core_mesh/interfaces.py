@@ -39,6 +39,56 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+TASK_SCORINGS = ("multiple_choice", "cloze", "perplexity")
+
+
+@attrs.frozen
+class TaskItem:
+    """One question of a downstream task, as prompts: each choice's text is scored by its
+    log-likelihood after its context (`delimiter + choice`, the delimiter lm-evaluation-harness
+    calls the target delimiter).
+
+    `contexts` holds one context shared by every choice or one per choice (Winogrande's
+    partial scoring: one shared choice after different contexts). A cloze item has one context
+    and one choice (the answer); a perplexity item has the empty context and the document as
+    its one choice. `where` names the source (`file:line`) in errors and per-item results.
+    """
+
+    contexts: tuple[str, ...]
+    choices: tuple[str, ...]
+    gold: int = 0
+    delimiter: str = " "
+    where: str = ""
+
+    @property
+    def n_options(self) -> int:
+        return max(len(self.contexts), len(self.choices))
+
+    def context(self, option: int) -> str:
+        return self.contexts[option if len(self.contexts) > 1 else 0]
+
+    def choice(self, option: int) -> str:
+        return self.choices[option if len(self.choices) > 1 else 0]
+
+
+class Task(Protocol):
+    """A downstream evaluation task: what a `task` plugin entry's `target(options)` returns.
+
+    `scoring` is one of `TASK_SCORINGS`: `multiple_choice` (acc, acc_norm), `cloze` (greedy
+    accuracy of the answer, perplexity) or `perplexity` (rolling log-likelihood of documents).
+    `items()` gives the prompts ready to score (few-shot examples included), reading and
+    checking the task's files on the first call; bad input raises `UserError` naming file:line.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def scoring(self) -> str: ...
+
+    def items(self) -> Sequence[TaskItem]: ...
+
+
 @runtime_checkable
 class WindowSource(Protocol):
     """A random-access sequence of token windows of `seq_len + 1` tokens (numpy int arrays)."""

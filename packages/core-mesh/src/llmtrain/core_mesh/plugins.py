@@ -40,6 +40,7 @@ KINDS: dict[str, str] = {
     "command": "llmtrain_commands",
     "weights": "llmtrain_weight_formats",
     "callback": "llmtrain_callbacks",
+    "task": "llmtrain_tasks",
 }
 
 Register = Callable[..., None]
@@ -88,6 +89,12 @@ class Hookspecs:
     def llmtrain_callbacks(self, register: Register) -> None:
         """Register training callbacks (`callbacks: [{kind: NAME, ...}]` in a run config);
         target: `target(options)` returns a `llmtrain.core_mesh.interfaces.Callback`."""
+
+    @hookspec
+    def llmtrain_tasks(self, register: Register) -> None:
+        """Register downstream evaluation tasks (HellaSwag, ARC, ...; `llmtrain eval-tasks` and
+        the `downstream` callback); target: `target(options)` returns a
+        `llmtrain.core_mesh.interfaces.Task`."""
 
 
 @attrs.frozen

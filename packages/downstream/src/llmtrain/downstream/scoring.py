@@ -1,0 +1,179 @@
+"""Running score requests through a model: on one process (a plain module) or under any
+parallel layout (a `ParallelModel`: FSDP, TP, PP, CP and their mixes).
+
+Rows are sorted by length (longest first, so a batch's padding is small) and batched; each
+row yields the summed log-probability of its scored tokens and how many of them were not the
+model's greedy choice. Under data parallelism each data rank scores the options of its share of
+the items, every rank runs the same number of batches (the collectives of FSDP need it), and
+the results are gathered over the data ranks and checked: every request scored exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmtrain.core_mesh.interfaces import ParallelModel
+from llmtrain.downstream.requests import Request
+
+IGNORE = -100  # targets that are not scored
+
+
+@attrs.frozen
+class Score:
+    """A request's result: the summed log-probability of its scored tokens, whether every one
+    of them was the model's greedy choice, and how many there were."""
+
+    loglikelihood: float
+    greedy: bool
+    tokens: int
+
+
+def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(B, 2): per row, the summed log-probability of the scored targets and the count of those
+    that were not the arg-max. Only the scored positions are normalised (a full log-softmax
+    over (B, T, vocab) would not fit for long rows)."""
+    if hasattr(logits, "full_tensor"):  # a vocabulary-sharded DTensor (TP's loss parallelism)
+        logits = logits.full_tensor()
+    counted = targets != IGNORE
+    picked = logits[counted].float()
+    wanted = targets[counted]
+    logp = -F.cross_entropy(picked, wanted, reduction="none")
+    missed = (picked.argmax(-1) != wanted).float()
+    rows = counted.nonzero()[:, 0]
+    out = torch.zeros(targets.size(0), 2, device=logits.device)
+    out[:, 0].index_add_(0, rows, logp)
+    out[:, 1].index_add_(0, rows, missed)
+    return out
+
+
+Runner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def module_runner(model: torch.nn.Module) -> Runner:
+    """Scores rows with a whole model on one process."""
+
+    @torch.no_grad()
+    def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return row_scores(model(tokens), targets)
+
+    return run
+
+
+def parallel_runner(model: ParallelModel) -> Runner:
+    """Scores rows with a model laid out over the mesh: its `evaluate` runs the layout's
+    forward (pipeline schedule, sequence shards, ...) with a loss function that also keeps the
+    per-row scores; the stages and sequence shards that saw part of a row are summed."""
+
+    def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        kept: list[torch.Tensor] = []
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            scores = row_scores(logits, target)
+            kept.append(scores.detach())
+            return -scores[:, 0].sum()
+
+        model.evaluate(tokens, targets, loss_fn)
+        if kept:  # the last pipeline stage: one entry per micro-batch, in order
+            scores = torch.cat(kept)
+        else:
+            scores = torch.zeros(tokens.size(0), 2, device=tokens.device)
+        if scores.size(0) != tokens.size(0):
+            raise RuntimeError(f"scored {scores.size(0)} rows of a batch of {tokens.size(0)}")
+        for dim in ("pp", "cp"):
+            if model.size(dim) > 1:
+                dist.all_reduce(scores, group=model.dim(dim).get_group())
+        return scores
+
+    return run
+
+
+@attrs.frozen
+class Batching:
+    """How rows become batches. `rows`: rows per batch. `length`: pad every batch to this many
+    tokens (pipelines and compiled models want one shape); None pads to the batch's longest row,
+    rounded up to `multiple` (context parallelism needs 2 x cp)."""
+
+    rows: int = 16
+    length: int | None = None
+    multiple: int = 1
+
+
+def batch_tensors(
+    rows: Sequence[Request], batching: Batching, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, targets) of `batching.rows` rows (empty rows are padding and score nothing)."""
+    longest = max((len(r.tokens) - 1 for r in rows), default=1)
+    length = batching.length or -(-max(longest, 1) // batching.multiple) * batching.multiple
+    tokens = torch.zeros(batching.rows, length, dtype=torch.long)
+    targets = torch.full((batching.rows, length), IGNORE, dtype=torch.long)
+    for b, request in enumerate(rows):
+        ids = torch.tensor(request.tokens, dtype=torch.long)
+        n = ids.numel() - 1
+        tokens[b, :n] = ids[:-1]
+        if request.scored:
+            targets[b, n - request.scored : n] = ids[n - request.scored + 1 :]
+    return tokens.to(device), targets.to(device)
+
+
+@attrs.frozen
+class DataSplit:
+    """Which share of the items this rank scores and how to gather: `rank` of `world` data
+    ranks, `group` the process group over them (None on one process)."""
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None
+
+
+def score(
+    requests: Sequence[Request],
+    runner: Runner,
+    batching: Batching,
+    device: Any,
+    split: DataSplit = DataSplit(),
+) -> list[Score]:
+    """Every request's score, in the order given (the same list on every rank)."""
+    mine = [i for i, r in enumerate(requests) if r.item % split.world == split.rank]
+    mine.sort(key=lambda i: -len(requests[i].tokens))
+    batches = [mine[s : s + batching.rows] for s in range(0, len(mine), batching.rows)]
+    n_batches = _most(len(batches), split, device)
+    results: list[tuple[int, float, float, int]] = []
+    for b in range(n_batches):
+        chosen = batches[b] if b < len(batches) else []
+        tokens, targets = batch_tensors([requests[i] for i in chosen], batching, device)
+        scores = runner(tokens, targets).cpu().tolist()
+        results += [(i, *scores[row], requests[i].scored) for row, i in enumerate(chosen)]
+    return _gathered(results, len(requests), split)
+
+
+def _most(count: int, split: DataSplit, device: Any) -> int:
+    if split.world == 1:
+        return count
+    value = torch.tensor([count], dtype=torch.long, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=split.group)
+    return int(value.item())
+
+
+def _gathered(results: list, total: int, split: DataSplit) -> list[Score]:
+    if split.world > 1:
+        shares: list[Any] = [None] * split.world
+        dist.all_gather_object(shares, results, group=split.group)
+        results = [r for share in shares for r in share]
+    seen = sorted(r[0] for r in results)
+    if seen != list(range(total)):
+        lost = sorted(set(range(total)) - set(seen))
+        twice = len(seen) - len(set(seen))
+        raise RuntimeError(
+            f"downstream scoring gathered {len(seen)} results for {total} requests "
+            f"({len(lost)} missing, {twice} twice): a bug"
+        )
+    scores: list[Score | None] = [None] * total
+    for index, loglikelihood, missed, scored in results:
+        scores[index] = Score(loglikelihood, missed == 0, scored)
+    return scores  # type: ignore[return-value]
