@@ -15,8 +15,20 @@ import nox
 ROOT = Path(__file__).parent
 PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
 CONSTRAINTS = ("-c", str(ROOT / "constraints.txt"))
-PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
-SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint", "ablate"]}
+PACKAGES = [
+    "core-mesh",
+    "data-pack",
+    "models",
+    "parallel",
+    "checkpoint",
+    "ablate",
+    "downstream",
+    "train-loop",
+]
+SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint", "ablate", "downstream"]}
+# siblings a package's own tests use (not its code): downstream's tests score a real model
+# with a real tokenizer
+TEST_SIBLINGS = {"downstream": ["data-pack", "models"]}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
 EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot]"}
 TEST_GROUPS = {
@@ -66,7 +78,7 @@ def pytest(session: nox.Session, *paths: str) -> None:
 def make_package_session(package: str) -> None:
     @nox.session(name=package)
     def run(session: nox.Session) -> None:
-        deps = ["core-mesh", *SIBLINGS.get(package, []), package]
+        deps = ["core-mesh", *SIBLINGS.get(package, []), *TEST_SIBLINGS.get(package, []), package]
         tests = [dep for name in ["test", *TEST_GROUPS.get(package, [])] for dep in group(name)]
         session.install(*CONSTRAINTS, *package_paths(*dict.fromkeys(deps)), *tests)
         # the shared checks: installs alone, one namespace, one version, torch only where allowed

@@ -15,11 +15,23 @@ from typing import NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ["core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
+PACKAGES = [
+    "core-mesh",
+    "data-pack",
+    "models",
+    "parallel",
+    "checkpoint",
+    "ablate",
+    "downstream",
+    "train-loop",
+]
 # Which llmtrain siblings each package may depend on and import (ARCHITECTURE.md "Packages and
 # dependencies").
 ALLOWED = {"core-mesh": set(), "train-loop": set(PACKAGES) - {"train-loop"}}
-ALLOWED |= {p: {"core-mesh"} for p in ("data-pack", "models", "parallel", "checkpoint", "ablate")}
+ALLOWED |= {
+    p: {"core-mesh"}
+    for p in ("data-pack", "models", "parallel", "checkpoint", "ablate", "downstream")
+}
 NO_TORCH_DEP = {"core-mesh", "data-pack", "ablate"}  # none may declare torch
 NEVER_TORCH = {"data-pack", "ablate"}  # not even a lazy import inside a function
 LAZY_TORCH_ONLY = {"core-mesh"}  # torch only inside functions, never at import time
