@@ -160,6 +160,7 @@ def test_entry_points_load_the_builtin_plugin():
         "command",
         "weights",
         "callback",
+        "task",
     }
 
 
