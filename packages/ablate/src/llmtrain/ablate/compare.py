@@ -2,7 +2,8 @@
 
 Rows are runs that differ in more than their seed; runs that differ only in `seed` (or
 `data.seed`) are one row with mean ± sample std over the seeds. Results come from each run's
-`metrics.jsonl` and `summary.json`.
+`metrics.jsonl` and `summary.json`. Besides the fixed columns, any logged metric (`--metric`;
+every `downstream/<task>/<metric>` with `--downstream`) gets a final and a best column.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import math
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -20,9 +22,13 @@ import attrs
 
 from llmtrain.ablate.runs import (
     SEED_KEYS,
+    STDERR,
     Run,
+    downstream_metrics,
     find_runs,
     group_by_settings,
+    higher_is_better,
+    is_number,
     short_keys,
     shown,
     varied_keys,
@@ -33,15 +39,63 @@ from llmtrain.core_mesh.errors import UserError
 
 @attrs.frozen
 class Result:
-    """A result column: its name, how to read it from one run, how to show a value."""
+    """A result column: its name, how to read it from one run, how to show a value; where the
+    run logged one, the value's standard error; which way `--sort` puts the best first."""
 
     name: str
     read: Callable[[Run], float | None]
     fmt: Callable[[float], str]
+    stderr: Callable[[Run], float | None] | None = None
+    higher_is_better: bool = False
 
 
-def _eval_losses(run: Run) -> list[float]:
-    return [m["eval_loss"] for m in run.metrics if "eval_loss" in m]
+Point = tuple[float, float | None]  # a logged value and the stderr logged beside it
+
+
+def _points(run: Run, metric: str) -> list[Point]:
+    return [
+        (float(m[metric]), m.get(metric + STDERR) if is_number(m.get(metric + STDERR)) else None)
+        for m in run.metrics
+        if is_number(m.get(metric))
+    ]
+
+
+def _final(run: Run, metric: str) -> Point | None:
+    points = _points(run, metric)
+    return points[-1] if points else None
+
+
+def _best(run: Run, metric: str) -> Point | None:
+    """The highest value for an accuracy, else the lowest; NaNs (a diverged run) left out."""
+    points = [p for p in _points(run, metric) if not math.isnan(p[0])]
+    if not points:
+        return None
+    pick = max if higher_is_better(metric) else min
+    return pick(points, key=lambda p: p[0])
+
+
+def _number(value: float) -> str:
+    return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"
+
+
+def metric_results(metric: str) -> list[Result]:
+    """`final_<metric>` (its last logged value) and `best_<metric>` (the highest for
+    accuracies, the lowest for losses, perplexities, bits per byte), each with the
+    `<metric>_stderr` logged at the same step."""
+    higher = higher_is_better(metric)
+    results = []
+    for prefix, choose in (("final", _final), ("best", _best)):
+
+        def read(run: Run, choose=choose) -> float | None:
+            point = choose(run, metric)
+            return None if point is None else point[0]
+
+        def stderr(run: Run, choose=choose) -> float | None:
+            point = choose(run, metric)
+            return None if point is None else point[1]
+
+        results.append(Result(f"{prefix}_{metric}", read, _number, stderr, higher))
+    return results
 
 
 def _last(run: Run, key: str) -> float | None:
@@ -68,8 +122,7 @@ def _wall(run: Run) -> float | None:
 
 
 RESULTS = [
-    Result("final_eval_loss", lambda r: (_eval_losses(r) or [None])[-1], lambda v: f"{v:.4f}"),
-    Result("best_eval_loss", lambda r: min(_eval_losses(r), default=None), lambda v: f"{v:.4f}"),
+    *metric_results("eval_loss"),
     Result("final_loss", lambda r: _last(r, "loss"), lambda v: f"{v:.4f}"),
     Result("tokens", _tokens, lambda v: f"{v:,.0f}"),
     Result("tokens_per_s", lambda r: _steady(r, "tokens_per_s"), lambda v: f"{v:,.0f}"),
@@ -78,11 +131,22 @@ RESULTS = [
 ]
 
 
+def results_for(metrics: Sequence[str] = ()) -> list[Result]:
+    """RESULTS, then a final and a best column for each of `metrics` not among them."""
+    results = list(RESULTS)
+    for metric in metrics:
+        known = {r.name for r in results}
+        results += [r for r in metric_results(metric) if r.name not in known]
+    return results
+
+
 @attrs.frozen
 class Row:
     settings: dict[str, Any]
     runs: list[Run]
     values: dict[str, list[float]]  # result name -> one value per run that has it
+    stderrs: dict[str, list[float]] = attrs.Factory(dict)  # the same, for the logged stderrs
+    results: tuple[Result, ...] = tuple(RESULTS)  # the columns, in order
 
     @property
     def status(self) -> str:
@@ -100,9 +164,18 @@ class Row:
         mean = statistics.fmean(values)
         return mean, statistics.stdev(values) if len(values) > 1 else None
 
+    def stderr(self, name: str) -> float | None:
+        """The standard error logged beside the result (the mean over the seeds that have it)."""
+        values = self.stderrs.get(name, [])
+        return statistics.fmean(values) if values else None
 
-def table(runs: Sequence[Run], *, per_run: bool = False) -> tuple[list[str], list[Row]]:
-    """(the varied keys, one row per setting: seeds together unless `per_run`)."""
+
+def table(
+    runs: Sequence[Run], *, per_run: bool = False, metrics: Sequence[str] = ()
+) -> tuple[list[str], list[Row]]:
+    """(the varied keys, one row per setting: seeds together unless `per_run`). Each of
+    `metrics` adds `final_<metric>` and `best_<metric>` columns (`metric_results`)."""
+    results = results_for(metrics)
     keys = varied_keys(runs)
     if per_run:
         groups = [({k: run.settings.get(k) for k in keys}, [run]) for run in runs]
@@ -112,20 +185,31 @@ def table(runs: Sequence[Run], *, per_run: bool = False) -> tuple[list[str], lis
     rows = []
     for settings, members in groups:
         values: dict[str, list[float]] = {}
-        for result in RESULTS:
+        stderrs: dict[str, list[float]] = {}
+        for result in results:
             got = [result.read(run) for run in members]
             values[result.name] = [float(v) for v in got if v is not None]
-        rows.append(Row(settings, members, values))
+            if result.stderr is not None:
+                errors = [result.stderr(run) for run in members]
+                stderrs[result.name] = [float(e) for e in errors if e is not None]
+        rows.append(Row(settings, members, values, stderrs, tuple(results)))
     return keys, rows
 
 
 def render(keys: Sequence[str], rows: Sequence[Row], fmt: str, *, sort: str | None = None) -> str:
-    results = [r for r in RESULTS if any(row.values[r.name] for row in rows)]
+    """`fmt`: table, markdown or csv. `sort` a result column: the lowest first, or the highest
+    where higher is better (accuracies)."""
+    columns = rows[0].results if rows else RESULTS
+    results = [r for r in columns if any(row.values[r.name] for row in rows)]
     if sort is not None:
-        known = [r.name for r in results]
-        if sort not in known:
-            raise UserError(f"--sort {sort}: not a result column here; one of {', '.join(known)}")
-        rows = sorted(rows, key=lambda row: (row.stats(sort)[0] is None, row.stats(sort)[0] or 0))
+        by_name = {r.name: r for r in results}
+        if sort not in by_name:
+            known = ", ".join(by_name)
+            raise UserError(f"--sort {sort}: not a result column here; one of {known}")
+        sign = -1.0 if by_name[sort].higher_is_better else 1.0
+        rows = sorted(
+            rows, key=lambda row: (row.stats(sort)[0] is None, sign * (row.stats(sort)[0] or 0))
+        )
     short = short_keys(keys)
     seeds = any(len(row.runs) > 1 for row in rows)
     if fmt == "csv":
@@ -136,14 +220,7 @@ def render(keys: Sequence[str], rows: Sequence[Row], fmt: str, *, sort: str | No
     for row in rows:
         cells = [shown(row.settings[k]) for k in keys] or [row.runs[0].name]
         cells += [*([str(len(row.runs))] if seeds else []), row.status]
-        for result in results:
-            mean, std = row.stats(result.name)
-            if mean is None:
-                cells.append("")
-            elif std is None or std == 0:
-                cells.append(result.fmt(mean))
-            else:
-                cells.append(f"{result.fmt(mean)} ± {result.fmt(std)}")
+        cells += [_cell(row, result) for result in results]
         body.append(cells)
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     if fmt == "markdown":
@@ -163,13 +240,29 @@ def render(keys: Sequence[str], rows: Sequence[Row], fmt: str, *, sort: str | No
     return "\n".join(lines) + "\n"
 
 
+def _cell(row: Row, result: Result) -> str:
+    """mean ± std over seeds; a value from one run ± the stderr logged beside it; blank where
+    no run has it."""
+    mean, std = row.stats(result.name)
+    if mean is None:
+        return ""
+    if std is None:
+        std = row.stderr(result.name)
+    if std is None or std == 0:
+        return result.fmt(mean)
+    return f"{result.fmt(mean)} ± {result.fmt(std)}"
+
+
 def _csv(keys: Sequence[str], short: dict[str, str], rows: Sequence[Row], results) -> str:
-    """Plain numbers: `<result>` is the mean over seeds, `<result>_std` the sample std."""
+    """Plain numbers: `<result>` is the mean over seeds, `<result>_std` the sample std and,
+    for results with a logged stderr, `<result>_stderr` (its mean over the seeds)."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     header = ["run_dirs", *keys, "runs", "status"]
     for result in results:
         header += [result.name, f"{result.name}_std"]
+        if result.stderr is not None:
+            header.append(f"{result.name}{STDERR}")
     writer.writerow(header)
     for row in rows:
         line: list[Any] = [";".join(str(run.path) for run in row.runs)]
@@ -178,6 +271,9 @@ def _csv(keys: Sequence[str], short: dict[str, str], rows: Sequence[Row], result
         for result in results:
             mean, std = row.stats(result.name)
             line += ["" if mean is None else repr(mean), "" if std is None else repr(std)]
+            if result.stderr is not None:
+                stderr = row.stderr(result.name)
+                line.append("" if stderr is None else repr(stderr))
         writer.writerow(line)
     return out.getvalue()
 
@@ -196,9 +292,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="default: from -o's suffix (.md, .csv), else a terminal table",
     )
     parser.add_argument("-o", "--output", default=None, help="write to this file")
-    parser.add_argument("--sort", default=None, help="sort by a result, e.g. final_eval_loss")
+    parser.add_argument(
+        "--sort",
+        default=None,
+        help="sort by a result, e.g. final_eval_loss or best_downstream/hellaswag/acc_norm "
+        "(the best first: lowest loss, highest accuracy)",
+    )
     parser.add_argument(
         "--per-run", action="store_true", help="one row per run (no mean ± std over seeds)"
+    )
+    parser.add_argument(
+        "--metric",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a final_NAME and a best_NAME column for this logged metric, e.g. "
+        "downstream/hellaswag/acc_norm (repeatable)",
+    )
+    parser.add_argument(
+        "--downstream",
+        action="store_true",
+        help="final and best columns for every downstream/<task>/<metric> the runs logged",
     )
 
 
@@ -212,7 +326,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             )
         fmt = FORMATS[suffix]
     runs = find_runs(args.paths)
-    keys, rows = table(runs, per_run=args.per_run)
+    keys, rows = table(runs, per_run=args.per_run, metrics=_metrics(args, runs))
     text = render(keys, rows, fmt or "table", sort=args.sort)
     if args.output:
         path = Path(args.output)
@@ -224,3 +338,22 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _metrics(args: argparse.Namespace, runs: Sequence[Run]) -> list[str]:
+    """The metrics named by --metric (each logged by some run) and, with --downstream, every
+    downstream metric logged."""
+    for metric in args.metric:
+        if metric.endswith(STDERR):
+            raise UserError(
+                f"--metric {metric}: a stderr is shown beside its metric; "
+                f"use --metric {metric.removesuffix(STDERR)}"
+            )
+        if not any(metric in m for run in runs for m in run.metrics):
+            logged = downstream_metrics(runs)
+            hint = f"; downstream metrics logged: {', '.join(logged)}" if logged else ""
+            raise UserError(f"--metric {metric}: none of the {len(runs)} runs logged it{hint}")
+    found = downstream_metrics(runs) if args.downstream else []
+    if args.downstream and not found:
+        print("--downstream: none of the runs logged a downstream/ metric yet", file=sys.stderr)
+    return list(dict.fromkeys([*args.metric, *found]))

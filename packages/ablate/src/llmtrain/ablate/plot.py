@@ -1,19 +1,25 @@
 """`llmtrain plot`: loss curves of runs or sweeps, one line per run, labelled by what varies.
 
-One panel per metric (train `loss` and, where runs have it, `eval_loss`), against steps or
-tokens. Runs that differ only in their seed share a colour and one legend entry. matplotlib is an
-optional extra: `pip install 'llmtrain-ablate[plot]'`.
+One panel per metric (train `loss` and, where runs have it, `eval_loss`; any logged metric
+with `--metric`, every `downstream/<task>/<metric>` with `--downstream`), against steps or
+tokens, three panels a row. Runs that differ only in their seed share a colour and one legend
+entry; a metric logged with a `<metric>_stderr` gets a ± stderr band. matplotlib is an optional
+extra: `pip install 'llmtrain-ablate[plot]'`.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from llmtrain.ablate.runs import (
+    DOWNSTREAM,
+    STDERR,
     Run,
+    downstream_metrics,
     find_runs,
     group_by_settings,
     label,
@@ -25,6 +31,7 @@ from llmtrain.core_mesh.errors import UserError
 
 FORMATS = (".png", ".svg", ".pdf")
 TITLES = {"loss": "train loss", "eval_loss": "eval loss"}
+COLUMNS = 3  # panels a row
 
 
 def smooth(values: Sequence[float], weight: float) -> list[float]:
@@ -64,8 +71,13 @@ def plot(
     keys = varied_keys(runs)
     short = short_keys(keys)
     groups = group_by_settings(runs, keys)
-    fig = Figure(figsize=(6.0 * len(drawn), 4.2), layout="constrained")
-    axes = fig.subplots(1, len(drawn), squeeze=False)[0]
+    ncols = min(len(drawn), COLUMNS)
+    nrows = math.ceil(len(drawn) / ncols)
+    fig = Figure(figsize=(6.0 * ncols, 4.2 * nrows), layout="constrained")
+    grid = fig.subplots(nrows, ncols, squeeze=False).flat
+    axes = [next(grid) for _ in drawn]
+    for unused in grid:
+        unused.set_visible(False)
     colours = [f"C{i % 10}" for i in range(len(groups))]
     for ax, metric in zip(axes, drawn, strict=True):
         for (settings, members), colour in zip(groups, colours, strict=True):
@@ -85,13 +97,18 @@ def plot(
                     color=colour,
                     alpha=1.0 if len(members) == 1 else 0.7,
                     linewidth=1.4,
-                    marker="o" if metric == "eval_loss" else None,
+                    marker="o" if metric == "eval_loss" or metric.startswith(DOWNSTREAM) else None,
                     markersize=3,
                     label=shown_name,
                 )
+                stderr_xs, stderrs = run.series(metric + STDERR, x)
+                if stderr_xs == xs:  # logged beside every value
+                    low = [y - e for y, e in zip(ys, stderrs, strict=True)]
+                    high = [y + e for y, e in zip(ys, stderrs, strict=True)]
+                    ax.fill_between(xs, low, high, color=colour, alpha=0.15, linewidth=0)
         ax.set_xlabel("tokens" if x == "tokens" else "step")
         ax.set_ylabel(metric)
-        ax.set_title(TITLES.get(metric, metric))
+        ax.set_title(TITLES.get(metric, metric.removeprefix(DOWNSTREAM)))
         ax.grid(alpha=0.3)
         if log_y:
             ax.set_yscale("log")
@@ -115,7 +132,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--metric",
         action="append",
         default=None,
-        help="a logged metric to draw (repeatable; default: loss and eval_loss)",
+        help="a logged metric to draw, e.g. downstream/hellaswag/acc_norm (repeatable; "
+        "default: loss and eval_loss)",
+    )
+    parser.add_argument(
+        "--downstream",
+        action="store_true",
+        help="also a panel for every downstream/<task>/<metric> the runs logged",
     )
     parser.add_argument(
         "--smooth", type=float, default=0.0, help="EMA weight for the train loss, 0 to <1"
@@ -128,11 +151,17 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if not 0.0 <= args.smooth < 1.0:
         raise UserError(f"--smooth must be in [0, 1), got {args.smooth}")
     runs = find_runs(args.paths)
+    metrics = args.metric or ["loss", "eval_loss"]
+    if args.downstream:
+        found = downstream_metrics(runs)
+        if not found:
+            print("--downstream: none of the runs logged a downstream/ metric yet", file=sys.stderr)
+        metrics = list(dict.fromkeys([*metrics, *found]))
     drawn = plot(
         runs,
         args.output,
         x=args.x,
-        metrics=args.metric or ("loss", "eval_loss"),
+        metrics=metrics,
         smoothing=args.smooth,
         log_y=args.log_y,
         title=args.title,

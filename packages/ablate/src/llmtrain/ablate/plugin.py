@@ -29,7 +29,8 @@ def llmtrain_commands(register):
     register(
         "compare",
         Command(
-            help="a table of runs or sweeps: what varies, eval loss, tokens/s, MFU, wall time",
+            help="a table of runs or sweeps: what varies, eval loss, downstream metrics, "
+            "tokens/s, MFU, wall time",
             configure=compare.configure,
             run=compare.run,
         ),
@@ -37,7 +38,7 @@ def llmtrain_commands(register):
     register(
         "plot",
         Command(
-            help="loss curves of runs or sweeps (PNG/SVG; needs matplotlib)",
+            help="loss and downstream-metric curves of runs or sweeps (PNG/SVG; needs matplotlib)",
             configure=plot.configure,
             run=plot.run,
         ),

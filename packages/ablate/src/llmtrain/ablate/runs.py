@@ -1,7 +1,10 @@
 """Reading finished (or running) runs back: a run directory holds `config.yaml` (the resolved
 config), `metrics.jsonl` and, once the run has ended, `summary.json`. `llmtrain compare` and
 `llmtrain plot` take run directories, sweep directories (with `manifest.json`) or any folder of
-runs; this module finds the runs, reads them and works out which settings differ."""
+runs; this module finds the runs, reads them and works out which settings differ.
+
+Downstream evaluation logs `downstream/<task>/<metric>` (e.g. `downstream/hellaswag/acc_norm`),
+an accuracy's standard error beside it as `<metric>_stderr`, on the steps it ran."""
 
 from __future__ import annotations
 
@@ -20,6 +23,13 @@ from llmtrain.core_mesh.errors import UserError
 # keys that name where a run lives, not what it does
 PLACE_KEYS = ("name", "run_dir", "checkpoint.dir")
 SEED_KEYS = ("seed", "data.seed")
+DOWNSTREAM = "downstream/"
+STDERR = "_stderr"  # `<metric>_stderr`: the standard error of `<metric>`, logged beside it
+# a metric is best high when its last part starts with one of these (acc, acc_norm, f1, ...);
+# every other metric (losses, perplexity, bits_per_byte) is best low
+HIGHER_IS_BETTER = ("acc", "f1", "exact_match", "mcc", "mfu", "tokens_per_s")
+# logged beside a task's metrics, not results: items whose context was cut, time taken
+BOOKKEEPING = ("truncated", "items", "seconds")
 
 
 @attrs.frozen
@@ -39,8 +49,11 @@ class Run:
         return flatten(self.config)
 
     def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
-        """(x values, values) of one metric over the logged steps that have it."""
-        points = [(m[x], m[key]) for m in self.metrics if key in m and x in m]
+        """(x values, values) of one metric over the logged steps that have it. A line without
+        `x` (a metric logged on a line of its own) takes it from a line of the same step."""
+        at_step = {m["step"]: m[x] for m in self.metrics if x in m}
+        points = [(m.get(x, at_step.get(m["step"])), m[key]) for m in self.metrics if key in m]
+        points = [p for p in points if p[0] is not None]
         return [p[0] for p in points], [p[1] for p in points]
 
     @property
@@ -114,6 +127,34 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
                 seen.add(run_path.resolve())
                 runs.append(read_run(run_path))
     return runs
+
+
+def higher_is_better(metric: str) -> bool:
+    """`downstream/hellaswag/acc_norm`: True; `eval_loss`, `downstream/wiki/bits_per_byte`: False."""
+    return metric.rsplit("/", 1)[-1].startswith(HIGHER_IS_BETTER)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def downstream_metrics(runs: Sequence[Run]) -> list[str]:
+    """The `downstream/<task>/<metric>` names any of the runs logged, sorted. Left out: the
+    `_stderr` companions (they go beside their metric) and the bookkeeping (`BOOKKEEPING`,
+    `downstream/seconds`)."""
+    names = {
+        key
+        for run in runs
+        for m in run.metrics
+        for key, value in m.items()
+        if key.startswith(DOWNSTREAM) and is_number(value) and _is_task_metric(key)
+    }
+    return sorted(names)
+
+
+def _is_task_metric(key: str) -> bool:
+    parts = key.split("/")
+    return len(parts) >= 3 and parts[-1] not in BOOKKEEPING and not key.endswith(STDERR)
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
