@@ -91,7 +91,8 @@ def arc(path: str, options: TaskOptions) -> list[TaskItem]:
 class PiqaOptions(TaskOptions):
     """PIQA keeps its labels in a file beside the questions: `labels_path` (default: the
     questions' path with `.jsonl` replaced by `-labels.lst`, as in `valid.jsonl` and
-    `valid-labels.lst`); not needed when each record has a `label`."""
+    `valid-labels.lst`); not needed when each record has a `label`. A `fewshot_path` file's
+    labels are always the ones beside it."""
 
     labels_path: str | None = None
 
@@ -121,7 +122,8 @@ def piqa(path: str, options: TaskOptions) -> list[TaskItem]:
 
 
 def _piqa_labels(path: str, options: TaskOptions) -> list[tuple[str, str]]:
-    labels_path = getattr(options, "labels_path", None)
+    # labels_path belongs to `options.path`; a few-shot file's labels lie beside it
+    labels_path = getattr(options, "labels_path", None) if path == options.path else None
     if labels_path is None:
         if not path.endswith(".jsonl"):
             raise TaskFileError(f"{path}: records have no 'label'; give labels_path")

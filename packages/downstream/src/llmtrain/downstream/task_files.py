@@ -136,8 +136,10 @@ def read_text(path: str, options: TaskOptions) -> str:
 
 
 def json_lines(path: str, options: TaskOptions) -> Iterator[tuple[str, dict]]:
-    """(where, record) of every non-blank line of a JSON-lines file; `where` is `path:line`."""
-    for number, line in enumerate(read_text(path, options).splitlines(), 1):
+    """(where, record) of every non-blank line of a JSON-lines file; `where` is `path:line`.
+    Only a newline ends a line: str.splitlines also splits at U+2028, U+0085, ..., which JSON
+    strings may hold raw; a carriage return before the newline is JSON whitespace."""
+    for number, line in enumerate(read_text(path, options).split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
