@@ -336,6 +336,8 @@ class TrainingRun(Protocol):
     - `data_wait_s`, `sync_wait_s`: seconds this rank has waited for data and at each step's
       first collective, since the process started;
     - `last_local_loss`: (this rank's summed loss, its counted targets) of the last step, tensors;
+    - `plugins`: the run's `PluginManager` (to build plugin entries: tasks, tokenizers, ...);
+      `tokenizer`: the `Tokenizer` the training data was packed with;
     - `request_stop(reason)`: end the run after this step, without saving it; call it on every
       rank alike (decide from numbers all ranks share).
     """
@@ -387,6 +389,12 @@ class TrainingRun(Protocol):
 
     @property
     def last_local_loss(self) -> tuple[Any, Any] | None: ...
+
+    @property
+    def plugins(self) -> Any: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
     def request_stop(self, reason: str, /) -> None: ...
 

@@ -99,7 +99,7 @@ class FileTask:
         examples for an item whatever the ranks, batches or limit."""
         if not self.options.shots:
             return []
-        rng = random.Random(self.options.seed * 1_000_003 + index)
+        rng = random.Random(self.options.seed * 1_000_003 + index)  # noqa: S311 (not secret)
         candidates = [j for j in range(len(pool)) if not (same_pool and j == index)]
         return [pool[j] for j in rng.sample(candidates, self.options.shots)]
 

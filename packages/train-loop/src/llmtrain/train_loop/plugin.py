@@ -20,7 +20,9 @@ from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.train_loop import (
     commands,
+    downstream_eval,
     estimate,
+    eval_tasks,
     loggers,
     loss_spike,
     optim,
@@ -89,6 +91,14 @@ def llmtrain_commands(register):
             help="loss and perplexity of a checkpoint on a packed dataset",
             configure=commands.configure_eval,
             run=commands.run_eval,
+        ),
+    )
+    register(
+        "eval-tasks",
+        Command(
+            help="downstream task scores of a checkpoint (HellaSwag, ARC, MMLU-style, ...)",
+            configure=eval_tasks.configure,
+            run=eval_tasks.run,
         ),
     )
     register(
@@ -162,3 +172,4 @@ def llmtrain_loggers(register):
 @hookimpl
 def llmtrain_callbacks(register):
     loss_spike.register_callbacks(register)
+    downstream_eval.register_callbacks(register)

@@ -9,6 +9,7 @@ stragglers, summary.json, plugins' callbacks) happens in callbacks (`callbacks.p
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from llmtrain.core_mesh.config import (
     unstructure,
 )
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo
+from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo, Tokenizer
 from llmtrain.core_mesh.logs import configure_logging
 from llmtrain.core_mesh.mesh import build_device_mesh
 from llmtrain.core_mesh.plugins import PluginManager
@@ -44,6 +45,7 @@ from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.sampling import BatchPlan
 from llmtrain.train_loop import callbacks, observe, warm_start
 from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
+from llmtrain.train_loop.downstream_eval import METRIC_PREFIX as DOWNSTREAM_PREFIX
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 from llmtrain.train_loop.prefetch import Prefetcher
 from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
@@ -373,6 +375,7 @@ class Trainer:
             self.step % training.log_every == 0
             or self.step == self.total_steps
             or "eval_loss" in metrics
+            or any(name.startswith(DOWNSTREAM_PREFIX) for name in metrics)
         ):
             self._log(metrics)
         if training.checkpoint_every and self.step % training.checkpoint_every == 0:
@@ -382,6 +385,14 @@ class Trainer:
         if self.saved_step != self.step:
             self.save(blocking=True)
         self.checkpoints.wait()
+
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer the training data was packed with (built on first use)."""
+        from llmtrain.data_pack.tokenizer import tokenizer_from_raw
+
+        packed = self.train_data.sources[0].dataset.meta["tokenizer"]
+        return tokenizer_from_raw(packed["spec"], self.plugins)
 
     def request_stop(self, reason: str) -> None:
         """End the run after this step without saving it (a callback's call: the steps since

@@ -1,0 +1,143 @@
+"""`llmtrain eval-tasks`: downstream task scores of a checkpoint on one process.
+
+    llmtrain eval-tasks --checkpoint runs/x/checkpoints --tasks hellaswag=val.jsonl,arc_easy=ARC-Easy-Test.jsonl
+
+prints a table (value ± standard error per metric) and, with `--output`, writes the same as
+JSON (with every item's log-likelihoods and result under `--per-item`). Loading this module
+imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.config import Choice, structure
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.train_loop.saved_model import load_model, tokenizer_of
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint directory (runs/<name>/checkpoints)"
+    )
+    parser.add_argument("--step", type=int, default=None, help="default: the newest")
+    parser.add_argument(
+        "--tasks",
+        required=True,
+        help="NAME=PATH[,NAME=PATH...]: installed tasks (`llmtrain plugins`, kind task) and "
+        "their files (local paths or fsspec URLs)",
+    )
+    parser.add_argument("--limit", type=int, default=None, help="the first N items of each task")
+    parser.add_argument("--shots", type=int, default=0, help="few-shot examples per question")
+    parser.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
+    parser.add_argument("--batch-rows", type=int, default=16, help="rows per forward")
+    parser.add_argument("--max-len", type=int, default=None, help="default: the training seq_len")
+    parser.add_argument("--tokenizer", default=None, help="default: the checkpoint's")
+    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--per-item", action="store_true", help="with --output: every item's result too"
+    )
+
+
+def tasks_of(spec: str, args: argparse.Namespace, ctx: Context) -> list[Any]:
+    """`name=path,...` as tasks, their options checked like a config's `tasks:` list. `--shots`
+    goes to every task that takes examples (perplexity tasks take none)."""
+    tasks = []
+    for i, part in enumerate(p for p in spec.split(",") if p.strip()):
+        name, sep, path = part.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UserError(f"--tasks: {part!r} is not NAME=PATH")
+        options: dict[str, Any] = {"kind": name.strip(), "path": path.strip()}
+        options |= {"limit": args.limit, "seed": args.seed}
+        task = _build(options, i, ctx)
+        if args.shots and task.scoring != "perplexity":
+            task = _build({**options, "shots": args.shots}, i, ctx)
+        tasks.append(task)
+    names = [task.name for task in tasks]
+    if not names:
+        raise UserError("--tasks: name at least one task as NAME=PATH")
+    if len(set(names)) != len(names):
+        raise UserError(f"--tasks: each task may appear once, got {names}")
+    return tasks
+
+
+def _build(options: dict[str, Any], index: int, ctx: Context) -> Any:
+    choice = structure(options, Choice.of("task"), plugins=ctx.plugins, source=f"--tasks[{index}]")
+    return ctx.plugins.build("task", choice)
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
+    import torch
+
+    from llmtrain.downstream.evaluate import evaluate_task
+    from llmtrain.downstream.scoring import Batching, module_runner
+
+    tasks = tasks_of(args.tasks, args, ctx)
+    for task in tasks:
+        task.items()  # every file read and checked before the model loads
+    model, info, step = load_model(args.checkpoint, args.step, ctx.plugins)
+    tokenizer = tokenizer_of(info, args.tokenizer, ctx.plugins)
+    max_len = args.max_len or info.get("data", {}).get("seq_len")
+    if max_len is None:
+        raise UserError("the checkpoint does not record its seq_len; pass --max-len")
+    runner = module_runner(model)
+    results = []
+    for task in tasks:
+        started = time.perf_counter()
+        result = evaluate_task(
+            task,
+            tokenizer,
+            runner,
+            max_len=max_len,
+            batching=Batching(rows=args.batch_rows),
+            device=torch.device("cpu"),
+        )
+        seconds = time.perf_counter() - started
+        print(f"{task.name}: {len(result.items)} items in {seconds:.1f} s", file=sys.stderr)
+        results.append(result)
+    print(render(results), end="")
+    if args.output:
+        report = {
+            "checkpoint": str(args.checkpoint),
+            "step": step,
+            "max_len": max_len,
+            "shots": args.shots,
+            "seed": args.seed,
+            "tasks": {
+                r.name: {**r.summary(), **({"per_item": r.items} if args.per_item else {})}
+                for r in results
+            },
+        }
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+def render(results: list) -> str:
+    """One line per task and metric: `value ± stderr` where the metric has a standard error."""
+    header = ["task", "items", "truncated", "metric", "value"]
+    body = []
+    for result in results:
+        first = True
+        for name, value in result.metrics.items():
+            if name.endswith("_stderr"):
+                continue
+            stderr = result.metrics.get(f"{name}_stderr")
+            shown = f"{value:.4f}" + (f" ± {stderr:.4f}" if stderr is not None else "")
+            lead = (
+                [result.name, str(len(result.items)), str(result.truncated)] if first else [""] * 3
+            )
+            body.append([*lead, name, shown])
+            first = False
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"
