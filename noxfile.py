@@ -37,6 +37,15 @@ TEST_GROUPS = {
     "train-loop": ["object-store"],
 }
 
+# what a plugin's own tests need beyond the plugin and the llmtrain packages: other plugins (by
+# folder) and requirements. llmtrain-lmeval's tests export the model with llmtrain-hf and compare
+# with lm-eval's transformers backend (its `hf` extra).
+PLUGIN_TEST_DEPS = {"llmtrain-lmeval": ["plugins/llmtrain-hf", "lm-eval[hf]"]}
+# plugins installed only in their own session: llmtrain-lmeval brings lm-eval and its stack
+# (datasets, evaluate, scikit-learn, ...), which no other session needs. integration_tests'
+# plugin check still installs it (without dependencies) to find its entry point.
+OWN_SESSION_PLUGINS = {"llmtrain-lmeval"}
+
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = False
@@ -55,8 +64,11 @@ def package_paths(*names: str) -> list[str]:
     return [str(ROOT / "packages" / name) + EXTRAS.get(name, "") for name in names]
 
 
-def plugin_paths() -> list[str]:
-    return sorted(str(p.parent) for p in (ROOT / "plugins").glob("*/pyproject.toml"))
+def plugin_paths(*, shared: bool = False) -> list[str]:
+    """Every plugin in plugins/; `shared`: those the shared venvs (integration, gpu,
+    quickstart) install, without OWN_SESSION_PLUGINS."""
+    paths = sorted((ROOT / "plugins").glob("*/pyproject.toml"))
+    return [str(p.parent) for p in paths if not (shared and p.parent.name in OWN_SESSION_PLUGINS)]
 
 
 def install_everything(session: nox.Session) -> None:
@@ -64,7 +76,7 @@ def install_everything(session: nox.Session) -> None:
         *CONSTRAINTS,
         *package_paths(*PACKAGES),
         str(ROOT),
-        *plugin_paths(),
+        *plugin_paths(shared=True),
         *group("test"),
         *group("integration"),
         *group("object-store"),
@@ -121,7 +133,11 @@ def make_plugin_session(path: Path) -> str:
 
     @nox.session(name=name)
     def run(session: nox.Session) -> None:
-        session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *group("test"))
+        extra = [
+            str(ROOT / dep) if dep.startswith("plugins/") else dep
+            for dep in PLUGIN_TEST_DEPS.get(path.name, [])
+        ]
+        session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *extra, *group("test"))
         pytest(session, str(path / "tests"))
 
     return name

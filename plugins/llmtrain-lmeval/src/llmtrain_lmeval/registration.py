@@ -1,0 +1,100 @@
+"""Making `llmtrain` a model name lm-evaluation-harness knows, without importing lm-eval.
+
+lm-eval finds its models in a registry of names and lazy `module:Class` paths, filled when
+`lm_eval.models` is imported (its `MODEL_MAPPING`); it has no entry-point discovery. `watch()`
+puts a finder on `sys.meta_path` that notices the import of `lm_eval.models` and, once the module
+has run, adds `llmtrain` -> `llmtrain_lmeval.model:LLMTrainLM` beside the built-in names. Nothing
+else is imported or changed: a process that never imports lm-eval pays one string comparison per
+import. The wheel's `llmtrain_lmeval.pth` imports this package at interpreter start, so the
+`lm_eval` command knows the model; `import llmtrain_lmeval` does the same in a Python program
+(for `lm_eval.simple_evaluate(model="llmtrain", ...)`).
+
+Standard library only: this module runs at every interpreter start.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
+
+MODEL_NAME = "llmtrain"
+MODEL_PATH = "llmtrain_lmeval.model:LLMTrainLM"
+WATCHED = "lm_eval.models"  # lm-eval registers its own lazy models when this module runs
+
+
+def register() -> None:
+    """Add `llmtrain` to lm-eval's model registry (a lazy path: the class loads on first use).
+
+    Imports `lm_eval.models` first: lm-eval fills its registry from it only while the registry
+    is empty, so registering into an empty one would hide the built-in models (`hf`, ...).
+    """
+    import lm_eval.models  # noqa: F401 - see the docstring
+    from lm_eval.api.registry import model_registry
+
+    _add(model_registry)
+
+
+def _add(model_registry) -> None:
+    if MODEL_NAME not in model_registry:
+        model_registry.register(MODEL_NAME, target=MODEL_PATH)
+
+
+def _registered_after_import() -> None:
+    try:
+        from lm_eval.api.registry import model_registry
+
+        _add(model_registry)
+    except Exception as exc:  # noqa: BLE001 - lm-eval must keep working without our model
+        warnings.warn(
+            f"llmtrain-lmeval could not register the {MODEL_NAME!r} model with lm-eval: "
+            f"{type(exc).__name__}: {exc}",
+            stacklevel=2,
+        )
+
+
+class _RegisterAfter(importlib.abc.Loader):
+    """The loader of `lm_eval.models`, with `register()` run after the module's own code."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # the module keeps the real loader (resources, reloads); only this one run is wrapped
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _registered_after_import()
+
+
+class _Watcher(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: asks the finders after it for `lm_eval.models` and wraps the
+    loader of what they found."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != WATCHED:
+            return None
+        for finder in sys.meta_path:
+            if isinstance(finder, _Watcher) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisterAfter(spec.loader)
+                return spec
+        return None
+
+
+def watch() -> None:
+    """Register `llmtrain` now if lm-eval's models are loaded, else when they are (once per
+    process, however often called)."""
+    if WATCHED in sys.modules:
+        _registered_after_import()
+    elif not any(isinstance(f, _Watcher) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Watcher())

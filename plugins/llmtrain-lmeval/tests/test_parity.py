@@ -1,0 +1,115 @@
+"""Item for item, the same scores three ways on one trained checkpoint and one ARC-layout file:
+llmtrain's own `evaluate_task` (the built-in `arc_easy`), lm-evaluation-harness through this
+plugin (`--model llmtrain`), and lm-evaluation-harness's transformers backend (`--model hf`) on
+the checkpoint exported with llmtrain-hf."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from support import run
+
+# float32 log-likelihoods of the same weights by two implementations, summed over a few tokens
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def task_manager(arc):
+    """The local task only: indexing lm-eval's thousands of built-in tasks takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=arc.tasks, include_defaults=False)
+
+
+def harness(model: str, model_args: dict, arc, task_manager) -> dict:
+    """lm-eval's results for the local task, with every sample (`log_samples`)."""
+    import llmtrain_lmeval  # noqa: F401 - registers `llmtrain` for the Python API
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=[arc.name],
+        task_manager=task_manager,
+        batch_size=8,
+        device="cpu",
+        log_samples=True,
+    )
+
+
+def samples(results: dict, task: str) -> list[dict]:
+    """Per item, in file order: the options' log-likelihoods, greedy flags, acc and acc_norm."""
+    out = []
+    for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"]):
+        responses = [r[0] for r in sample["resps"]]  # one (ll, is_greedy) per option
+        out.append(
+            {
+                "loglikelihoods": [float(ll) for ll, _ in responses],
+                "acc": float(sample["acc"]),
+                "acc_norm": float(sample["acc_norm"]),
+            }
+        )
+    return out
+
+
+def assert_same(ours, theirs: list[dict], metrics: dict) -> float:
+    """Every item's acc, acc_norm and log-likelihoods, and the task's metrics; the largest
+    log-likelihood difference."""
+    assert len(theirs) == len(ours.items)
+    worst = 0.0
+    for i, (mine, other) in enumerate(zip(ours.items, theirs, strict=True)):
+        assert (mine["acc"], mine["acc_norm"]) == (other["acc"], other["acc_norm"]), i
+        assert len(mine["loglikelihoods"]) == len(other["loglikelihoods"]), i
+        for a, b in zip(mine["loglikelihoods"], other["loglikelihoods"], strict=True):
+            worst = max(worst, abs(a - b))
+    assert worst < TOL
+    assert metrics["acc,none"] == pytest.approx(ours.metrics["acc"], abs=1e-12)
+    assert metrics["acc_norm,none"] == pytest.approx(ours.metrics["acc_norm"], abs=1e-12)
+    return worst
+
+
+def test_harness_through_the_adapter_scores_as_llmtrain(ours, trained, arc, task_manager):
+    """lm-eval's Python API: `import llmtrain_lmeval` makes `model="llmtrain"` known."""
+    results = harness("llmtrain", {"checkpoint": trained.checkpoint}, arc, task_manager)
+    theirs = samples(results, arc.name)
+    assert assert_same(ours, theirs, results["results"][arc.name]) < 1e-5  # the same code
+
+
+def test_harness_hf_backend_on_the_export_scores_as_llmtrain(ours, trained, arc, task_manager):
+    model_args = {"pretrained": trained.export, "dtype": "float32"}
+    results = harness("hf", model_args, arc, task_manager)
+    theirs = samples(results, arc.name)
+    assert_same(ours, theirs, results["results"][arc.name])
+    # the items are not all alike: a parity check on a constant answer would prove little
+    assert len({tuple(s["loglikelihoods"]) for s in theirs}) == len(theirs)
+
+
+def test_lm_eval_command_runs_the_llmtrain_model(ours, trained, arc, tmp_path):
+    """`lm_eval --model llmtrain` from the shell: the installed startup hook registers the model
+    in a fresh interpreter (nothing imports llmtrain_lmeval), and the per-sample log it writes
+    holds llmtrain's scores."""
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    out = tmp_path / "out"
+    run(
+        [
+            str(lm_eval),
+            "--model", "llmtrain",
+            "--model_args", f"checkpoint={trained.checkpoint},batch_size=4",
+            "--include_path", arc.tasks,
+            "--tasks", arc.name,
+            "--device", "cpu",
+            "--log_samples",
+            "--output_path", str(out),
+        ],
+        timeout=600,
+    )  # fmt: skip
+    (samples_file,) = out.rglob(f"samples_{arc.name}_*.jsonl")
+    (results_file,) = out.rglob("results_*.json")
+    logged = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    results = json.loads(results_file.read_text())
+    theirs = samples({"samples": {arc.name: logged}}, arc.name)
+    assert assert_same(ours, theirs, results["results"][arc.name]) < 1e-5
+    assert results["config"]["model"] == "llmtrain"
