@@ -9,16 +9,12 @@ import. The wheel's `llmtrain_lmeval.pth` imports this package at interpreter st
 `lm_eval` command knows the model; `import llmtrain_lmeval` does the same in a Python program
 (for `lm_eval.simple_evaluate(model="llmtrain", ...)`).
 
-Standard library only: this module runs at every interpreter start.
+Imports nothing but `sys` at import time: this module runs at every interpreter start.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
-import warnings
-from types import ModuleType
 
 MODEL_NAME = "llmtrain"
 MODEL_PATH = "llmtrain_lmeval.model:LLMTrainLM"
@@ -48,6 +44,8 @@ def _registered_after_import() -> None:
 
         _add(model_registry)
     except Exception as exc:  # noqa: BLE001 - lm-eval must keep working without our model
+        import warnings
+
         warnings.warn(
             f"llmtrain-lmeval could not register the {MODEL_NAME!r} model with lm-eval: "
             f"{type(exc).__name__}: {exc}",
@@ -55,16 +53,18 @@ def _registered_after_import() -> None:
         )
 
 
-class _RegisterAfter(importlib.abc.Loader):
+# plain classes, not importlib.abc's: importing that module (and importlib.resources, typing)
+# at every interpreter start would cost more than everything else here
+class _RegisterAfter:
     """The loader of `lm_eval.models`, with `register()` run after the module's own code."""
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
+    def __init__(self, loader) -> None:
         self._loader = loader
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+    def create_module(self, spec):
         return self._loader.create_module(spec)
 
-    def exec_module(self, module: ModuleType) -> None:
+    def exec_module(self, module) -> None:
         # the module keeps the real loader (resources, reloads); only this one run is wrapped
         module.__loader__ = self._loader
         if module.__spec__ is not None:
@@ -73,7 +73,7 @@ class _RegisterAfter(importlib.abc.Loader):
         _registered_after_import()
 
 
-class _Watcher(importlib.abc.MetaPathFinder):
+class _Watcher:
     """Finds nothing itself: asks the finders after it for `lm_eval.models` and wraps the
     loader of what they found."""
 
