@@ -1,5 +1,6 @@
-"""Instruction tuning end to end on CPU: `llmtrain data pack-chat` → `llmtrain run` → `eval` and
-`generate --chat`, through real `python -m llmtrain` processes (and 2 gloo ranks under torchrun).
+"""Instruction tuning end to end on CPU: `llmtrain data pack-chat` → `llmtrain run` → `eval`
+through real `python -m llmtrain` processes (and 2 gloo ranks under torchrun), and `generate
+--chat` run in this process (`run_cli`: the same command without a process start per reply).
 
 The toy task: translate one of twelve English words to German. A tiny byte-level model learns it
 in a few seconds; the loss counts only the assistant's answer and its end of turn."""
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import train_support as ts
+from shared_fixtures import run_cli  # noqa: F401
 
 WORDS = {
     "red": "rot",
@@ -49,6 +51,19 @@ def write_conversations(path, n: int, seed: int) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
+def side_by_side(*commands: list[str]) -> list:
+    """Run the commands at once (each `llmtrain` start is seconds of imports, on one core);
+    returns their CompletedProcesses, leaving none running if one overruns."""
+    procs = [ts.start(command) for command in commands]
+    try:
+        return [ts.finish(proc, timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                ts.stop_group(proc)
+                proc.communicate()
+
+
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     """train.zarr and valid.zarr packed by the CLI with the built-in ChatML template."""
@@ -72,7 +87,8 @@ def chat(tmp_path_factory):
                 SEQ_LEN,
                 "--log-dir",
                 d / "logs",
-            )
+            ),
+            timeout=600,
         )
         assert f"{n} conversations" in proc.stdout, proc.stdout
     return d, paths
@@ -168,7 +184,7 @@ def test_loss_is_the_masked_cross_entropy_over_the_global_batch(chat, tmp_path, 
     assert abs(logged["loss"] - math.log(260)) < 1.0
 
 
-def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
+def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path, run_cli):  # noqa: F811
     """The assistant-token loss falls far below the untrained value, in training and on held-out
     conversations, and greedy `generate --chat` answers each word."""
     _, paths = chat
@@ -179,7 +195,8 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
     assert evals[-1] < 0.1 * untrained, evals
     assert metrics[-1]["loss"] < 0.1 * untrained
     checkpoints = trained["run_dir"] / "checkpoints"
-    out = ts.run(ts.llmtrain("eval", "--checkpoint", checkpoints, "--data", paths["valid"])).stdout
+    command = ts.llmtrain("eval", "--checkpoint", checkpoints, "--data", paths["valid"])
+    out = ts.run(command, timeout=600).stdout
     result = json.loads(out.strip().splitlines()[-1])
     from llmtrain.data_pack.loader import open_windows
 
@@ -190,7 +207,9 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
 
     def reply(*options: object) -> str:  # greedy
         command = ("generate", "--checkpoint", checkpoints, "--chat", "--temperature", "0")
-        return ts.run(ts.llmtrain(*command, *options)).stdout
+        code, out, err = run_cli(*command, *options)
+        assert code == 0, err
+        return out
 
     for word in ("dog", "water", "night", "green"):
         assert reply("--prompt", f"Translate {word}") == WORDS[word] + "\n", word
@@ -204,12 +223,9 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path):
     earlier.write_text(json.dumps(turns))
     assert reply("--messages", earlier, "--prompt", "Translate bread") == "Brot\n"
     earlier.write_text('{"messages": [{"role": "user"}]}')
-    proc = ts.run(
-        ts.llmtrain("generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier),
-        check=False,
-    )
-    assert proc.returncode == 2
-    assert f"{earlier}: expected a list of {{role, content}} messages" in proc.stderr
+    code, _, err = run_cli("generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier)
+    assert code == 2
+    assert f"{earlier}: expected a list of {{role, content}} messages" in err
 
 
 def test_document_masking_keeps_conversations_apart(chat, trained):
@@ -234,34 +250,38 @@ def test_document_masking_keeps_conversations_apart(chat, trained):
     assert (plain[:, begin:end] - alone).abs().max() > 1e-3
 
 
-def test_chat_errors_name_what_to_do(chat, tmp_path):
+def test_chat_errors_name_what_to_do(chat, tmp_path, run_cli):  # noqa: F811
     # a window length that would cut conversations
     cfg = config(chat, tmp_path / "runs", "cut", steps=2)
     cfg["data"]["seq_len"] = 96
-    proc = ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "cut.yaml", cfg)), check=False)
-    assert proc.returncode != 0
-    assert "use a seq_len that is a multiple of 128" in proc.stderr
-    # --chat on a model trained on plain text: no template recorded
+    # and a model trained on plain text, for --chat: it records no template
     corpus = ts.pack_corpus(tmp_path / "plain", TOKENIZER)
     plain = ts.run_config(corpus, tmp_path / "runs", name="plain")
     plain["model"]["vocab_size"] = 260
     plain["training"] = {"steps": 2, "log_every": 1}
-    ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "plain.yaml", plain)))
+    proc, pretrained = side_by_side(
+        ts.llmtrain("run", ts.write_config(tmp_path / "cut.yaml", cfg)),
+        ts.llmtrain("run", ts.write_config(tmp_path / "plain.yaml", plain)),
+    )
+    assert pretrained.returncode == 0, pretrained.stderr[-6000:]
+    assert proc.returncode != 0
+    assert "use a seq_len that is a multiple of 128" in proc.stderr
     checkpoints = tmp_path / "runs" / "plain" / "checkpoints"
 
-    def chat_with(*options: str, check: bool = False):
+    def chat_with(*options: str) -> tuple[int, str, str]:
         command = ("generate", "--checkpoint", checkpoints, "--chat", "--prompt", "hi", *options)
-        return ts.run(ts.llmtrain(*command, "--max-new-tokens", "5"), check=check)
+        return run_cli(*command, "--max-new-tokens", "5")
 
-    proc = chat_with()
-    assert proc.returncode != 0
-    assert "records no chat template; pass --template" in proc.stderr
+    code, _, err = chat_with()
+    assert code != 0
+    assert "records no chat template; pass --template" in err
     # ... which --template chatml supplies
-    chat_with("--template", "chatml", check=True)
+    code, _, err = chat_with("--template", "chatml")
+    assert code == 0, err
     # the template's tokens must exist in the tokenizer
-    proc = chat_with("--template", "chatml", "--tokenizer", "bytes")
-    assert proc.returncode != 0
-    assert "needs <|im_end|>, <|im_start|> as special tokens" in proc.stderr
+    code, _, err = chat_with("--template", "chatml", "--tokenizer", "bytes")
+    assert code != 0
+    assert "needs <|im_end|>, <|im_start|> as special tokens" in err
 
 
 def _plugins():
@@ -320,20 +340,23 @@ def test_fine_tune_a_pretrained_run_after_adding_the_chat_tokens(chat, tmp_path)
     pretrain["model"]["vocab_size"] = 258
     pretrain["data"]["train"] = [{"path": corpus.train}]
     del pretrain["data"]["eval"]
-    ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "pretrain.yaml", pretrain)))
-
     tune = config(chat, tmp_path / "runs", "sft", steps=3, log_every=1)
     del tune["data"]["eval"]
     tune["init"] = {"from": str(tmp_path / "runs" / "pretrain" / "checkpoints")}
-    path = ts.write_config(tmp_path / "sft.yaml", tune)
-    proc = ts.run(ts.llmtrain("run", path), check=False)
-    assert proc.returncode != 0
-    assert "init.check_tokenizer: false" in proc.stderr
-    ts.run(ts.llmtrain("run", path, "init.check_tokenizer=false"))
-    first = ts.read_metrics(tmp_path / "runs" / "sft")[0]
     # the same first batch from scratch: the pretrained model already knows bytes of English
     scratch = {**tune, "name": "scratch", "init": None}
-    ts.run(ts.llmtrain("run", ts.write_config(tmp_path / "scratch.yaml", scratch)))
+    for done in side_by_side(
+        ts.llmtrain("run", ts.write_config(tmp_path / "pretrain.yaml", pretrain)),
+        ts.llmtrain("run", ts.write_config(tmp_path / "scratch.yaml", scratch)),
+    ):
+        assert done.returncode == 0, done.stderr[-6000:]
+
+    path = ts.write_config(tmp_path / "sft.yaml", tune)
+    proc = ts.run(ts.llmtrain("run", path), check=False, timeout=600)
+    assert proc.returncode != 0
+    assert "init.check_tokenizer: false" in proc.stderr
+    ts.run(ts.llmtrain("run", path, "init.check_tokenizer=false"), timeout=600)
+    first = ts.read_metrics(tmp_path / "runs" / "sft")[0]
     untrained = ts.read_metrics(tmp_path / "runs" / "scratch")[0]
     assert first["step"] == untrained["step"] == 1
     assert first["loss_tokens"] == untrained["loss_tokens"]  # the same counted targets
