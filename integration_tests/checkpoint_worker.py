@@ -205,7 +205,12 @@ def save_until_killed(url: str, start: int, async_save: bool, mib: int) -> None:
 
 
 def save_loop() -> None:
+    # the savers' imports, here before the forks: torch.distributed.checkpoint and s3fs take
+    # seconds, which every saver would otherwise spend after its fork, in every trial
+    import s3fs  # noqa: F401
     import structlog
+
+    import llmtrain.checkpoint.manager  # noqa: F401
 
     # stdout carries this protocol's JSON lines; logs go to stderr
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
