@@ -105,7 +105,22 @@ def test_this_process_does_not_see_the_plugin():
 
 def test_the_callback_s_metric_and_state_survive_a_sigkill(python, data, tmp_path):
     path = write(data, tmp_path, decay=0.8)
-    ts.run(llmtrain(python, "run", path, "name=whole"), timeout=300)
+    run_dir = tmp_path / "runs" / "killed"
+    # the uninterrupted run beside the one to kill (each start is seconds of imports, on one core)
+    uninterrupted = ts.start(llmtrain(python, "run", path, "name=whole"))
+    proc = ts.start(llmtrain(python, "run", path, "name=killed"))
+    try:
+        seen = ts.wait_for_step(run_dir / "metrics.jsonl", 13, proc, timeout=600)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        done = ts.finish(uninterrupted, timeout=600)
+    finally:
+        ts.stop_group(proc)
+        if uninterrupted.poll() is None:
+            ts.stop_group(uninterrupted)
+            uninterrupted.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert done.returncode == 0, done.stderr[-6000:]
     whole = ts.by_step(ts.read_metrics(tmp_path / "runs" / "whole"))
     assert [whole[s]["steps_seen"] for s in whole] == list(range(1, 31))
     ema = whole[1]["loss"]
@@ -113,19 +128,10 @@ def test_the_callback_s_metric_and_state_survive_a_sigkill(python, data, tmp_pat
         ema = 0.8 * ema + 0.2 * whole[step]["loss"]
         assert whole[step]["loss_ema"] == pytest.approx(ema, rel=1e-9)
 
-    run_dir = tmp_path / "runs" / "killed"
-    proc = ts.start(llmtrain(python, "run", path, "name=killed"))
-    try:
-        seen = ts.wait_for_step(run_dir / "metrics.jsonl", 13, proc, timeout=300)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        ts.stop_group(proc)
-    assert proc.returncode == -signal.SIGKILL
     committed = ts.committed_steps(run_dir / "checkpoints")
     assert seen < 30 and committed and committed[-1] < 30, (seen, committed)
 
-    resumed = ts.run(llmtrain(python, "run", path, "name=killed"), timeout=300)
+    resumed = ts.run(llmtrain(python, "run", path, "name=killed"), timeout=600)
     assert "run.resumed" in resumed.stderr
     got = ts.by_step(ts.read_metrics(run_dir))
     assert sorted(got) == list(range(1, 31))
