@@ -29,6 +29,8 @@ TOKENS = STEPS * 8 * 32  # global batch 8 of seq_len 32
 RTOL = 1e-6
 KEYS = ("loss", "lr", "grad_norm", "eval_loss", "tokens")
 IDS = ["n_layers=1,seed=0", "n_layers=1,seed=1", "n_layers=2,seed=0", "n_layers=2,seed=1"]
+# the `failed` sweep's axes: no list repeats a value (--zip refuses one given twice)
+FAILED_AXES = ("--zip", "optimizer.lr=1e-3,1e9,2e-3", "--zip", "data.seq_len=32,16,100")
 
 
 def small_config(data: SimpleNamespace, name: str, *, steps: int = STEPS) -> dict:
@@ -115,27 +117,64 @@ def bases(data, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sweep(bases, tmp_path_factory):
+def swept(bases, tmp_path_factory) -> SimpleNamespace:
+    """The module's three sweeps (`sweep`, `failed`, `mix`), started together: a sweep runs its
+    runs one after another and each run's start is seconds of imports on one core, so side by
+    side they keep the machine's cores busy. By name: `commands`, `done` (CompletedProcesses)
+    and `dirs` (their --dir); `grid_seconds`: the grid sweep's wall time (waited for first)."""
+    sweeps = {name: tmp_path_factory.mktemp(name) / "sweeps" for name in ("sweep", "failed", "mix")}
+    commands = {
+        "sweep": sweep_cmd(
+            bases.small, sweeps["sweep"], "--grid", "model.n_layers=1,2", "--seeds", 2
+        ),
+        "failed": sweep_cmd(bases.small, sweeps["failed"], *FAILED_AXES, "--name", "f"),
+        "mix": sweep_cmd(bases.mix, sweeps["mix"], "--grid", "data.weights=[1,0],[0,1]"),
+    }
+    started = time.perf_counter()
+    procs = {name: ts.start(cmd) for name, cmd in commands.items()}
+    done = {}
+    try:
+        done["sweep"] = ts.finish(procs["sweep"], timeout=600)
+        seconds = time.perf_counter() - started
+        done |= {name: ts.finish(procs[name], timeout=600) for name in ("failed", "mix")}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                ts.stop_group(proc)
+                proc.communicate()
+    for name in ("sweep", "mix"):  # the failed sweep exits 1
+        proc = done[name]
+        assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    return SimpleNamespace(commands=commands, done=done, dirs=sweeps, grid_seconds=seconds)
+
+
+@pytest.fixture(scope="module")
+def sweep(swept):
     """`llmtrain sweep --grid model.n_layers=1,2 --seeds 2`: 4 runs, named by the base (abl)."""
-    sweeps = tmp_path_factory.mktemp("sweep") / "sweeps"
-    cmd = sweep_cmd(bases.small, sweeps, "--grid", "model.n_layers=1,2", "--seeds", 2)
-    proc, seconds = timed(cmd)
+    sweeps = swept.dirs["sweep"]
     return SimpleNamespace(
-        cmd=cmd, proc=proc, seconds=seconds, dir=(sweeps / "abl").resolve(), sweeps=sweeps
+        cmd=swept.commands["sweep"],
+        proc=swept.done["sweep"],
+        seconds=swept.grid_seconds,
+        dir=(sweeps / "abl").resolve(),
+        sweeps=sweeps,
     )
 
 
 @pytest.fixture(scope="module")
-def failed(bases, tmp_path_factory):
+def failed(bases, swept):
     """Three zipped runs: one good, one whose lr of 1e9 makes a gradient non-finite, one whose
     seq_len is longer than the model's max_seq_len (it fails as it starts). No list repeats a
     value: --zip refuses one given twice, even where the zipped rows all differ."""
-    sweeps = tmp_path_factory.mktemp("failed") / "sweeps"
-    axes = ("--zip", "optimizer.lr=1e-3,1e9,2e-3", "--zip", "data.seq_len=32,16,100")
-    proc, _ = timed(sweep_cmd(bases.small, sweeps, *axes, "--name", "f"), check=False)
+    sweeps = swept.dirs["failed"]
     ids = ["lr=0.001,seq_len=32", "lr=1e+09,seq_len=16", "lr=0.002,seq_len=100"]
     return SimpleNamespace(
-        proc=proc, dir=(sweeps / "f").resolve(), sweeps=sweeps, base=bases.small, axes=axes, ids=ids
+        proc=swept.done["failed"],
+        dir=(sweeps / "f").resolve(),
+        sweeps=sweeps,
+        base=bases.small,
+        axes=FAILED_AXES,
+        ids=ids,
     )
 
 
@@ -331,16 +370,36 @@ def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_p
     sweeps = tmp_path / "sweeps"
     killed = sweep_cmd(bases.long, sweeps, "--seeds", 2, "--name", "cut")
     run_dir = sweeps / "cut" / "seed=0"
-    proc = ts.start(killed)
+    # the uninterrupted sweep goes on beside this one (a run's start is seconds of imports on
+    # one core); its run is waited for at the end
+    uninterrupted = ts.start(sweep_cmd(bases.long, sweeps, "--seeds", 1, "--name", "whole"))
     try:
-        deadline = time.monotonic() + 120
-        while 6 not in ts.committed_steps(run_dir / "checkpoints"):
-            assert proc.poll() is None, f"the sweep ended ({proc.returncode}) before step 6"
-            assert time.monotonic() < deadline, "no checkpoint at step 6 after 120 s"
-            time.sleep(0.002)
+        proc = ts.start(killed)
+        try:
+            deadline = time.monotonic() + 600
+            while 6 not in ts.committed_steps(run_dir / "checkpoints"):
+                assert proc.poll() is None, f"the sweep ended ({proc.returncode}) before step 6"
+                assert time.monotonic() < deadline, "no checkpoint at step 6 after 600 s"
+                time.sleep(0.002)
+        finally:
+            ts.stop_group(proc)  # the sweep and its run (which lives in a session of its own)
+            proc.communicate(timeout=30)
+        check_killed_sweep_resumes(killed, sweeps, run_dir)
+        whole_sweep = ts.finish(uninterrupted, timeout=600)
     finally:
-        ts.stop_group(proc)  # the sweep and its run (which lives in a session of its own)
-        proc.communicate(timeout=30)
+        if uninterrupted.poll() is None:
+            ts.stop_group(uninterrupted)
+            uninterrupted.communicate()
+    assert whole_sweep.returncode == 0, whole_sweep.stderr[-6000:]
+    whole = metrics_of(sweeps / "whole" / "seed=0")
+    got = metrics_of(run_dir)
+    assert list(got) == list(whole) == list(range(1, 61))
+    ts.assert_close_runs(whole, got, RTOL, KEYS)
+
+
+def check_killed_sweep_resumes(killed: list[str], sweeps: Path, run_dir: Path) -> None:
+    """The killed sweep left its first run unfinished and its second unstarted; run again, it
+    resumes the first and runs the second."""
     assert not (run_dir / "summary.json").exists()
     assert ts.last_logged_step(run_dir / "metrics.jsonl") < 60, "killed too late"
     assert max(ts.committed_steps(run_dir / "checkpoints")) < 60
@@ -361,12 +420,6 @@ def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_p
     assert len(starts) == 2, starts  # the log goes on: a line per start of the run
     events = [json.loads(line) for line in (run_dir / "logs" / "rank0.jsonl").open()]
     assert [e["step"] for e in events if e["event"] == "run.resumed"][-1] >= 6
-
-    ts.run(sweep_cmd(bases.long, sweeps, "--seeds", 1, "--name", "whole"), timeout=600)
-    whole = metrics_of(sweeps / "whole" / "seed=0")
-    got = metrics_of(run_dir)
-    assert list(got) == list(whole) == list(range(1, 61))
-    ts.assert_close_runs(whole, got, RTOL, KEYS)
 
 
 def test_sigterm_to_the_sweep_stops_its_run_with_a_checkpoint(bases, tmp_path):
@@ -586,9 +639,8 @@ def test_slurm_and_print_cover_only_the_unfinished_runs(failed, sweep):
 # --- 9. data mixtures ---
 
 
-def test_a_weights_sweep_trains_each_run_on_its_mixture(bases, sweep, tmp_path):
-    sweeps = tmp_path / "sweeps"
-    proc = ts.run(sweep_cmd(bases.mix, sweeps, "--grid", "data.weights=[1,0],[0,1]"), timeout=600)
+def test_a_weights_sweep_trains_each_run_on_its_mixture(bases, sweep, swept):
+    sweeps, proc = swept.dirs["mix"], swept.done["mix"]
     assert "sweep mix: all 2 runs finished" in proc.stderr
     sweep_dir = sweeps / "mix"
     manifest = json.loads((sweep_dir / "manifest.json").read_text())
