@@ -5,6 +5,8 @@ the `[plot]` extra instead of failing on an import."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import train_support as ts
 from support import ROOT, run
@@ -15,7 +17,10 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """`llmtrain sweep --grid model.n_layers=1,2 --seeds 2` of 6-step runs, here (with torch)."""
+    """`llmtrain sweep --grid model.n_layers=1,2 --seeds 2` of 6-step runs, here (with torch).
+    The sweep writes its runs (`--launch print`) and the 4 `llmtrain run`s it prints train side
+    by side: `--launch here` would run them one after another, each start seconds of imports on
+    one core (test_sweep.py tests that launcher)."""
     work = tmp_path_factory.mktemp("ablate")
     data = ts.pack_corpus(work / "data")
     config = ts.run_config(data, work / "unused", "abl")
@@ -23,7 +28,18 @@ def sweep(tmp_path_factory):
     config["training"].update(steps=STEPS, log_every=1, checkpoint_every=STEPS)
     base = ts.write_config(work / "base.yaml", config)
     cmd = ts.llmtrain("sweep", base, "--grid", "model.n_layers=1,2", "--seeds", 2)
-    ts.run([*cmd, "--dir", work / "sweeps"], timeout=600)
+    printed = ts.run([*cmd, "--dir", work / "sweeps", "--launch", "print"], timeout=600)
+    runs = [shlex.split(line) for line in printed.stdout.splitlines()]
+    assert len(runs) == 4 and all(r[:2] == ["llmtrain", "run"] for r in runs), printed.stdout
+    procs = [ts.start(ts.llmtrain(*r[1:])) for r in runs]
+    try:
+        for proc in [ts.finish(proc, timeout=600) for proc in procs]:
+            assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stderr}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                ts.stop_group(proc)
+                proc.communicate()
     return work / "sweeps" / "abl"
 
 
