@@ -123,6 +123,31 @@ def test_mmlu_description_then_examples(plugins, tmp_path):
     )
 
 
+def test_mmlu_examples_are_the_first_dev_items_in_order_whatever_the_seed(plugins, tmp_path):
+    def write(name: str, rows: list[list[str]]) -> str:
+        with open(tmp_path / name, "w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows(rows)
+        return str(tmp_path / name)
+
+    test = write("anatomy_test.csv", [[f"Test {k}?", "a", "b", "A"] for k in range(3)])
+    dev = write("anatomy_dev.csv", [[f"Dev {k}?", "a", "b", "AB"[k % 2]] for k in range(5)])
+    shown = [f"Dev {k}?\nA. a\nB. b\nAnswer: {'AB'[k % 2]}" for k in range(2)]
+    for seed in (1, 2):
+        prompts = contexts(plugins, "mmlu", test, shots=2, fewshot_path=dev, seed=seed)
+        for k, prompt in enumerate(prompts):
+            own = f"Test {k}?\nA. a\nB. b\nAnswer:"
+            assert examples_of(prompt, own)[1:] == shown  # after the subject line
+    # from the test file itself: the first items, skipping the question's own
+    prompts = contexts(plugins, "mmlu", test, shots=1)
+    assert [
+        examples_of(p, f"Test {k}?\nA. a\nB. b\nAnswer:")[1] for k, p in enumerate(prompts)
+    ] == [
+        "Test 1?\nA. a\nB. b\nAnswer: A",
+        "Test 0?\nA. a\nB. b\nAnswer: A",
+        "Test 0?\nA. a\nB. b\nAnswer: A",
+    ]
+
+
 def test_winogrande_example_uses_the_gold_option(plugins, write_jsonl):
     row = {"qID": "q", "option1": "Sarah", "option2": "Maria"}
     dev = write_jsonl("dev.jsonl", [{**row, "sentence": "Then _ won.", "answer": "1"}])

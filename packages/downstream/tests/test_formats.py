@@ -345,10 +345,11 @@ def test_label_out_of_range(plugins, write_jsonl, label):
 
 def test_winogrande_answer_must_be_1_or_2(plugins, write_jsonl):
     row = {"qID": "q", "sentence": "A _ b.", "option1": "x", "option2": "y"}
-    for answer in ("0", "3"):
+    # a letter is no Winogrande answer: "B" read as an index would pick option1
+    for answer in ("0", "3", "B", "A", ""):
         path = write_jsonl("dev.jsonl", [{**row, "answer": answer}])
         message = one_line_error(plugins, "winogrande", path)
-        assert message.startswith(f"{path}:1: field 'answer'")
+        assert message == f"{path}:1: field 'answer': {answer!r} is not 1 or 2"
     path = write_jsonl("dev.jsonl", [{**row, "sentence": "no blank", "answer": "1"}])
     assert (
         one_line_error(plugins, "winogrande", path)

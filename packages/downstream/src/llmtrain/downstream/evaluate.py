@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from llmtrain.core_mesh.interfaces import TASK_SCORINGS, Task, Tokenizer
-from llmtrain.downstream import metrics as task_metrics_
+from llmtrain.downstream.metrics import choice_result, cloze_result, document_result, task_metrics
 from llmtrain.downstream.requests import requests_of
 from llmtrain.downstream.scoring import Batching, DataSplit, Runner, score
 
@@ -63,7 +63,7 @@ def evaluate_task(
         found = per_item[i]
         if task.scoring == "multiple_choice":
             results.append(
-                task_metrics_.choice_result(
+                choice_result(
                     item,
                     [s.loglikelihood for s in found],
                     [s.tokens for s in found],
@@ -72,10 +72,10 @@ def evaluate_task(
             )
         elif task.scoring == "cloze":
             (s,) = found
-            results.append(task_metrics_.cloze_result(item, s.loglikelihood, s.tokens, s.greedy))
+            results.append(cloze_result(item, s.loglikelihood, s.tokens, s.greedy))
         else:
             results.append(
-                task_metrics_.document_result(
+                document_result(
                     item, sum(s.loglikelihood for s in found), sum(s.tokens for s in found)
                 )
             )
@@ -83,7 +83,7 @@ def evaluate_task(
     return TaskResult(
         task.name,
         task.scoring,
-        task_metrics_.task_metrics(task.scoring, results),
+        task_metrics(task.scoring, results),
         results,
         truncated,
     )

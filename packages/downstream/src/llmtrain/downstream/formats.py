@@ -147,9 +147,10 @@ def winogrande(path: str, options: TaskOptions) -> list[TaskItem]:
             raise TaskFileError(f"{where}: field 'sentence' has no '_' blank")
         blank = sentence.index("_")
         options_ = (field(record, "option1", str, where), field(record, "option2", str, where))
-        gold = answer_index(field(record, "answer", (str, int), where), 3, "answer", where) - 1
-        if gold < 0:
-            raise TaskFileError(f"{where}: field 'answer': must be 1 or 2")
+        answer = field(record, "answer", (str, int), where)
+        if str(answer).strip() not in ("1", "2"):
+            raise TaskFileError(f"{where}: field 'answer': {answer!r} is not 1 or 2")
+        gold = int(answer) - 1
         contexts = tuple(sentence[:blank] + option for option in options_)
         items.append(TaskItem(contexts, (sentence[blank + 1 :].strip(),), gold, where=where))
     return items

@@ -59,8 +59,10 @@ BUILTIN_TASKS: dict[str, tuple[Reader, str, type, str]] = {
 
 
 def build_task(name: str, reader: Reader, scoring: str, options: TaskOptions) -> FileTask:
-    description = formats.mmlu_description(options, options.path) if reader is formats.mmlu else ""
-    return FileTask(name, scoring, options, reader, description)
+    if reader is formats.mmlu:
+        description = formats.mmlu_description(options, options.path)
+        return FileTask(name, scoring, options, reader, description, first_examples=True)
+    return FileTask(name, scoring, options, reader)
 
 
 @hookimpl

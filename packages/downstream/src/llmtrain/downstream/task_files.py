@@ -66,6 +66,9 @@ class FileTask:
     options: TaskOptions
     reader: Reader
     description: str = ""  # text before the first example (MMLU's subject line)
+    # MMLU's rule: every question gets the same examples, the first `shots` of the pool (its dev
+    # file), in file order; other tasks draw theirs at random
+    first_examples: bool = False
     _items: list[TaskItem] | None = None
 
     def items(self) -> list[TaskItem]:
@@ -95,12 +98,15 @@ class FileTask:
         ]
 
     def _examples(self, index: int, pool: Sequence[TaskItem], same_pool: bool) -> list[TaskItem]:
-        """`shots` items of the pool, drawn by a generator seeded by (seed, index): the same
-        examples for an item whatever the ranks, batches or limit."""
+        """`shots` items of the pool, never the question itself: the first ones, or drawn by a
+        generator seeded by (seed, index), the same examples for an item whatever the ranks,
+        batches or limit."""
         if not self.options.shots:
             return []
-        rng = random.Random(self.options.seed * 1_000_003 + index)  # noqa: S311 (not secret)
         candidates = [j for j in range(len(pool)) if not (same_pool and j == index)]
+        if self.first_examples:
+            return [pool[j] for j in candidates[: self.options.shots]]
+        rng = random.Random(self.options.seed * 1_000_003 + index)  # noqa: S311 (not secret)
         return [pool[j] for j in rng.sample(candidates, self.options.shots)]
 
 
