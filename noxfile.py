@@ -116,7 +116,7 @@ def lint(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """All packages and plugins together: multi-process gloo, object storage, CLI end to end."""
     install_everything(session)
-    pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu")
+    pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu", "--durations=25")
 
 
 @nox.session
