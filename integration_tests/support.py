@@ -1,13 +1,30 @@
-"""Helpers shared by the integration tests: the repo root, and running commands with checks."""
+"""Helpers shared by the integration tests: the repo root, the package list, and running commands
+with checks."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def noxfile_packages() -> list[str]:
+    """The packages under packages/, as noxfile.py's PACKAGES lists them (the one list; read
+    with `ast`, since nox is not installed where the tests run)."""
+    tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+            "PACKAGES"
+        ]:
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("noxfile.py assigns no PACKAGES list")
+
+
+PACKAGES = noxfile_packages()
 
 
 def run(cmd, *, env=None, cwd=None, timeout=300, check=True):

@@ -7,9 +7,8 @@ import importlib.metadata
 import json
 import sys
 
-from support import ROOT, run
+from support import PACKAGES, ROOT, run
 
-PACKAGES = ("core-mesh", "data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop")
 DISTS = ["llmtrain", *(f"llmtrain-{p}" for p in PACKAGES)]
 
 
