@@ -1,6 +1,7 @@
 """Pytest fixtures shared by the package test suites (imported from their conftest.py files;
-`integration_tests/` is on pytest's pythonpath): `run_cli` runs `llmtrain ...` in-process, and
-`moto_endpoint` / `s3_bucket` give a real S3-compatible server on 127.0.0.1 (moto)."""
+`integration_tests/` is on pytest's pythonpath): `one_torch_thread` (autouse where imported),
+`run_cli` runs `llmtrain ...` in-process, and `moto_endpoint` / `s3_bucket` give a real
+S3-compatible server on 127.0.0.1 (moto)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,18 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread() -> Iterator[None]:
+    """torch in this process uses one thread for the session: the test models are tiny, threads
+    buy nothing, and two OpenMP threads on a busy 2-core machine run far slower than one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from shared_fixtures import moto_endpoint, run_cli, s3_bucket  # noqa: F401
+from shared_fixtures import moto_endpoint, one_torch_thread, run_cli, s3_bucket  # noqa: F401
 from torch import nn
 
 VOCAB, DIM = 32, 16
@@ -54,15 +54,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) ->
     loss.backward()
     optimizer.step()
     return loss.item()
-
-
-@pytest.fixture(autouse=True, scope="session")
-def one_torch_thread():
-    # the test models are tiny: threads buy nothing on a small, busy machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_model(seed: int = 0, steps: int = 0, hidden: int = 2 * DIM):

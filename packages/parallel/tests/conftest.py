@@ -15,6 +15,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
+from shared_fixtures import one_torch_thread  # noqa: F401
 from torch import nn
 
 from llmtrain.core_mesh.interfaces import ModelDescription
@@ -186,15 +187,6 @@ class ToyDecoder(nn.Module):
 def sum_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss `Parallelized` expects: summed over the target tokens."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def one_torch_thread() -> Iterator[None]:
-    # the test model is tiny: threads buy nothing and slow a busy machine down
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture
