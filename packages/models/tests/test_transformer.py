@@ -223,6 +223,45 @@ def test_learned_positions_do_depend_on_the_start_position():
     assert (shifted - base).abs().max() > 1e-2
 
 
+# -- shared prefixes: several continuations after one copy of their context ----------------------
+
+
+@STYLES
+def test_continuations_packed_after_one_context_equal_their_own_rows(style):
+    """A row of context + two continuations, each at the positions it has after the context
+    and seeing only the context and itself, gives each continuation its own row's logits; a
+    row longer than max_seq_len is fine while its positions fit."""
+    model = seeded_model(small_config(**style, init_std=0.1, max_seq_len=16))
+    gen = torch.Generator().manual_seed(9)
+    context, first, second = (torch.randint(0, VOCAB, (n,), generator=gen) for n in (10, 5, 6))
+    row = torch.cat([context, first, second]).unsqueeze(0)  # 21 tokens > max_seq_len
+    positions = torch.cat([torch.arange(15), torch.arange(10, 16)]).unsqueeze(0)
+    segment = torch.tensor([0] * 10 + [1] * 5 + [2] * 6)
+    causal = torch.ones(21, 21, dtype=torch.bool).tril()
+    mask = causal & ((segment.unsqueeze(0) == 0) | (segment.unsqueeze(0) == segment.unsqueeze(1)))
+    with torch.no_grad():
+        packed = model(row, positions=positions, attention_mask=mask.unsqueeze(0))[0]
+        alone_first = model(torch.cat([context, first]).unsqueeze(0))[0]
+        alone_second = model(torch.cat([context, second]).unsqueeze(0))[0]
+        at = torch.zeros(1, 21, dtype=torch.bool)
+        at[0, [9, 12, 20]] = True
+        picked = model(row, positions=positions, attention_mask=mask.unsqueeze(0), logits_at=at)
+    torch.testing.assert_close(packed[:15], alone_first, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed[15:], alone_second[10:], atol=1e-5, rtol=0)
+    assert picked.shape == (3, VOCAB)
+    torch.testing.assert_close(picked, packed[[9, 12, 20]], atol=1e-5, rtol=0)
+
+
+def test_packed_positions_past_max_seq_len_and_a_mask_without_positions_are_refused():
+    model = seeded_model(small_config(**LLAMA_STYLE, max_seq_len=16))
+    tokens = torch.zeros(1, 4, dtype=torch.long)
+    mask = torch.ones(1, 4, 4, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match="sequence of 17 tokens is longer than the model's"):
+        model(tokens, positions=torch.tensor([[0, 1, 2, 16]]), attention_mask=mask)
+    with pytest.raises(ValueError, match="an attention_mask goes with explicit positions"):
+        model(tokens, attention_mask=mask)
+
+
 # -- parameter counts and the description ----------------------------------------------------------
 
 

@@ -162,16 +162,28 @@ class Transformer(nn.Module):
         cache: list[LayerCache] | None = None,
         start_pos: int = 0,
         positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages.
 
         `positions` (1 or B, T) gives each token's place in its sequence when the tokens are not
         one contiguous run (context parallelism hands each rank a shard of the sequence).
+        `attention_mask` (B, T, T), with `positions`: which tokens each token sees (True) in
+        place of causal attention; a row may then hold several sequences that share a prefix.
+        `logits_at` (B, T) bool: the logits of only those tokens, (N, padded vocab), row-major.
         """
         B, T = tokens.shape[:2]
-        if start_pos + T > self.cfg.max_seq_len:
+        if attention_mask is not None and positions is None:
+            raise ValueError("an attention_mask goes with explicit positions")
+        if positions is not None and attention_mask is not None:
+            # sequences packed side by side: the row may be longer than one sequence may be
+            end = int(positions.max()) + 1
+        else:
+            end = start_pos + T
+        if end > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence of {start_pos + T} tokens is longer than the model's max_seq_len "
+                f"sequence of {end} tokens is longer than the model's max_seq_len "
                 f"({self.cfg.max_seq_len}); raise model.max_seq_len or shorten the input"
             )
         if positions is None:
@@ -184,7 +196,7 @@ class Transformer(nn.Module):
         elif doc_starts is not None or cache is not None:
             raise ValueError("explicit positions go with neither document masking nor a cache")
         else:
-            mask = None
+            mask = None if attention_mask is None else attention_mask.unsqueeze(1)
         h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions)
@@ -196,6 +208,8 @@ class Transformer(nn.Module):
             h = block(h, rope, mask, cache[i] if cache is not None else None, start_pos)
         if self.norm is None:
             return h
+        if logits_at is not None:
+            h = h[logits_at]
         h = self.norm(h)
         return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
 
