@@ -15,7 +15,7 @@ import attrs
 from llmtrain.core_mesh.interfaces import TASK_SCORINGS, Task, Tokenizer
 from llmtrain.downstream.metrics import choice_result, cloze_result, document_result, task_metrics
 from llmtrain.downstream.requests import requests_of
-from llmtrain.downstream.scoring import Batching, DataSplit, Runner, score
+from llmtrain.downstream.scoring import Batching, DataSplit, PackedRunner, Runner, score
 
 
 @attrs.frozen
@@ -41,7 +41,7 @@ class TaskResult:
 def evaluate_task(
     task: Task,
     tokenizer: Tokenizer,
-    runner: Runner,
+    runner: Runner | PackedRunner,
     *,
     max_len: int,
     batching: Batching,
@@ -54,7 +54,7 @@ def evaluate_task(
         )
     items = task.items()
     requests = requests_of(task.scoring, items, tokenizer, max_len)
-    scores = score(requests, runner, batching, device, split)
+    scores = score(requests, runner, batching, device, split, max_len=max_len)
     per_item: dict[int, list] = defaultdict(list)
     for request, result in zip(requests, scores, strict=True):
         per_item[request.item].append(result)

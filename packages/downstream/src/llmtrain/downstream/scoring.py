@@ -10,6 +10,7 @@ the results are gathered over the data ranks and checked: every request scored e
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from llmtrain.core_mesh.interfaces import ParallelModel
+from llmtrain.downstream.packing import PackedBatch, PackedRow, packed_batch, packed_rows
 from llmtrain.downstream.requests import Request
 
 IGNORE = -100  # targets that are not scored
@@ -34,29 +36,65 @@ class Score:
     tokens: int
 
 
+def prediction_scores(
+    logits: torch.Tensor, targets: torch.Tensor, owner: torch.Tensor, n: int
+) -> torch.Tensor:
+    """(n, 2): for each of n owners, the summed log-probability of its targets and the count
+    of those that were not the arg-max, from one row of logits (N, vocab) per target."""
+    logits = logits.float()
+    logp = -F.cross_entropy(logits, targets, reduction="none")
+    missed = (logits.argmax(-1) != targets).float()
+    out = torch.zeros(n, 2, device=logits.device)
+    out[:, 0].index_add_(0, owner, logp)
+    out[:, 1].index_add_(0, owner, missed)
+    return out
+
+
 def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(B, 2): per row, the summed log-probability of the scored targets and the count of those
-    that were not the arg-max. Only the scored positions are normalised (a full log-softmax
-    over (B, T, vocab) would not fit for long rows)."""
+    """(B, 2): `prediction_scores` of each row's scored targets. Only the scored positions are
+    normalised (a full log-softmax over (B, T, vocab) would not fit for long rows)."""
     if hasattr(logits, "full_tensor"):  # a vocabulary-sharded DTensor (TP's loss parallelism)
         logits = logits.full_tensor()
     counted = targets != IGNORE
-    picked = logits[counted].float()
-    wanted = targets[counted]
-    logp = -F.cross_entropy(picked, wanted, reduction="none")
-    missed = (picked.argmax(-1) != wanted).float()
     rows = counted.nonzero()[:, 0]
-    out = torch.zeros(targets.size(0), 2, device=logits.device)
-    out[:, 0].index_add_(0, rows, logp)
-    out[:, 1].index_add_(0, rows, missed)
-    return out
+    return prediction_scores(logits[counted], targets[counted], rows, targets.size(0))
 
 
 Runner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def module_runner(model: torch.nn.Module) -> Runner:
-    """Scores rows with a whole model on one process."""
+@attrs.frozen
+class PackedRunner:
+    """Scores packed rows (`llmtrain.downstream.packing`: an item's options after one copy of
+    their context) with a whole model on one process. The model's forward takes `positions`,
+    `attention_mask` and `logits_at` (llmtrain's transformers do); logits are computed only
+    where a target is predicted."""
+
+    model: torch.nn.Module
+
+    @torch.no_grad()
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        logits = self.model(
+            batch.tokens,
+            positions=batch.positions,
+            attention_mask=batch.attention_mask,
+            logits_at=batch.at,
+        )
+        return prediction_scores(
+            logits[batch.gather], batch.targets, batch.owner, len(batch.requests)
+        )
+
+
+def takes_packed_rows(model: torch.nn.Module) -> bool:
+    parameters = inspect.signature(model.forward).parameters
+    return all(name in parameters for name in ("positions", "attention_mask", "logits_at"))
+
+
+def module_runner(model: torch.nn.Module) -> Runner | PackedRunner:
+    """Scores requests with a whole model on one process: packed rows when the model takes
+    them (each shared context computed once), else one row per request."""
+    if takes_packed_rows(model):
+        return PackedRunner(model)
 
     @torch.no_grad()
     def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -133,23 +171,41 @@ class DataSplit:
 
 def score(
     requests: Sequence[Request],
-    runner: Runner,
+    runner: Runner | PackedRunner,
     batching: Batching,
     device: Any,
     split: DataSplit = DataSplit(),
+    max_len: int | None = None,
 ) -> list[Score]:
-    """Every request's score, in the order given (the same list on every rank)."""
+    """Every request's score, in the order given (the same list on every rank). `max_len`:
+    the most tokens of a packed row (default: the longest request's)."""
     mine = [i for i, r in enumerate(requests) if r.item % split.world == split.rank]
-    mine.sort(key=lambda i: -len(requests[i].tokens))
-    batches = [mine[s : s + batching.rows] for s in range(0, len(mine), batching.rows)]
+    if isinstance(runner, PackedRunner):
+        limit = max_len or max((len(r.tokens) - 1 for r in requests), default=1)
+        units: list = packed_rows(requests, mine, limit)
+        units.sort(key=lambda row: -len(row.tokens))
+    else:
+        units = sorted(mine, key=lambda i: -len(requests[i].tokens))
+    batches = [units[s : s + batching.rows] for s in range(0, len(units), batching.rows)]
     n_batches = _most(len(batches), split, device)
     results: list[tuple[int, float, float, int]] = []
     for b in range(n_batches):
         chosen = batches[b] if b < len(batches) else []
-        tokens, targets = batch_tensors([requests[i] for i in chosen], batching, device)
-        scores = runner(tokens, targets).cpu().tolist()
-        results += [(i, *scores[row], requests[i].scored) for row, i in enumerate(chosen)]
+        if isinstance(runner, PackedRunner):
+            batch = packed_batch(chosen, batching.rows, _padded(chosen, batching), device)
+            scores = runner(batch).cpu().tolist()
+            order = batch.requests
+        else:
+            tokens, targets = batch_tensors([requests[i] for i in chosen], batching, device)
+            scores = runner(tokens, targets).cpu().tolist()
+            order = tuple(chosen)
+        results += [(i, *scores[k], requests[i].scored) for k, i in enumerate(order)]
     return _gathered(results, len(requests), split)
+
+
+def _padded(rows: Sequence[PackedRow], batching: Batching) -> int:
+    longest = max((len(row.tokens) for row in rows), default=1)
+    return batching.length or -(-longest // batching.multiple) * batching.multiple
 
 
 def _most(count: int, split: DataSplit, device: Any) -> int:
