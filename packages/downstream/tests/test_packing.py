@@ -13,6 +13,7 @@ from llmtrain.downstream.requests import Request, option_requests, rolling_reque
 from llmtrain.downstream.scoring import (
     Batching,
     PackedRunner,
+    layout_runner,
     module_runner,
     row_scores,
     score,
@@ -65,6 +66,32 @@ def test_module_runner_packs_for_llmtrain_transformers(model):
     assert not isinstance(module_runner(Plain()), PackedRunner)
 
 
+class Laid:
+    """A one-process stand-in for a model laid out over the mesh: `evaluate` runs its one
+    part with the further inputs and hands the logits to the loss function."""
+
+    def __init__(self, model, tp=1):
+        self.parts, self.tp = [model], tp
+
+    def size(self, dim):
+        return self.tp if dim == "tp" else 1
+
+    def evaluate(self, tokens, targets, loss_fn, *, inputs=None):
+        return loss_fn(self.parts[0](tokens, **(inputs or {})), targets)
+
+
+def test_a_layout_that_splits_nothing_packs_through_its_evaluate(model, requests):
+    runner = layout_runner(Laid(model))
+    assert isinstance(runner, PackedRunner)
+    reference = score(requests, row_runner(model), Batching(rows=4), "cpu")
+    packed = score(requests, runner, Batching(rows=3), "cpu", max_len=MAX_LEN)
+    assert [s.loglikelihood for s in packed] == pytest.approx(
+        [s.loglikelihood for s in reference], rel=1e-5, abs=1e-5
+    )
+    # a tensor-parallel layout scores one row per request, through the layout's loss function
+    assert not isinstance(layout_runner(Laid(model, tp=2)), PackedRunner)
+
+
 @pytest.mark.parametrize(
     ("batching", "max_len"),
     [
@@ -78,7 +105,7 @@ def test_module_runner_packs_for_llmtrain_transformers(model):
 )
 def test_packed_scores_equal_one_row_per_request(model, requests, batching, max_len):
     reference = score(requests, row_runner(model), Batching(rows=4), "cpu")
-    packed = score(requests, PackedRunner(model), batching, "cpu", max_len=max_len)
+    packed = score(requests, module_runner(model), batching, "cpu", max_len=max_len)
     assert [(s.tokens, s.greedy) for s in packed] == [(s.tokens, s.greedy) for s in reference]
     got = [s.loglikelihood for s in packed]
     assert got == pytest.approx([s.loglikelihood for s in reference], rel=1e-5, abs=1e-5)
@@ -91,7 +118,7 @@ def test_rolling_windows_score_as_their_own_rows(model, byte_tokenizer):
     windows = rolling_requests(docs, byte_tokenizer, MAX_LEN)
     assert len(windows) == 4
     reference = score(windows, row_runner(model), Batching(rows=2), "cpu")
-    packed = score(windows, PackedRunner(model), Batching(rows=2), "cpu", max_len=MAX_LEN)
+    packed = score(windows, module_runner(model), Batching(rows=2), "cpu", max_len=MAX_LEN)
     assert [s.loglikelihood for s in packed] == pytest.approx(
         [s.loglikelihood for s in reference], rel=1e-5, abs=1e-5
     )

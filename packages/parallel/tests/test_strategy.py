@@ -135,6 +135,27 @@ def test_evaluate_gives_the_loss_without_gradients(one_process_mesh, make_toy, t
         assert torch.equal(grad, before[name]), name
 
 
+def test_evaluate_passes_further_model_inputs(one_process_mesh, make_toy, toy_batch, loss_fn):
+    model = make_toy()
+    tokens, targets = toy_batch(2, 8)
+    positions = torch.arange(3, 11).unsqueeze(0)  # what a packed row's continuation gets
+    with torch.no_grad():
+        expected = loss_fn(copy.deepcopy(model)(tokens, positions=positions), targets)
+    par = parallelize(model, one_process_mesh)
+    got = par.evaluate(tokens, targets, loss_fn, inputs={"positions": positions})
+    torch.testing.assert_close(got, expected)
+    assert not torch.allclose(got, par.evaluate(tokens, targets, loss_fn))
+
+
+def test_evaluate_refuses_further_inputs_on_a_pipeline(
+    one_process_mesh, make_toy, toy_batch, loss_fn
+):
+    tokens, targets = toy_batch(4, 16)
+    par = one_rank_pipeline(make_toy(), one_process_mesh, "GPipe", 2)
+    with pytest.raises(ValueError, match=r"model inputs \['positions'\] need a layout"):
+        par.evaluate(tokens, targets, loss_fn, inputs={"positions": torch.arange(16)[None]})
+
+
 def test_clip_grad_norm_is_torchs(one_process_mesh, make_toy, toy_batch, loss_fn):
     model = make_toy()
     plain = copy.deepcopy(model)

@@ -266,7 +266,12 @@ class ParallelModel(Protocol):
         /,
         *,
         doc_starts: Any = ...,
-    ) -> Any: ...
+        inputs: Any = ...,
+    ) -> Any:
+        """`inputs`: further keyword inputs of the model's forward (a mapping; e.g. the packed
+        rows of downstream scoring: positions, attention_mask, logits_at), for layouts that
+        split neither the model nor the sequence (no pp, cp or tp)."""
+        ...
 
     def sum_over_data(self, value: Any, /) -> Any: ...
 

@@ -63,23 +63,26 @@ def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 Runner = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+Logits = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
 @attrs.frozen
 class PackedRunner:
     """Scores packed rows (`llmtrain.downstream.packing`: an item's options after one copy of
-    their context) with a whole model on one process. The model's forward takes `positions`,
-    `attention_mask` and `logits_at` (llmtrain's transformers do); logits are computed only
-    where a target is predicted."""
+    their context). `logits(tokens, inputs)` runs the model with the keyword inputs
+    `positions`, `attention_mask` and `logits_at` (llmtrain's transformers take them) and
+    returns the logits of only the positions where a target is predicted."""
 
-    model: torch.nn.Module
+    logits: Logits
 
     @torch.no_grad()
     def __call__(self, batch: PackedBatch) -> torch.Tensor:
-        logits = self.model(
-            batch.tokens,
-            positions=batch.positions,
-            attention_mask=batch.attention_mask,
-            logits_at=batch.at,
-        )
+        inputs = {
+            "positions": batch.positions,
+            "attention_mask": batch.attention_mask,
+            "logits_at": batch.at,
+        }
+        logits = self.logits(batch.tokens, inputs)
         return prediction_scores(
             logits[batch.gather], batch.targets, batch.owner, len(batch.requests)
         )
@@ -94,13 +97,35 @@ def module_runner(model: torch.nn.Module) -> Runner | PackedRunner:
     """Scores requests with a whole model on one process: packed rows when the model takes
     them (each shared context computed once), else one row per request."""
     if takes_packed_rows(model):
-        return PackedRunner(model)
+        return PackedRunner(lambda tokens, inputs: model(tokens, **inputs))
 
     @torch.no_grad()
     def run(tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return row_scores(model(tokens), targets)
 
     return run
+
+
+def layout_runner(model: ParallelModel) -> Runner | PackedRunner:
+    """Scores requests with a model laid out over the mesh: packed rows through its `evaluate`
+    where the layout splits neither the model nor the sequence (data parallelism, FSDP), else
+    one row per request through `parallel_runner`."""
+    unsplit = len(model.parts) == 1 and all(model.size(d) == 1 for d in ("pp", "cp", "tp"))
+    if not (unsplit and takes_packed_rows(model.parts[0])):
+        return parallel_runner(model)
+
+    def logits(tokens: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        kept: list[torch.Tensor] = []
+
+        def keep(logits: torch.Tensor, _targets: torch.Tensor) -> torch.Tensor:
+            kept.append(logits)
+            return logits.new_zeros(())
+
+        # the targets are not read: the packed batch says what each logit predicts
+        model.evaluate(tokens, tokens, keep, inputs=inputs)
+        return kept[0]
+
+    return PackedRunner(logits)
 
 
 def parallel_runner(model: ParallelModel) -> Runner:

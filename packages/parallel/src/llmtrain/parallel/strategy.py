@@ -10,7 +10,7 @@ run time. The result, `Parallelized`, runs a step's forward and backward whateve
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -127,9 +127,18 @@ class Parallelized:
         loss_fn: LossFn,
         *,
         doc_starts: torch.Tensor | None = None,
+        inputs: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The summed loss over these targets, without gradients."""
+        """The summed loss over these targets, without gradients. `inputs`: further keyword
+        inputs of the model (only where no pipeline, sequence or tensor split reshapes them)."""
         tokens, targets, kwargs = self._shard_sequence(tokens, targets, doc_starts)
+        if inputs:
+            if self.schedule is not None or self.size("cp") > 1 or self.size("tp") > 1:
+                raise ValueError(
+                    f"model inputs {sorted(inputs)} need a layout that splits neither the model "
+                    "nor the sequence (no pipeline, cp or tp)"
+                )
+            kwargs.update(inputs)
         with self._attention(), self._loss_parallel(), self._autocast():
             if self.schedule is not None:
                 total = self._pipeline_step(tokens, targets, loss_fn, 1.0, kwargs, train=False)

@@ -68,7 +68,7 @@ class DownstreamEvaluation(Callback):
 
     def evaluate(self, run: TrainingRun) -> dict[str, float]:
         from llmtrain.downstream.evaluate import evaluate_task
-        from llmtrain.downstream.scoring import Batching, DataSplit, parallel_runner
+        from llmtrain.downstream.scoring import Batching, DataSplit, layout_runner
 
         model = run.model
         seq_len = run.config.data.seq_len
@@ -91,7 +91,7 @@ class DownstreamEvaluation(Callback):
                 result = evaluate_task(
                     task,
                     run.tokenizer,
-                    parallel_runner(model),
+                    layout_runner(model),
                     max_len=seq_len,
                     batching=batching,
                     device=model.device,
