@@ -11,21 +11,12 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from shared_fixtures import one_torch_thread  # noqa: F401
 
 from llmtrain.core_mesh.config import Choice, structure
 from llmtrain.core_mesh.interfaces import TaskItem
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.data_pack.tokenizer import ENDOFTEXT, BytesOptions, BytesTokenizer
-
-
-@pytest.fixture(autouse=True, scope="session")
-def one_torch_thread():
-    # the test models are tiny: threads buy nothing, and two OpenMP threads on a busy 2-core
-    # machine run far slower than one
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
