@@ -12,7 +12,10 @@ with the same weights, threads and rows per forward, the model already in memory
 
 After a warmup of each (lm-eval's dataset cache is built there), rounds alternate and medians
 are reported, with the time each side spends in its model calls (so the table shows where the
-rest goes), and a check that both gave the same acc per item. `--profile` adds cProfile's top
+rest goes), and a check that both gave the same acc per item. Then the in-loop cost: a run of
+the same model that trains and scores the items every `--every` steps with the `downstream`
+callback (twice), its evaluation's seconds as a share of the training steps' between two
+evaluations. `--profile` adds cProfile's top
 entries of one round of each. Needs llmtrain-hf and lm-eval[hf] installed (as the plugin-lmeval
 nox session has them).
 """
@@ -108,7 +111,6 @@ def hellaswag_items(n: int, seed: int = 0) -> list[dict]:
 def build(work: Path, args: argparse.Namespace) -> tuple[str, str, int]:
     """Train one step, export; (checkpoint dir, transformers dir, max_seq_len). A --dir that
     already holds them is reused."""
-    import yaml
     from llmtrain_hf import export_checkpoint
 
     from llmtrain.data_pack.pack import pack
@@ -128,6 +130,20 @@ def build(work: Path, args: argparse.Namespace) -> tuple[str, str, int]:
         {"kind": "hf", "path": str(tokenizer)},
         workers=1,
     )
+    train(work, "bench", args, data={"seq_len": 128, "micro_batch": 2}, training={"steps": 1})
+    export_checkpoint(checkpoint, export)
+    return checkpoint, export, MAX_SEQ_LEN
+
+
+def train(
+    work: Path, name: str, args: argparse.Namespace, *, data: dict, training: dict, **more
+) -> Path:
+    """`llmtrain run` of the bench model on the packed corpus, afresh (`more`: further config
+    sections); its metrics.jsonl."""
+    import shutil
+
+    import yaml
+
     model = {
         "kind": "tiny",
         "vocab_size": args.vocab,
@@ -139,21 +155,49 @@ def build(work: Path, args: argparse.Namespace) -> tuple[str, str, int]:
         "tied_embeddings": False,
     }
     config = {
-        "name": "bench",
+        "name": name,
         "seed": 0,
         "run_dir": str(work / "runs"),
         "device": "cpu",
         "model": model,
-        "data": {"train": [{"path": str(work / "train.zarr")}], "seq_len": 128, "micro_batch": 2},
+        "data": {"train": [{"path": str(work / "train.zarr")}], **data},
         "optimizer": {"kind": "adamw", "lr": 1e-3},
-        "training": {"steps": 1},
+        "training": training,
         "loggers": [{"kind": "jsonl"}],
+        **more,
     }
-    (work / "run.yaml").write_text(yaml.safe_dump(config))
+    shutil.rmtree(work / "runs" / name, ignore_errors=True)
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
     llmtrain = Path(sys.executable).parent / "llmtrain"
-    subprocess.run([str(llmtrain), "run", str(work / "run.yaml")], check=True, capture_output=True)
-    export_checkpoint(checkpoint, export)
-    return checkpoint, export, MAX_SEQ_LEN
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    subprocess.run([str(llmtrain), "run", str(path)], check=True, capture_output=True, env=env)
+    return work / "runs" / name / "metrics.jsonl"
+
+
+def in_loop_cost(work: Path, args: argparse.Namespace, items: Path) -> tuple[float, float]:
+    """(seconds of one in-loop evaluation, seconds of one training step) of a run that trains
+    `--micro-batch` x 256 tokens a step and scores the items every `--every` steps (twice):
+    step times come from the log windows without an evaluation in them."""
+    callback = {
+        "kind": "downstream",
+        "every": args.every,
+        "at_end": False,
+        "batch_rows": args.batch,
+        "tasks": [{"kind": "hellaswag", "path": str(items)}],
+    }
+    metrics = train(
+        work,
+        "bench-loop",
+        args,
+        data={"seq_len": MAX_SEQ_LEN, "micro_batch": args.micro_batch},
+        training={"steps": 2 * args.every, "log_every": 10},
+        callbacks=[callback],
+    )
+    records = [json.loads(line) for line in metrics.open()]
+    evaluations = [r["downstream/seconds"] for r in records if "downstream/seconds" in r]
+    steps = [r["step_time_s"] for r in records if "downstream/seconds" not in r and r["step"] > 10]
+    return statistics.median(evaluations), statistics.median(steps)
 
 
 class Timed:
@@ -181,6 +225,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    p.add_argument("--every", type=int, default=100, help="in-loop: steps between evaluations")
+    p.add_argument("--micro-batch", type=int, default=8, help="in-loop: sequences per step")
     p.add_argument("--profile", action="store_true", help="cProfile one round of each")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -293,6 +339,14 @@ def main() -> None:
         f"same acc on every item: {same}; acc {results['ours']['metrics']['acc']:.4f} vs "
         f"{results['lm-eval hf']['metrics']['acc,none']:.4f}"
     )
+    evaluation_s, step_s = in_loop_cost(work, args, items)
+    print(
+        f"in the loop (training {args.micro_batch} x {MAX_SEQ_LEN} tokens a step, the {n} items "
+        f"every {args.every} steps): an evaluation {evaluation_s:.2f} s, a step {step_s:.3f} s; "
+        f"{evaluation_s / (args.every * step_s):.1%} of the {args.every} steps' time"
+    )
+    if args.json:
+        print(json.dumps({"in_loop": {"evaluation_s": evaluation_s, "step_s": step_s}}))
     if args.profile:
         for name, fn in sides.items():
             prof = cProfile.Profile()
