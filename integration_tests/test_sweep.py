@@ -203,7 +203,7 @@ def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
         for s in (0, 1)
     ]
 
-    first_losses = {}
+    first_losses, non_embedding = {}, {}
     for run_id in IDS:
         n_layers, seed = (int(part.split("=")[1]) for part in run_id.split(","))
         run_dir = sweep.dir / run_id
@@ -218,6 +218,9 @@ def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
         assert summary["step"] == summary["total_steps"] == STEPS
         assert summary["tokens"] == TOKENS and summary["world_size"] == 1
         assert summary["error"] is None and summary["wall_time_s"] > 0
+        assert 0 < summary["non_embedding_params"] < summary["params"]
+        assert summary["flops_per_token"] > 6 * summary["non_embedding_params"]
+        non_embedding[n_layers] = summary["non_embedding_params"]
 
         metrics = metrics_of(run_dir)
         assert list(metrics) == list(range(1, STEPS + 1)), run_id
@@ -230,6 +233,11 @@ def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
         first_losses[run_id] = metrics[1]["loss"]
     # another seed or depth is another initialisation: the first losses all differ
     assert len(set(first_losses.values())) == 4, first_losses
+    # the blocks are the non-embedding parameters: two blocks hold twice one block's
+    depths = sorted(non_embedding)
+    assert len(depths) == 2
+    per_block = non_embedding[depths[1]] - non_embedding[depths[0]]
+    assert non_embedding[depths[0]] == pytest.approx(per_block * depths[0], rel=0.05)
 
 
 def test_a_run_repeats_alone_from_its_config_yaml(sweep, tmp_path):

@@ -60,6 +60,10 @@ class Summary(Callback):
             "wall_time_s": round(float(run.counters["elapsed_s"]), 3),
             "world_size": run.world.world_size,
             "error": error,
+            # what scaling-law fits (`llmtrain fit`) read: N with and without embeddings, C/D
+            "params": run.description.n_params,
+            "non_embedding_params": run.description.n_non_embedding_params,
+            "flops_per_token": run.description.flops_per_token(run.config.data.seq_len),
         }
         run.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run.run_dir / "summary.json.tmp"
