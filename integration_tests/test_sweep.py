@@ -203,7 +203,7 @@ def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
         for s in (0, 1)
     ]
 
-    first_losses, non_embedding = {}, {}
+    first_losses, non_embedding, params = {}, {}, {}
     for run_id in IDS:
         n_layers, seed = (int(part.split("=")[1]) for part in run_id.split(","))
         run_dir = sweep.dir / run_id
@@ -221,6 +221,7 @@ def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
         assert 0 < summary["non_embedding_params"] < summary["params"]
         assert summary["flops_per_token"] > 6 * summary["non_embedding_params"]
         non_embedding[n_layers] = summary["non_embedding_params"]
+        params[n_layers] = summary["params"]
 
         metrics = metrics_of(run_dir)
         assert list(metrics) == list(range(1, STEPS + 1)), run_id
@@ -233,11 +234,10 @@ def test_a_grid_with_seeds_trains_every_run_in_its_own_directory(sweep):
         first_losses[run_id] = metrics[1]["loss"]
     # another seed or depth is another initialisation: the first losses all differ
     assert len(set(first_losses.values())) == 4, first_losses
-    # the blocks are the non-embedding parameters: two blocks hold twice one block's
-    depths = sorted(non_embedding)
-    assert len(depths) == 2
-    per_block = non_embedding[depths[1]] - non_embedding[depths[0]]
-    assert non_embedding[depths[0]] == pytest.approx(per_block * depths[0], rel=0.05)
+    # a block adds to the non-embedding parameters; the embeddings do not grow with depth
+    (one, two), (all_one, all_two) = sorted(non_embedding.items()), sorted(params.items())
+    assert one[0] == all_one[0] == 1 and two[0] == all_two[0] == 2
+    assert two[1] > one[1] and all_two[1] - two[1] == all_one[1] - one[1]
 
 
 def test_a_run_repeats_alone_from_its_config_yaml(sweep, tmp_path):
