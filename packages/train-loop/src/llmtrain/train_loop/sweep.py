@@ -1,7 +1,8 @@
 """`llmtrain sweep`: an ablation as one command.
 
 A base config and axes (`--grid KEY=V1,V2` crossed with each other, `--zip KEY=V1,V2` stepped
-together, `--seeds N`) expand into runs. Every run gets its own resolved config in
+together, `--seeds N`, and `--ladder`: model sizes and steps from compute budgets, see
+`ladder.py`) expand into runs. Every run gets its own resolved config in
 `<dir>/<sweep>/<run-id>/config.yaml` (reproducible alone: `llmtrain run` on it resumes or repeats
 it) and the sweep a `manifest.json`. All configs are checked before anything runs. Then the runs
 go one after another here, or their torchrun commands are printed, or a SLURM job-array script
@@ -36,6 +37,7 @@ from llmtrain.core_mesh.config import (
     ConfigValueError,
     Problem,
     dump_config,
+    load_config,
     make_converter,
     parse_yaml,
     set_value,
@@ -43,6 +45,7 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.train_loop import ladder
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
 WEIGHTS = "data.weights"  # one list per run: the weight of each dataset in data.train, in order
@@ -51,11 +54,14 @@ MAX_ID = 100
 
 @attrs.frozen
 class Axis:
-    """Keys that step together (one key for --grid, all --zip keys for the zip axis)."""
+    """Keys that step together (one key for --grid, all --zip keys for the zip axis, a ladder
+    rung's shape and steps)."""
 
     keys: tuple[str, ...]
     rows: list[tuple[Any, ...]]
     flags: tuple[str, ...]  # the command-line text of each key, for errors
+    # what run ids show of each row instead of its keys' values (a ladder rung: `C=1e15,r=20`)
+    labels: list[dict[str, Any]] | None = None
 
 
 @attrs.frozen
@@ -144,13 +150,17 @@ def axes_from(grid: Sequence[str], zipped: Sequence[str], seeds: int | None) -> 
     return axes
 
 
-def expand(axes: Sequence[Axis]) -> list[dict[str, Any]]:
-    """The product of the axes, the last varying fastest: one {key: value} per run."""
+def expand(axes: Sequence[Axis], *, labelled: bool = False) -> list[dict[str, Any]]:
+    """The product of the axes, the last varying fastest: one {key: value} per run.
+    `labelled`: what each run's id shows instead (an axis's labels where it has them)."""
     runs = []
-    for combo in itertools.product(*(axis.rows for axis in axes)):
+    for combo in itertools.product(*(range(len(axis.rows)) for axis in axes)):
         settings: dict[str, Any] = {}
-        for axis, row in zip(axes, combo, strict=True):
-            settings.update(zip(axis.keys, row, strict=True))
+        for axis, i in zip(axes, combo, strict=True):
+            if labelled and axis.labels is not None:
+                settings.update(axis.labels[i])
+            else:
+                settings.update(zip(axis.keys, axis.rows[i], strict=True))
         runs.append(settings)
     return runs
 
@@ -193,7 +203,7 @@ def plan(
         raise ConfigError([Problem((), "a run config is a mapping")], base)
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
     all_settings = expand(axes)
-    ids = run_ids(all_settings)
+    ids = run_ids(expand(axes, labelled=True))
     converter = make_converter(plugins)
     problems: dict[str, Problem] = {}
     planned = []
@@ -500,6 +510,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="keys stepped together (same number of values), crossed with the --grid axes",
     )
     parser.add_argument("--seeds", type=int, default=None, help="repeat each run with seeds 0..N-1")
+    parser.add_argument(
+        "--ladder",
+        action="store_true",
+        help="a model ladder: one run per --budgets x --tokens-per-param, its model shape and "
+        "steps sized from the base config (crossed with --grid/--zip/--seeds)",
+    )
+    parser.add_argument(
+        "--budgets", default=None, metavar="C1,C2,...", help="--ladder: compute budgets in FLOPs"
+    )
+    parser.add_argument(
+        "--tokens-per-param",
+        default=None,
+        metavar="R1,R2,...",
+        help="--ladder: training tokens per non-embedding parameter (20: Chinchilla)",
+    )
+    parser.add_argument(
+        "--aspect-ratio",
+        default=None,
+        metavar="MIN,MAX",
+        help="--ladder: the band of d_model / n_layers (default 32,128)",
+    )
     parser.add_argument("--name", default=None, help="sweep name (default: the base config's name)")
     parser.add_argument("--dir", default="sweeps", help="where sweeps go (default: sweeps)")
     parser.add_argument(
@@ -524,7 +555,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-parallel", type=int, default=None, help="slurm: at most this many runs at once"
     )
     parser.add_argument(
-        "--dry-run", action="store_true", help="check and list the runs; write and run nothing"
+        "--dry-run",
+        action="store_true",
+        help="check and list the runs (--ladder: print its table); write and run nothing",
     )
 
 
@@ -539,14 +572,21 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"--name must be a name without '/', got {name!r}")
     sweep_dir = (Path(args.dir) / name).resolve()
     world = args.nproc_per_node * args.nodes
+    rungs = _ladder_rungs(args, axes, ctx, world)
+    if rungs:
+        axes = [_ladder_axis(rungs), *axes]
     planned = plan(
         args.config, axes, name=name, sweep_dir=sweep_dir, plugins=ctx.plugins, world_size=world
     )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
+    if rungs:
+        ladder_table = ladder.table([(run.id, _rung_of(run, rungs)) for run in planned])
+        print(ladder_table, file=sys.stdout if args.dry_run else sys.stderr, flush=True)
     if args.dry_run:
-        for run in planned:
-            print(run.id)
+        if not rungs:
+            for run in planned:
+                print(run.id)
         return 0
     meta = {
         "name": name,
@@ -554,6 +594,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         "command": shlex.join(_command_of(args)),
         "axes": [{"keys": list(a.keys), "values": [list(r) for r in a.rows]} for a in axes],
     }
+    if rungs:
+        meta["ladder"] = [{"label": r.label, **r.record()} for r in rungs]
     write(planned, sweep_dir, meta)
     pending = [r for r in planned if not _finished(r.path(sweep_dir))]
     if args.launch == "print":
@@ -599,6 +641,50 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def _ladder_rungs(
+    args: argparse.Namespace, axes: Sequence[Axis], ctx: Context, world: int
+) -> list[ladder.Rung]:
+    """The ladder's rungs when --ladder is given (none otherwise), checked against the other
+    axes; the ladder's flags without --ladder are refused."""
+    flags = {"--budgets": args.budgets, "--tokens-per-param": args.tokens_per_param}
+    flags["--aspect-ratio"] = args.aspect_ratio
+    if not args.ladder:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} size a model ladder: add --ladder")
+        return []
+    budgets = ladder.parse_positive_list(args.budgets, "--budgets", "1e15,3e15,1e16")
+    ratios = ladder.parse_positive_list(args.tokens_per_param, "--tokens-per-param", "10,20,40")
+    aspect = ladder.parse_aspect(args.aspect_ratio)
+    ladder.check_other_axes([key for axis in axes for key in axis.keys])
+    base = ladder_base(args.config, ctx.plugins)
+    return ladder.ladder(
+        base,
+        ctx.plugins,
+        budgets=budgets,
+        ratios=ratios,
+        aspect=aspect,
+        world=world,
+        source=args.config,
+    )
+
+
+def ladder_base(path: str, plugins: Any) -> RunConfig:
+    """The base config as a run reads it (the model's options with their defaults)."""
+    return resolved(load_config(path, RunConfig, plugins=plugins), plugins)
+
+
+def _ladder_axis(rungs: Sequence[ladder.Rung]) -> Axis:
+    """The rungs as one axis of the sweep: every rung sets the same keys."""
+    keys = tuple(rungs[0].overrides())
+    rows = [tuple(rung.overrides()[key] for key in keys) for rung in rungs]
+    return Axis(keys, rows, tuple("--ladder" for _ in keys), labels=[r.label for r in rungs])
+
+
+def _rung_of(run: PlannedRun, rungs: Sequence[ladder.Rung]) -> ladder.Rung:
+    return next(r for r in rungs if r.overrides().items() <= run.settings.items())
+
+
 def _command_of(args: argparse.Namespace) -> list[str]:
     """The sweep's own command line, from its parsed arguments (for the manifest)."""
     words = ["llmtrain", "sweep", args.config]
@@ -607,6 +693,16 @@ def _command_of(args: argparse.Namespace) -> list[str]:
             words += [f"--{flag}", text]
     if args.seeds is not None:
         words += ["--seeds", str(args.seeds)]
+    if args.ladder:
+        words += [
+            "--ladder",
+            "--budgets",
+            args.budgets,
+            "--tokens-per-param",
+            args.tokens_per_param,
+        ]
+        if args.aspect_ratio is not None:
+            words += ["--aspect-ratio", args.aspect_ratio]
     if args.name:
         words += ["--name", args.name]
     return [*words, "--dir", args.dir]
