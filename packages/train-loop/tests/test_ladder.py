@@ -1,0 +1,309 @@
+"""Model ladders (`llmtrain sweep BASE --ladder`): the shape rule and its exact parameter counts,
+the steps per rung, the dry-run table, the configs a ladder writes, and the refusals. Budgets are
+tiny (1e13 to 1e15 FLOPs) for the `tiny` model kind; nothing trains."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import ClassVar
+
+import attrs
+import pytest
+import torch
+import yaml
+
+from llmtrain.core_mesh.cli import main
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.train_loop import ladder
+from llmtrain.train_loop.sweep import ladder_base
+
+MICRO, SEQ = 8, 64  # 512 tokens per step on one process
+BUDGETS = (1e13, 1e14, 1e15)
+
+
+def write_base(tmp_path, model: str = "{kind: tiny, vocab_size: 320, max_seq_len: 64}", **data):
+    """A base config: the tiny preset (head_dim 16, 4 query heads per 2 kv heads)."""
+    data_lines = "".join(f"  {key}: {value}\n" for key, value in data.items())
+    path = tmp_path / "base.yaml"
+    path.write_text(
+        f"name: lad\ndevice: cpu\nmodel: {model}\n"
+        f"data:\n  train: [{{path: {tmp_path}/none.zarr}}]\n  seq_len: {SEQ}\n"
+        f"  micro_batch: {MICRO}\n{data_lines}"
+        "optimizer: {kind: adamw, lr: 3.0e-3}\ntraining: {steps: 10}\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+def rungs_of(base, plugins, budgets=BUDGETS, ratios=(10, 20, 40), world=1):
+    config = ladder_base(str(base), plugins)
+    return ladder.ladder(config, plugins, budgets=budgets, ratios=ratios, world=world)
+
+
+def built_non_embedding_params(plugins, base, shape) -> int:
+    """The model really built (on the CPU, weights allocated) with this shape, its parameters
+    less the token and position embeddings, counted here rather than by describe()."""
+    config = ladder_base(str(base), plugins)
+    options = attrs.evolve(config.model.options, **shape)
+    model = plugins.build("model", attrs.evolve(config.model, options=options))
+    return sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if not name.startswith(("tok_emb.", "pos_emb."))
+    )
+
+
+# --- the shape rule ---
+
+
+def test_shapes_keep_head_dim_kv_ratio_and_aspect_band_and_land_near_n(installed, tmp_path):
+    base = write_base(tmp_path)
+    rungs = rungs_of(base, installed)
+    assert [(r.budget, r.tokens_per_param) for r in rungs] == [
+        (c, r) for c in BUDGETS for r in (10, 20, 40)
+    ]
+    for rung in rungs:
+        shape = rung.shape
+        assert rung.target_params == pytest.approx(
+            math.sqrt(rung.budget / (6 * rung.tokens_per_param))
+        )
+        assert shape["d_model"] == 16 * shape["n_heads"]  # head_dim of the tiny preset
+        assert shape["n_heads"] == 2 * shape["n_kv_heads"]  # its query heads per kv head
+        assert 32 <= shape["d_model"] / shape["n_layers"] <= 128
+        assert "mlp_hidden" not in shape  # the preset derives it from d_model
+        assert abs(rung.params / rung.target_params - 1) <= ladder.TOLERANCE
+    # the biggest rungs have fine enough shapes to land within a few percent
+    assert all(abs(r.params / r.target_params - 1) < 0.04 for r in rungs if r.budget == 1e15)
+    # more compute, bigger model at every ratio; more tokens per parameter, smaller model
+    for ratio in (10, 20, 40):
+        sizes = [r.params for r in rungs if r.tokens_per_param == ratio]
+        assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    for budget in BUDGETS:
+        sizes = [r.params for r in rungs if r.budget == budget]
+        assert sizes == sorted(sizes, reverse=True)
+
+
+def test_the_count_is_the_built_model_s_and_the_formula_s(installed, tmp_path):
+    base = write_base(tmp_path)
+    rungs = rungs_of(base, installed, budgets=(1e13, 1e14), ratios=(10, 20))
+    for rung in rungs:
+        assert rung.params == built_non_embedding_params(installed, base, rung.shape)
+    # by hand, C=1e13 r=10: d_model 128, 2 layers, 8 heads of 16, 4 kv heads, SwiGLU hidden
+    # int(8 * 128 / 3) = 341 rounded up to 352, RMSNorm weights, no biases
+    first = rungs[0]
+    assert first.shape == {"d_model": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4}
+    per_layer = 128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 352 + 2 * 128
+    assert first.params == 2 * per_layer + 128 == 369_280
+
+
+def test_a_base_mlp_hidden_scales_with_d_model(installed, tmp_path):
+    model = "{kind: tiny, vocab_size: 320, max_seq_len: 64, mlp_hidden: 256, n_kv_heads: null}"
+    base = write_base(tmp_path, model=model)  # mlp_hidden 4 x d_model 64; plain multi-head
+    rungs = rungs_of(base, installed, budgets=(1e14,), ratios=(20,))
+    shape = rungs[0].shape
+    assert shape["mlp_hidden"] == 4 * shape["d_model"]  # a multiple of mlp_multiple_of 32 too
+    assert "n_kv_heads" not in shape
+    assert rungs[0].params == built_non_embedding_params(installed, base, shape)
+
+
+def test_the_aspect_band_is_a_flag(installed, tmp_path):
+    base = write_base(tmp_path)
+    config = ladder_base(str(base), installed)
+    narrow = ladder.ladder(config, installed, budgets=(1e15,), ratios=(20,), aspect=(60.0, 70.0))
+    d_model, n_layers = narrow[0].shape["d_model"], narrow[0].shape["n_layers"]
+    assert 60 <= d_model / n_layers <= 70
+
+
+# --- steps ---
+
+
+@pytest.mark.parametrize(
+    ("world", "data", "step_tokens"),
+    [(1, {}, MICRO * SEQ), (2, {}, 2 * MICRO * SEQ), (2, {"grad_accum": 3}, 6 * MICRO * SEQ)],
+)
+def test_steps_reach_d_within_one_step(installed, tmp_path, world, data, step_tokens):
+    base = write_base(tmp_path, **data)
+    config = ladder_base(str(base), installed)
+    assert ladder.tokens_per_step(config, world, str(base)) == step_tokens
+    for rung in rungs_of(base, installed, world=world):
+        wanted = rung.tokens_per_param * rung.target_params
+        assert rung.target_tokens == pytest.approx(wanted)
+        assert rung.tokens == rung.steps * step_tokens
+        assert wanted <= rung.tokens < wanted + step_tokens
+        assert rung.actual_budget == 6 * rung.params * rung.tokens
+
+
+def test_global_batch_tokens_sets_the_step(installed, tmp_path):
+    base = write_base(tmp_path, global_batch_tokens=4096)
+    (rung,) = rungs_of(base, installed, budgets=(1e14,), ratios=(20,), world=2)
+    assert rung.steps == math.ceil(rung.target_tokens / 4096)
+
+
+def test_budget_labels_read_as_written():
+    assert [ladder.compact(c) for c in (1e15, 3e15, 1.5e16, 1e11, 250.0)] == [
+        "1e15",
+        "3e15",
+        "1.5e16",
+        "1e11",
+        "250",
+    ]
+
+
+# --- through the command ---
+
+
+def table_rows(text: str) -> list[list[str]]:
+    lines = [line.split() for line in text.strip().splitlines()]
+    assert lines[0][:2] == ["run", "id"]
+    return lines[1:]
+
+
+def test_dry_run_prints_the_table_and_writes_nothing(installed, tmp_path, run_cli):
+    base = write_base(tmp_path)
+    sweeps = tmp_path / "sweeps"
+    code, out, err = run_cli(
+        "sweep", base, "--ladder", "--budgets", "1e13,1e15", "--tokens-per-param", "20",
+        "--dry-run", "--dir", sweeps,
+    )  # fmt: skip
+    assert code == 0, err
+    assert not sweeps.exists()
+    expected = rungs_of(base, installed, budgets=(1e13, 1e15), ratios=(20,))
+    rows = table_rows(out)
+    assert [row[0] for row in rows] == ["C=1e13,r=20", "C=1e15,r=20"]
+    for row, rung in zip(rows, expected, strict=True):
+        assert row[1:] == [
+            ladder.compact(rung.budget),
+            "20",
+            f"{rung.params:,}",
+            f"{rung.tokens:,}",
+            ladder.compact(rung.actual_budget),
+            str(rung.shape["n_layers"]),
+            str(rung.shape["d_model"]),
+            str(rung.shape["n_heads"]),
+            str(rung.steps),
+        ]
+    assert rows[0][3:5] == ["304,800", "5,773,824"]  # N = 304,800 for a target of 288,675
+
+
+def test_launch_print_writes_configs_with_the_overrides(installed, tmp_path, run_cli):
+    base = write_base(tmp_path)
+    sweeps = tmp_path / "sweeps"
+    code, out, err = run_cli(
+        "sweep", base, "--ladder", "--budgets", "1e13,1e14", "--tokens-per-param", "10,40",
+        "--seeds", "2", "--launch", "print", "--dir", sweeps,
+    )  # fmt: skip
+    assert code == 0, err
+    rungs = rungs_of(base, installed, budgets=(1e13, 1e14), ratios=(10, 40))
+    manifest = json.loads((sweeps / "lad" / "manifest.json").read_text())
+    ids = [run["id"] for run in manifest["runs"]]
+    assert ids == [f"{label},seed={s}" for label in ("C=1e13,r=10", "C=1e13,r=40",
+                   "C=1e14,r=10", "C=1e14,r=40") for s in (0, 1)]  # fmt: skip
+    assert len(out.strip().splitlines()) == 8  # one printed command per run
+    assert [entry["params"] for entry in manifest["ladder"]] == [r.params for r in rungs]
+    for i, run_id in enumerate(ids):
+        rung = rungs[i // 2]
+        written = yaml.safe_load((sweeps / "lad" / run_id / "config.yaml").read_text())
+        model = written["model"]
+        got = {k: model[k] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads")}
+        assert got == rung.shape
+        assert written["training"]["steps"] == rung.steps
+        assert written["seed"] == i % 2
+        assert manifest["runs"][i]["settings"]["training.steps"] == rung.steps
+    assert "C=1e13,r=10,seed=0" in err  # the table goes to stderr when the sweep is written
+
+
+def test_a_base_with_training_tokens_gets_steps_instead(installed, tmp_path, run_cli):
+    base = write_base(tmp_path)
+    base.write_text(base.read_text().replace("{steps: 10}", "{tokens: 100000}"))
+    sweeps = tmp_path / "sweeps"
+    code, _, err = run_cli(
+        "sweep", base, "--ladder", "--budgets", "1e13", "--tokens-per-param", "20",
+        "--launch", "print", "--dir", sweeps,
+    )  # fmt: skip
+    assert code == 0, err
+    training = yaml.safe_load((sweeps / "lad" / "C=1e13,r=20" / "config.yaml").read_text())[
+        "training"
+    ]
+    assert (training["steps"], training["tokens"]) == (11277, None)
+
+
+# --- refusals ---
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budgets", "1e13"], "--ladder needs --tokens-per-param with one or more"),
+        (["--tokens-per-param", "20"], "--ladder needs --budgets with one or more"),
+        (["--budgets", "1e13", "--tokens-per-param", ""], "--ladder needs --tokens-per-param"),
+        (["--budgets=0,1e13", "--tokens-per-param", "20"], "--budgets: 0 is not positive"),
+        (["--budgets=-1e13", "--tokens-per-param", "20"], "--budgets: -1e13 is not positive"),
+        (["--budgets", "1e13", "--tokens-per-param", "20,x"], "--tokens-per-param: 'x' is not"),
+        (["--budgets", "1e13,1e13", "--tokens-per-param", "20"], "1e13 is given twice"),
+        (["--budgets", "1e9", "--tokens-per-param", "20"], "--budgets 1e9 with --tokens-per-param 20: too small"),
+        (["--budgets", "1e12", "--tokens-per-param", "10"], "no shape within 10% of N = 129,099"),
+        (["--budgets", "1e13", "--tokens-per-param", "20", "--aspect-ratio", "128,32"], "MIN,MAX"),
+        (["--budgets", "1e13", "--tokens-per-param", "20", "--grid", "model.n_layers=2,4"],
+         "model.n_layers cannot be swept with it"),
+        (["--budgets", "1e13", "--tokens-per-param", "20", "--zip", "data.micro_batch=4,8"],
+         "data.micro_batch cannot be swept with it"),
+    ],
+)  # fmt: skip
+def test_bad_ladders_are_one_line_errors(tmp_path, run_cli, args, message):
+    sweeps = tmp_path / "sweeps"
+    code, _, err = run_cli("sweep", write_base(tmp_path), "--ladder", *args, "--dir", sweeps)
+    assert code != 0
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: ") and message in line, line
+    assert not sweeps.exists()
+
+
+def test_the_too_small_error_names_the_smallest_shape(installed, tmp_path):
+    with pytest.raises(UserError) as info:
+        rungs_of(write_base(tmp_path), installed, budgets=(1e9,), ratios=(20,))
+    # the smallest shape: d_model 32 (head_dim 16 x 2 query heads per kv head), 1 layer
+    smallest = built_non_embedding_params(
+        installed,
+        tmp_path / "base.yaml",
+        {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
+    )
+    assert f"(d_model 32, 1 layer(s): {smallest:,})" in str(info.value)
+    assert f"needs C >= {ladder.compact(6 * 20 * smallest**2)}" in str(info.value)
+
+
+def test_ladder_flags_need_ladder(tmp_path, run_cli):
+    code, _, err = run_cli("sweep", write_base(tmp_path), "--budgets", "1e13", "--dry-run")
+    assert code != 0 and "--budgets size a model ladder: add --ladder" in err
+
+
+@attrs.frozen(kw_only=True)
+class WidthOptions:
+    """A model kind sized by other keys than a transformer's."""
+
+    training_only: ClassVar[frozenset[str]] = frozenset()
+    vocab_size: int = 320
+    max_seq_len: int = 64
+    doc_masking: bool = False
+    width: int = 64
+    depth: int = 2
+
+
+class WidthPlugin:
+    @hookimpl
+    def llmtrain_models(self, register):
+        register("widthy", lambda options: torch.nn.Linear(1, 1), options=WidthOptions)
+
+
+def test_a_model_kind_without_shape_keys_is_refused(installed, tmp_path, capsys, run_cli):
+    # run_cli: its teardown undoes the logging the CLI sets up; main runs on `installed` here
+    installed.register(WidthPlugin(), "width-plugin")
+    base = write_base(tmp_path, model="{kind: widthy}")
+    argv = ["sweep", str(base), "--ladder", "--budgets", "1e13", "--tokens-per-param", "20"]
+    assert main([*argv, "--dry-run"], plugins=installed) != 0
+    err = capsys.readouterr().err
+    assert (
+        "error: --ladder: model kind 'widthy' (WidthOptions) has no d_model, n_layers, n_heads"
+        in err
+    )
