@@ -9,7 +9,6 @@ import json
 import statistics
 
 import pytest
-import yaml
 
 from llmtrain.ablate import compare, plot, runs
 from llmtrain.core_mesh.errors import UserError
@@ -29,22 +28,6 @@ def test_short_keys_keep_what_tells_keys_apart():
 
 
 # --- reading runs back ---
-def make_run(root, name, config, losses, evals=(), summary=None, tokens_per_s=1000.0):
-    path = root / name
-    path.mkdir(parents=True)
-    (path / "config.yaml").write_text("# header\n" + yaml.safe_dump(config))
-    lines = []
-    for step, loss in enumerate(losses, 1):
-        row = {"step": step, "loss": loss, "tokens": step * 100, "tokens_per_s": tokens_per_s}
-        if step - 1 < len(evals) and evals[step - 1] is not None:
-            row["eval_loss"] = evals[step - 1]
-        lines.append(json.dumps(row))
-    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n{half-writ")
-    if summary is not None:
-        (path / "summary.json").write_text(json.dumps(summary))
-    return path
-
-
 def base_config(name, layers, seed, lr=1e-3):
     return {
         "name": name,
@@ -57,7 +40,7 @@ def base_config(name, layers, seed, lr=1e-3):
 
 
 @pytest.fixture
-def four_runs(tmp_path):
+def four_runs(tmp_path, make_run):
     finals = {}
     for layers in (1, 2):
         for seed in (0, 1):
@@ -114,7 +97,7 @@ def test_compare_means_and_sample_std_over_seeds(four_runs):
         compare.render(keys, rows, "table", sort="loss_x")
 
 
-def test_compare_per_run_and_unfinished(tmp_path):
+def test_compare_per_run_and_unfinished(tmp_path, make_run):
     make_run(tmp_path, "a", base_config("a", 1, 0), [4.0, 3.0], summary={"status": "failed"})
     make_run(tmp_path, "b", base_config("b", 1, 0, lr=2e-3), [4.0])
     keys, rows = compare.table(runs.find_runs([tmp_path / "a", tmp_path / "b"]), per_run=True)

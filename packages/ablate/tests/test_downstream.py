@@ -227,9 +227,13 @@ def test_compare_metric_and_sort(sweep, run_cli):
     assert [c for c in table[0] if "downstream" in c] == [
         "final_downstream/hellaswag/acc_norm",
         "final_downstream/hellaswag/acc_norm_std",
+        "final_downstream/hellaswag/acc_norm_ci_low",
+        "final_downstream/hellaswag/acc_norm_ci_high",
         "final_downstream/hellaswag/acc_norm_stderr",
         "best_downstream/hellaswag/acc_norm",
         "best_downstream/hellaswag/acc_norm_std",
+        "best_downstream/hellaswag/acc_norm_ci_low",
+        "best_downstream/hellaswag/acc_norm_ci_high",
         "best_downstream/hellaswag/acc_norm_stderr",
     ]
     bests = [float(row["best_downstream/hellaswag/acc_norm"]) for row in table]

@@ -1,9 +1,11 @@
 """`llmtrain compare`: one table of runs (or sweeps): what varies and what came out.
 
 Rows are runs that differ in more than their seed; runs that differ only in `seed` (or
-`data.seed`) are one row with mean ± sample std over the seeds. Results come from each run's
-`metrics.jsonl` and `summary.json`. Besides the fixed columns, any logged metric (`--metric`;
-every `downstream/<task>/<metric>` with `--downstream`) gets a final and a best column.
+`data.seed`) are one row with mean ± sample std over the seeds and the mean's confidence
+interval (t, 1 - alpha). Results come from each run's `metrics.jsonl` and `summary.json`.
+Besides the fixed columns, any logged metric (`--metric`; every `downstream/<task>/<metric>`
+with `--downstream`) gets a final and a best column. `--baseline` adds each row's difference to
+one row, with its interval and Holm-adjusted p-value (`llmtrain.ablate.baseline`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from llmtrain.ablate.baseline import Comparison, compare_rows, find_baseline
 from llmtrain.ablate.runs import (
     SEED_KEYS,
     STDERR,
@@ -33,6 +36,7 @@ from llmtrain.ablate.runs import (
     shown,
     varied_keys,
 )
+from llmtrain.ablate.significance import mean_interval
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
@@ -164,6 +168,10 @@ class Row:
         mean = statistics.fmean(values)
         return mean, statistics.stdev(values) if len(values) > 1 else None
 
+    def interval(self, name: str, confidence: float) -> tuple[float, float] | None:
+        """The `confidence` t-interval of the mean over seeds (None for one run)."""
+        return mean_interval(self.values.get(name, []), confidence)
+
     def stderr(self, name: str) -> float | None:
         """The standard error logged beside the result (the mean over the seeds that have it)."""
         values = self.stderrs.get(name, [])
@@ -196,31 +204,50 @@ def table(
     return keys, rows
 
 
-def render(keys: Sequence[str], rows: Sequence[Row], fmt: str, *, sort: str | None = None) -> str:
+def render(
+    keys: Sequence[str],
+    rows: Sequence[Row],
+    fmt: str,
+    *,
+    sort: str | None = None,
+    confidence: float = 0.95,
+    comparison: Comparison | None = None,
+) -> str:
     """`fmt`: table, markdown or csv. `sort` a result column: the lowest first, or the highest
-    where higher is better (accuracies)."""
+    where higher is better (accuracies). `confidence`: of the intervals over seeds.
+    `comparison`: the difference columns of `--baseline`."""
     columns = rows[0].results if rows else RESULTS
     results = [r for r in columns if any(row.values[r.name] for row in rows)]
+    order = list(range(len(rows)))
     if sort is not None:
         by_name = {r.name: r for r in results}
         if sort not in by_name:
             known = ", ".join(by_name)
             raise UserError(f"--sort {sort}: not a result column here; one of {known}")
         sign = -1.0 if by_name[sort].higher_is_better else 1.0
-        rows = sorted(
-            rows, key=lambda row: (row.stats(sort)[0] is None, sign * (row.stats(sort)[0] or 0))
-        )
+
+        def key(i: int) -> tuple[bool, float]:
+            mean = rows[i].stats(sort)[0]
+            return mean is None, sign * (mean or 0)
+
+        order.sort(key=key)
     short = short_keys(keys)
     seeds = any(len(row.runs) > 1 for row in rows)
     if fmt == "csv":
-        return _csv(keys, short, rows, results)
+        return _csv(keys, short, rows, order, results, confidence, comparison)
     header = [*(short[k] for k in keys)] or ["run"]
     header += [*(["runs"] if seeds else []), "status", *(r.name for r in results)]
+    if comparison is not None:
+        header += [f"diff {comparison.result}", "p (holm)"]
+        fmt_of = {r.name: r.fmt for r in columns}[comparison.result]
     body = []
-    for row in rows:
+    for i in order:
+        row = rows[i]
         cells = [shown(row.settings[k]) for k in keys] or [row.runs[0].name]
         cells += [*([str(len(row.runs))] if seeds else []), row.status]
-        cells += [_cell(row, result) for result in results]
+        cells += [_cell(row, result, confidence) for result in results]
+        if comparison is not None:
+            cells += [comparison.cell(i, fmt_of), comparison.p_cell(i)]
         body.append(cells)
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
     if fmt == "markdown":
@@ -240,9 +267,9 @@ def render(keys: Sequence[str], rows: Sequence[Row], fmt: str, *, sort: str | No
     return "\n".join(lines) + "\n"
 
 
-def _cell(row: Row, result: Result) -> str:
-    """mean ± std over seeds; a value from one run ± the stderr logged beside it; blank where
-    no run has it."""
+def _cell(row: Row, result: Result, confidence: float) -> str:
+    """mean ± std [the mean's interval] over seeds; a value from one run ± the stderr logged
+    beside it; blank where no run has it."""
     mean, std = row.stats(result.name)
     if mean is None:
         return ""
@@ -250,32 +277,66 @@ def _cell(row: Row, result: Result) -> str:
         std = row.stderr(result.name)
     if std is None or std == 0:
         return result.fmt(mean)
-    return f"{result.fmt(mean)} ± {result.fmt(std)}"
+    interval = row.interval(result.name, confidence)
+    shown_interval = (
+        "" if interval is None else f" [{result.fmt(interval[0])}, {result.fmt(interval[1])}]"
+    )
+    return f"{result.fmt(mean)} ± {result.fmt(std)}{shown_interval}"
 
 
-def _csv(keys: Sequence[str], short: dict[str, str], rows: Sequence[Row], results) -> str:
-    """Plain numbers: `<result>` is the mean over seeds, `<result>_std` the sample std and,
-    for results with a logged stderr, `<result>_stderr` (its mean over the seeds)."""
+def _csv(
+    keys: Sequence[str],
+    short: dict[str, str],
+    rows: Sequence[Row],
+    order: Sequence[int],
+    results: Sequence[Result],
+    confidence: float,
+    comparison: Comparison | None,
+) -> str:
+    """Plain numbers: `<result>` is the mean over seeds, `<result>_std` the sample std,
+    `<result>_ci_low`/`_ci_high` the mean's interval and, for results with a logged stderr,
+    `<result>_stderr` (its mean over the seeds). With a comparison: `diff`, `diff_low`,
+    `diff_high`, `p`, `p_holm`, `test` (paired or welch) and `significant`."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     header = ["run_dirs", *keys, "runs", "status"]
     for result in results:
-        header += [result.name, f"{result.name}_std"]
+        header += [result.name, f"{result.name}_std", f"{result.name}_ci_low"]
+        header.append(f"{result.name}_ci_high")
         if result.stderr is not None:
             header.append(f"{result.name}{STDERR}")
+    if comparison is not None:
+        header += ["diff", "diff_low", "diff_high", "p", "p_holm", "test", "significant"]
     writer.writerow(header)
-    for row in rows:
+    for i in order:
+        row = rows[i]
         line: list[Any] = [";".join(str(run.path) for run in row.runs)]
         line += [shown(row.settings[k]) for k in keys]
         line += [len(row.runs), row.status]
         for result in results:
             mean, std = row.stats(result.name)
-            line += ["" if mean is None else repr(mean), "" if std is None else repr(std)]
+            interval = row.interval(result.name, confidence) or ("", "")
+            line += [_plain(mean), _plain(std), *(_plain(v) for v in interval)]
             if result.stderr is not None:
-                stderr = row.stderr(result.name)
-                line.append("" if stderr is None else repr(stderr))
+                line.append(_plain(row.stderr(result.name)))
+        if comparison is not None:
+            line += _comparison_fields(comparison, i)
         writer.writerow(line)
     return out.getvalue()
+
+
+def _plain(value: float | str | None) -> str:
+    return "" if value is None or value == "" else repr(value)
+
+
+def _comparison_fields(comparison: Comparison, index: int) -> list[str]:
+    if index == comparison.baseline:
+        return ["", "", "", "", "", "baseline", ""]
+    diff = comparison.differences.get(index)
+    if diff is None:
+        return ["", "", "", "", "", "untested", ""]
+    numbers = (diff.delta, diff.low, diff.high, diff.p, diff.p_adjusted)
+    return [*(_plain(v) for v in numbers), diff.test, str(diff.significant(comparison.alpha))]
 
 
 FORMATS = {".md": "markdown", ".csv": "csv", ".txt": "table"}
@@ -314,6 +375,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="final and best columns for every downstream/<task>/<metric> the runs logged",
     )
+    parser.add_argument(
+        "--baseline",
+        default=None,
+        metavar="ROW",
+        help="compare every other row to this one: its settings (n_layers=2 or "
+        "model.n_layers=2,optimizer.lr=0.001) or one of its runs' names",
+    )
+    parser.add_argument(
+        "--on",
+        default=None,
+        metavar="RESULT",
+        help="the result --baseline compares (default: final_<first --metric>, else "
+        "final_eval_loss)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=0.05,
+        help="significance level, Holm-corrected across rows; intervals are 1 - alpha "
+        "(default 0.05: 95%%)",
+    )
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -325,9 +407,20 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                 f"-o {args.output}: say --format, or use a suffix of {', '.join(FORMATS)}"
             )
         fmt = FORMATS[suffix]
+    if not 0 < args.alpha < 1:
+        raise UserError(f"--alpha {args.alpha}: a significance level between 0 and 1, e.g. 0.05")
     runs = find_runs(args.paths)
-    keys, rows = table(runs, per_run=args.per_run, metrics=_metrics(args, runs))
-    text = render(keys, rows, fmt or "table", sort=args.sort)
+    metrics = _metrics(args, runs)
+    keys, rows = table(runs, per_run=args.per_run, metrics=metrics)
+    comparison = _comparison(args, keys, rows, metrics)
+    text = render(
+        keys,
+        rows,
+        fmt or "table",
+        sort=args.sort,
+        confidence=1 - args.alpha,
+        comparison=comparison,
+    )
     if args.output:
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -338,6 +431,22 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     else:
         print(text, end="")
     return 0
+
+
+def _comparison(
+    args: argparse.Namespace, keys: Sequence[str], rows: Sequence[Row], metrics: Sequence[str]
+) -> Comparison | None:
+    if args.baseline is None:
+        if args.on is not None:
+            raise UserError(f"--on {args.on}: goes with --baseline")
+        return None
+    if args.per_run:
+        raise UserError("--baseline compares rows of seeds: leave out --per-run")
+    name = args.on or (f"final_{metrics[0]}" if metrics else "final_eval_loss")
+    by_name = {r.name: r for r in rows[0].results if any(row.values[r.name] for row in rows)}
+    if name not in by_name:
+        raise UserError(f"--on {name}: not a result column here; one of {', '.join(by_name)}")
+    return compare_rows(rows, find_baseline(keys, rows, args.baseline), by_name[name], args.alpha)
 
 
 def _metrics(args: argparse.Namespace, runs: Sequence[Run]) -> list[str]:
