@@ -216,6 +216,59 @@ def render(
     """`fmt`: table, markdown or csv. `sort` a result column: the lowest first, or the highest
     where higher is better (accuracies). `confidence`: of the intervals over seeds.
     `comparison`: the difference columns of `--baseline`."""
+    if fmt == "csv":
+        order, results = _order_and_results(rows, sort)
+        return _csv(keys, short_keys(keys), rows, order, results, confidence, comparison)
+    header, body = cells(keys, rows, sort=sort, confidence=confidence, comparison=comparison)
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
+        lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+        lines += [
+            "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
+            for line in body
+        ]
+    else:
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += [
+            "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in body
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def cells(
+    keys: Sequence[str],
+    rows: Sequence[Row],
+    *,
+    sort: str | None = None,
+    confidence: float = 0.95,
+    comparison: Comparison | None = None,
+) -> tuple[list[str], list[list[str]]]:
+    """(header, one list of cell texts per row, in `sort` order): what the table and markdown
+    formats and the HTML report lay out."""
+    order, results = _order_and_results(rows, sort)
+    seeds = any(len(row.runs) > 1 for row in rows)
+    header = [*short_keys(keys).values()] or ["run"]
+    header += [*(["runs"] if seeds else []), "status", *(r.name for r in results)]
+    if comparison is not None:
+        header += [f"diff {comparison.result}", "p (holm)"]
+        fmt_of = {r.name: r.fmt for r in rows[0].results}[comparison.result]
+    body = []
+    for i in order:
+        row = rows[i]
+        line = [shown(row.settings[k]) for k in keys] or [row.runs[0].name]
+        line += [*([str(len(row.runs))] if seeds else []), row.status]
+        line += [_cell(row, result, confidence) for result in results]
+        if comparison is not None:
+            line += [comparison.cell(i, fmt_of), comparison.p_cell(i)]
+        body.append(line)
+    return header, body
+
+
+def _order_and_results(rows: Sequence[Row], sort: str | None) -> tuple[list[int], list[Result]]:
+    """The rows' order (by `sort`) and the result columns some row has a value for."""
     columns = rows[0].results if rows else RESULTS
     results = [r for r in columns if any(row.values[r.name] for row in rows)]
     order = list(range(len(rows)))
@@ -231,40 +284,7 @@ def render(
             return mean is None, sign * (mean or 0)
 
         order.sort(key=key)
-    short = short_keys(keys)
-    seeds = any(len(row.runs) > 1 for row in rows)
-    if fmt == "csv":
-        return _csv(keys, short, rows, order, results, confidence, comparison)
-    header = [*(short[k] for k in keys)] or ["run"]
-    header += [*(["runs"] if seeds else []), "status", *(r.name for r in results)]
-    if comparison is not None:
-        header += [f"diff {comparison.result}", "p (holm)"]
-        fmt_of = {r.name: r.fmt for r in columns}[comparison.result]
-    body = []
-    for i in order:
-        row = rows[i]
-        cells = [shown(row.settings[k]) for k in keys] or [row.runs[0].name]
-        cells += [*([str(len(row.runs))] if seeds else []), row.status]
-        cells += [_cell(row, result, confidence) for result in results]
-        if comparison is not None:
-            cells += [comparison.cell(i, fmt_of), comparison.p_cell(i)]
-        body.append(cells)
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
-        lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-        lines += [
-            "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-            for cells in body
-        ]
-    else:
-        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-        lines.append("  ".join("-" * w for w in widths))
-        lines += [
-            "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-            for cells in body
-        ]
-    return "\n".join(lines) + "\n"
+    return order, results
 
 
 def _cell(row: Row, result: Result, confidence: float) -> str:
