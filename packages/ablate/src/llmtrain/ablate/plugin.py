@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from llmtrain.ablate import compare, plot, reports
+from llmtrain.ablate import compare, fit_command, plot, reports
 from llmtrain.core_mesh.cli import Command
 from llmtrain.core_mesh.plugins import hookimpl
 
@@ -41,5 +41,14 @@ def llmtrain_commands(register):
             help="loss and downstream-metric curves of runs or sweeps (PNG/SVG; needs matplotlib)",
             configure=plot.configure,
             run=plot.run,
+        ),
+    )
+    register(
+        "fit",
+        Command(
+            help="scaling-law fits of runs varying model size and tokens: L(N, D) with "
+            "bootstrap intervals, IsoFLOP optima, predictions",
+            configure=fit_command.configure,
+            run=fit_command.run,
         ),
     )
