@@ -161,6 +161,14 @@ def test_isoflop_recovers_the_analytic_optimum_and_exponents():
     assert n_pred.value * d_pred.value * 6 == pytest.approx(1e23, rel=1e-6)
 
 
+def test_isoflop_d_opt_uses_the_runs_flops_per_token():
+    """With C = k N D (k = flops_per_token / N, here 8 instead of 6), D_opt = C / (k N_opt)."""
+    n, d, compute = isoflop_points(budgets=(1e18, 1e19, 1e20))
+    result = fit.fit_isoflop(n, d, fit.chinchilla_loss(n, d, CHINCHILLA), compute * 8 / 6)
+    for budget in result.budgets:
+        assert budget.d_opt == pytest.approx(budget.compute / (8 * budget.n_opt), rel=1e-9)
+
+
 def test_isoflop_exponent_intervals_with_noise():
     n, d, compute = isoflop_points(
         budgets=(1e18, 1e19, 1e20, 1e21, 1e22), spread=8.0, sizes_per_budget=9
@@ -442,6 +450,18 @@ def test_fit_command_refuses_bad_runs_by_name(tmp_path, run_cli):
     grid_sweep = write_grid_sweep(tmp_path / "grid", sizes=(1e7, 1e8, 1e9), tokens=(1e9, 1e10))
     code, _, err = run_cli("fit", grid_sweep, "--isoflop", "--bootstrap", "0")
     assert code == 2 and "at least 2 compute budgets" in err
+
+
+def test_compute_is_flops_per_token_times_tokens_else_6nd(tmp_path):
+    from llmtrain.ablate import runs
+    from llmtrain.ablate.fit_command import read_points
+
+    write_run(tmp_path, "counted", 1e8, 1e10, 3.0, summary_extra={"flops_per_token": 7.5e8})
+    write_run(tmp_path, "older", 1e8, 1e10, 3.0, summary_extra={"flops_per_token": None})
+    counted, older = read_points(runs.find_runs([tmp_path]), "eval_loss", "non_embedding")
+    assert counted.compute == pytest.approx(7.5e8 * 1e10)
+    assert older.compute == pytest.approx(6 * 1e8 * 1e10)
+    assert (counted.n, counted.d, counted.loss) == (1e8, 1e10, 3.0)
 
 
 def test_tokenizer_is_read_from_the_packed_dataset_when_the_config_has_none(tmp_path):
