@@ -21,19 +21,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
-
-# L-BFGS-B calls scipy's bundled OpenBLAS on 5x5 matrices thousands of times a fit; with OpenBLAS
-# threads contending for busy cores that runs ~30x slower than on one thread. OpenBLAS reads this
-# when scipy first loads it (normally the import below); a user's own setting wins.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
 from scipy import optimize, special, stats
+from threadpoolctl import threadpool_limits
 
 from llmtrain.core_mesh.errors import UserError
 
@@ -256,6 +250,13 @@ def fit_parametric(
     """Fit L(N, D) = E + A/N^alpha + B/D^beta to the points (N model parameters, D tokens) and
     bootstrap `n_boot` refits (numpy Generator seeded with `seed`) for the intervals. `names`
     (the runs) are what errors name."""
+    # L-BFGS-B calls BLAS on 5x5 matrices thousands of times a fit: with BLAS threads
+    # contending for busy cores that runs ~30x slower than on one thread
+    with threadpool_limits(limits=1):
+        return _fit_parametric(n, d, loss, names, n_boot, seed)
+
+
+def _fit_parametric(n, d, loss, names, n_boot: int, seed: int) -> ParametricFit:
     n, d, loss = (np.asarray(x, dtype=float) for x in (n, d, loss))
     check_points(names, n, d, loss)
     log_n, log_d, log_loss = np.log(n), np.log(d), np.log(loss)

@@ -472,9 +472,90 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace, ctx: Context) -> int:
+@attrs.frozen
+class Fits:
+    """What `llmtrain fit` (and the report) computed from a set of runs."""
+
+    loss_key: str
+    params: str
+    points: list[RunPoint]
+    parametric: ParametricFit
+    isoflop: IsoFlopFit | None = None
+    targets: tuple[Target, ...] = ()
+    predicted: list[dict[str, Any]] = attrs.Factory(list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss_key,
+            "params": self.params,
+            "runs": [p.to_json() for p in self.points],
+            "parametric": self.parametric.to_json(),
+            "isoflop": None if self.isoflop is None else self.isoflop.to_json(),
+            "predictions": self.predicted,
+        }
+
+
+def fit_runs(
+    runs: Sequence[Run],
+    *,
+    loss_key: str = "eval_loss",
+    params: str = "non_embedding",
+    bootstrap: int = 200,
+    seed: int = 0,
+    include_unfinished: bool = False,
+    allow_mixed_tokenizers: bool = False,
+) -> Fits:
+    """The runs checked, read as points, and fitted parametrically."""
     from llmtrain.ablate import fit
 
+    check_finished(runs, include_unfinished)
+    check_tokenizers(runs, allow_mixed_tokenizers)
+    points = read_points(runs, loss_key, params)
+    parametric = fit.fit_parametric(
+        [p.n for p in points],
+        [p.d for p in points],
+        [p.loss for p in points],
+        names=[p.name for p in points],
+        n_boot=bootstrap,
+        seed=seed,
+    )
+    return Fits(loss_key, params, points, parametric)
+
+
+def with_isoflop(fits: Fits) -> Fits:
+    """`fits` with the IsoFLOP fit of its points."""
+    from llmtrain.ablate import fit
+
+    points = fits.points
+    isoflop = fit.fit_isoflop(
+        [p.n for p in points],
+        [p.d for p in points],
+        [p.loss for p in points],
+        [p.compute for p in points],
+        names=[p.name for p in points],
+    )
+    return attrs.evolve(fits, isoflop=isoflop)
+
+
+def with_predictions(fits: Fits, targets: Sequence[Target]) -> Fits:
+    predicted = predictions(targets, fits.parametric, fits.isoflop)
+    return attrs.evolve(fits, targets=tuple(targets), predicted=predicted)
+
+
+def render_fits(fits: Fits) -> list[str]:
+    lines = render_parametric(fits.parametric, fits.loss_key, fits.params)
+    if fits.isoflop is not None:
+        lines += ["", *render_isoflop(fits.isoflop)]
+    if fits.predicted:
+        lines += ["", *render_predictions(fits.predicted)]
+    return lines
+
+
+def draw_fits(fits: Fits, output: Path) -> None:
+    draw(fits.points, fits.parametric, fits.isoflop, fits.targets, output)
+
+
+def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.bootstrap < 0:
         raise UserError(f"--bootstrap {args.bootstrap}: give 0 or more refits")
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
@@ -482,49 +563,27 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     targets = [parse_target(text) for text in args.predict]
     if any(t.compute is not None for t in targets) and not args.isoflop:
         raise UserError("--predict C=...: the compute-optimal N and D come from --isoflop; add it")
-    runs = find_runs(args.paths)
-    check_finished(runs, args.include_unfinished)
-    check_tokenizers(runs, args.allow_mixed_tokenizers)
-    points = read_points(runs, args.loss, args.params)
-    columns = {
-        key: [getattr(p, key) for p in points] for key in ("name", "n", "d", "loss", "compute")
-    }
-    parametric = fit.fit_parametric(
-        columns["n"],
-        columns["d"],
-        columns["loss"],
-        names=columns["name"],
-        n_boot=args.bootstrap,
+    fits = fit_runs(
+        find_runs(args.paths),
+        loss_key=args.loss,
+        params=args.params,
+        bootstrap=args.bootstrap,
         seed=args.seed,
+        include_unfinished=args.include_unfinished,
+        allow_mixed_tokenizers=args.allow_mixed_tokenizers,
     )
-    isoflop = None
     if args.isoflop:
-        isoflop = fit.fit_isoflop(
-            columns["n"], columns["d"], columns["loss"], columns["compute"], names=columns["name"]
-        )
-    predicted = predictions(targets, parametric, isoflop)
-    lines = render_parametric(parametric, args.loss, args.params)
-    if isoflop is not None:
-        lines += ["", *render_isoflop(isoflop)]
-    if predicted:
-        lines += ["", *render_predictions(predicted)]
-    print("\n".join(lines))
+        fits = with_isoflop(fits)
+    fits = with_predictions(fits, targets)
+    print("\n".join(render_fits(fits)))
     if args.output:
-        report = {
-            "loss": args.loss,
-            "params": args.params,
-            "runs": [p.to_json() for p in points],
-            "parametric": parametric.to_json(),
-            "isoflop": None if isoflop is None else isoflop.to_json(),
-            "predictions": predicted,
-        }
         path = Path(args.output)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(_plain(report), indent=2) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps(_plain(fits.to_json()), indent=2) + "\n", encoding="utf-8")
         tmp.replace(path)
-        print(f"fits of {len(points)} runs -> {path}", file=sys.stderr)
+        print(f"fits of {len(fits.points)} runs -> {path}", file=sys.stderr)
     if args.plot:
-        draw(points, parametric, isoflop, targets, Path(args.plot))
+        draw_fits(fits, Path(args.plot))
         print(f"plot -> {args.plot}", file=sys.stderr)
     return 0
