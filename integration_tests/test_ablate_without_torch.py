@@ -68,6 +68,7 @@ def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
     for args in (
         ("compare", sweep),
         ("compare", sweep, "--per-run", "--format", "csv"),
+        ("compare", sweep, "--baseline", "n_layers=1", "--format", "csv"),  # scipy's tests
         ("compare", *sorted(p for p in sweep.iterdir() if p.is_dir()), "--format", "markdown"),
         ("ranks", one_run),
     ):
