@@ -430,9 +430,11 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if not 0 < args.alpha < 1:
         raise UserError(f"--alpha {args.alpha}: a significance level between 0 and 1, e.g. 0.05")
     runs = find_runs(args.paths)
-    metrics = _metrics(args, runs)
+    metrics = metrics_of(args, runs)
     keys, rows = table(runs, per_run=args.per_run, metrics=metrics)
-    comparison = _comparison(args, keys, rows, metrics)
+    if args.baseline is not None and args.per_run:
+        raise UserError("--baseline compares rows of seeds: leave out --per-run")
+    comparison = comparison_of(keys, rows, metrics, args.baseline, args.on, args.alpha)
     text = render(
         keys,
         rows,
@@ -453,23 +455,28 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
-def _comparison(
-    args: argparse.Namespace, keys: Sequence[str], rows: Sequence[Row], metrics: Sequence[str]
+def comparison_of(
+    keys: Sequence[str],
+    rows: Sequence[Row],
+    metrics: Sequence[str],
+    baseline: str | None,
+    on: str | None,
+    alpha: float,
 ) -> Comparison | None:
-    if args.baseline is None:
-        if args.on is not None:
-            raise UserError(f"--on {args.on}: goes with --baseline")
+    """`--baseline`'s comparison (None without one) on `on`: by default `final_<first
+    metric>`, else `final_eval_loss`."""
+    if baseline is None:
+        if on is not None:
+            raise UserError(f"--on {on}: goes with --baseline")
         return None
-    if args.per_run:
-        raise UserError("--baseline compares rows of seeds: leave out --per-run")
-    name = args.on or (f"final_{metrics[0]}" if metrics else "final_eval_loss")
+    name = on or (f"final_{metrics[0]}" if metrics else "final_eval_loss")
     by_name = {r.name: r for r in rows[0].results if any(row.values[r.name] for row in rows)}
     if name not in by_name:
         raise UserError(f"--on {name}: not a result column here; one of {', '.join(by_name)}")
-    return compare_rows(rows, find_baseline(keys, rows, args.baseline), by_name[name], args.alpha)
+    return compare_rows(rows, find_baseline(keys, rows, baseline), by_name[name], alpha)
 
 
-def _metrics(args: argparse.Namespace, runs: Sequence[Run]) -> list[str]:
+def metrics_of(args: argparse.Namespace, runs: Sequence[Run]) -> list[str]:
     """The metrics named by --metric (each logged by some run) and, with --downstream, every
     downstream metric logged."""
     for metric in args.metric:

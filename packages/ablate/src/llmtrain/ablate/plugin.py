@@ -1,9 +1,10 @@
 """ablate's plugin (entry point `ablate`): the commands that read run directories back
-(`compare`, `plot`, `profile`, `ranks`). Loading it imports no torch and no matplotlib."""
+(`compare`, `plot`, `fit`, `report`, `profile`, `ranks`). Loading it imports no torch, no
+scipy and no matplotlib."""
 
 from __future__ import annotations
 
-from llmtrain.ablate import compare, fit_command, plot, reports
+from llmtrain.ablate import compare, fit_command, html_report, plot, reports
 from llmtrain.core_mesh.cli import Command
 from llmtrain.core_mesh.plugins import hookimpl
 
@@ -50,5 +51,14 @@ def llmtrain_commands(register):
             "bootstrap intervals, IsoFLOP optima, predictions",
             configure=fit_command.configure,
             run=fit_command.run,
+        ),
+    )
+    register(
+        "report",
+        Command(
+            help="one self-contained HTML page of runs or sweeps: the compare table with "
+            "intervals and significance, curves, scaling-law fits, each run's settings",
+            configure=html_report.configure,
+            run=html_report.run,
         ),
     )
