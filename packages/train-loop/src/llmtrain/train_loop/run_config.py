@@ -46,11 +46,14 @@ class DatasetRef:
 
 @attrs.frozen(kw_only=True)
 class EvalData:
-    """A held-out packed dataset, read in order: `batches` global batches every `every` steps."""
+    """A held-out packed dataset, read in order: `batches` global batches every `every` steps
+    and, with `at_end`, after the last step (the loss a run ends at: what scaling-law fits and
+    compare's final_eval_loss read)."""
 
     path: str
     every: int = attrs.field(default=100, validator=_positive)
     batches: int = attrs.field(default=10, validator=_positive)
+    at_end: bool = True
 
 
 @attrs.frozen(kw_only=True)

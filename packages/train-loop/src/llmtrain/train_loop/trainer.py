@@ -363,7 +363,8 @@ class Trainer:
         metrics = self.train_step(batch)
         self.callbacks.emit("after_step", self, self.step, metrics)
         evaluation = self.config.data.eval
-        if evaluation and self.step % evaluation.every == 0:
+        last = evaluation is not None and evaluation.at_end and self.step == self.total_steps
+        if evaluation and (self.step % evaluation.every == 0 or last):
             self.callbacks.emit("before_eval", self, self.step)
             metrics.update(self.evaluate())
             self.callbacks.emit("after_eval", self, self.step, metrics)
