@@ -32,6 +32,9 @@ from threadpoolctl import threadpool_limits
 from llmtrain.core_mesh.errors import UserError
 
 PARAMETERS = ("E", "A", "B", "alpha", "beta")
+# log E, log A, log B above this overflow exp(): an optimum there has run off to infinity along
+# a direction the points do not constrain (e.g. A/N^alpha with alpha -> large), not converged
+MAX_LOG_COEFFICIENT = 700.0
 HUBER_DELTA = 1e-3  # Hoffmann et al.'s delta: the fit is least squares on residuals below it
 CONFIDENCE = 0.95
 BUDGET_TOLERANCE = 0.05  # runs whose compute differs by at most 5% share a budget
@@ -160,6 +163,8 @@ def _minimise(starts: np.ndarray, log_n, log_d, log_loss) -> optimize.OptimizeRe
             options={"maxiter": 2000, "ftol": 1e-12, "gtol": 1e-8},
         )
         if not (result.success and np.isfinite(result.fun) and np.all(np.isfinite(result.x))):
+            continue
+        if np.any(result.x[:3] > MAX_LOG_COEFFICIENT):  # E, A or B beyond a float: degenerate
             continue
         if best is None or result.fun < best.fun:
             best = result
