@@ -8,6 +8,7 @@ depends on) into a fresh venv, so a missing dependency declaration fails here, n
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import nox
@@ -117,10 +118,22 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+def ensure_chromium(session: nox.Session) -> None:
+    """Debian's chromium, which test_verdict.py's browser check drives (through Playwright):
+    installed with apt where the machine lacks it."""
+    if shutil.which("chromium"):
+        return
+    session.run("apt-get", "update", "-qq", external=True)
+    apt = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]
+    session.run(*apt, external=True)
+
+
 @nox.session
 def integration(session: nox.Session) -> None:
-    """All packages and plugins together: multi-process gloo, object storage, CLI end to end."""
+    """All packages and plugins together: multi-process gloo, object storage, CLI end to end,
+    the HTML report in a headless browser."""
     install_everything(session, bytecode=True)
+    ensure_chromium(session)
     pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu", "--durations=25")
 
 
