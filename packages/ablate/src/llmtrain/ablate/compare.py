@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 
 from llmtrain.ablate.baseline import Comparison, compare_rows, find_baseline
+from llmtrain.ablate.files import write_atomically
 from llmtrain.ablate.runs import (
     SEED_KEYS,
     STDERR,
@@ -382,6 +383,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--per-run", action="store_true", help="one row per run (no mean ± std over seeds)"
     )
+    add_metric_arguments(parser)
+    add_baseline_arguments(parser)
+
+
+def add_metric_arguments(parser: argparse.ArgumentParser) -> None:
+    """--metric and --downstream (compare's, and the report's)."""
     parser.add_argument(
         "--metric",
         action="append",
@@ -395,6 +402,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="final and best columns for every downstream/<task>/<metric> the runs logged",
     )
+
+
+def add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
+    """--baseline, --on and --alpha (compare's, and the report's)."""
     parser.add_argument(
         "--baseline",
         default=None,
@@ -444,11 +455,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         comparison=comparison,
     )
     if args.output:
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        path = write_atomically(args.output, text)
         print(f"{len(runs)} runs in {len(rows)} rows -> {path}", file=sys.stderr)
     else:
         print(text, end="")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from llmtrain.ablate.files import write_atomically
 from llmtrain.ablate.runs import Run, find_runs, is_number
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
@@ -577,11 +578,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     fits = with_predictions(fits, targets)
     print("\n".join(render_fits(fits)))
     if args.output:
-        path = Path(args.output)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(_plain(fits.to_json()), indent=2) + "\n", encoding="utf-8")
-        tmp.replace(path)
+        path = write_atomically(args.output, json.dumps(_plain(fits.to_json()), indent=2) + "\n")
         print(f"fits of {len(fits.points)} runs -> {path}", file=sys.stderr)
     if args.plot:
         draw_fits(fits, Path(args.plot))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.ablate import compare, plot
+from llmtrain.ablate.files import write_atomically
 from llmtrain.ablate.runs import Run, find_runs, shown, varied_keys
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
@@ -191,19 +192,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("-o", "--output", required=True, help="the HTML file to write")
     parser.add_argument("--title", default=None, help="default: the sweeps' names")
-    parser.add_argument(
-        "--metric",
-        action="append",
-        default=[],
-        metavar="NAME",
-        help="a logged metric for the table and the curves (repeatable)",
-    )
-    parser.add_argument(
-        "--downstream", action="store_true", help="every downstream/<task>/<metric> logged"
-    )
-    parser.add_argument("--baseline", default=None, metavar="ROW", help="as in compare")
-    parser.add_argument("--on", default=None, metavar="RESULT", help="as in compare")
-    parser.add_argument("--alpha", type=float, default=0.05, help="as in compare")
+    compare.add_metric_arguments(parser)
+    compare.add_baseline_arguments(parser)
     parser.add_argument("--x", choices=("step", "tokens"), default="step")
     parser.add_argument(
         "--loss", default="eval_loss", help="the loss the fits use (eval_loss or loss)"
@@ -240,10 +230,6 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         loss_key=args.loss,
         predict=args.predict,
     )
-    path = Path(args.output)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
+    path = write_atomically(args.output, page)
     print(f"{len(runs)} runs -> {path}", file=sys.stderr)
     return 0

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 import yaml
 
+from llmtrain.ablate.files import write_atomically
 from llmtrain.ablate.runs import flatten, read_metrics, read_summary, safe_name, short_keys, shown
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.config import (
@@ -298,7 +299,7 @@ def write(planned: Sequence[PlannedRun], sweep_dir: Path, meta: dict[str, Any]) 
         path = run.path(sweep_dir)
         path.mkdir(exist_ok=True)
         if not (path / "config.yaml").exists():
-            _atomic_write(path / "config.yaml", run.text)
+            write_atomically(path / "config.yaml", run.text)
     manifest_file = sweep_dir / "manifest.json"
     entries: dict[str, dict[str, Any]] = {}
     if manifest_file.exists():
@@ -308,13 +309,7 @@ def write(planned: Sequence[PlannedRun], sweep_dir: Path, meta: dict[str, Any]) 
         entries[run.id] = {"id": run.id, "settings": run.settings}
     varied = list(dict.fromkeys(k for e in entries.values() for k in e["settings"]))
     manifest = {**meta, "varied": varied, "runs": list(entries.values())}
-    _atomic_write(manifest_file, json.dumps(manifest, indent=1) + "\n")
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_atomically(manifest_file, json.dumps(manifest, indent=1) + "\n")
 
 
 # --- launching ---
@@ -450,7 +445,7 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
             if summary is None or summary.get("status") != "failed":
                 # failed before training started (or killed): say so where compare looks
                 record = {"status": "failed", "step": 0, "error": why, "exit_code": code}
-                _atomic_write(path / "summary.json", json.dumps(record, indent=1) + "\n")
+                write_atomically(path / "summary.json", json.dumps(record, indent=1) + "\n")
             failed.append((run.id, f"exit code {code}: {why}"))
             say(f"{prefix}: FAILED (exit code {code}) after {seconds:.0f} s: {why}")
     return failed
@@ -612,7 +607,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             say("every run has finished; no script written")
             return 0
         script = sweep_dir / "sweep.sbatch"
-        _atomic_write(
+        write_atomically(
             script,
             slurm_script(
                 name,
