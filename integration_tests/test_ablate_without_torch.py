@@ -31,15 +31,8 @@ def sweep(tmp_path_factory):
     printed = ts.run([*cmd, "--dir", work / "sweeps", "--launch", "print"], timeout=600)
     runs = [shlex.split(line) for line in printed.stdout.splitlines()]
     assert len(runs) == 4 and all(r[:2] == ["llmtrain", "run"] for r in runs), printed.stdout
-    procs = [ts.start(ts.llmtrain(*r[1:])) for r in runs]
-    try:
-        for proc in [ts.finish(proc, timeout=600) for proc in procs]:
-            assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stderr}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                ts.stop_group(proc)
-                proc.communicate()
+    for proc in ts.side_by_side(*(ts.llmtrain(*r[1:]) for r in runs)):
+        assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stderr}"
     return work / "sweeps" / "abl"
 
 

@@ -51,19 +51,6 @@ def write_conversations(path, n: int, seed: int) -> None:
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
-def side_by_side(*commands: list[str]) -> list:
-    """Run the commands at once (each `llmtrain` start is seconds of imports, on one core);
-    returns their CompletedProcesses, leaving none running if one overruns."""
-    procs = [ts.start(command) for command in commands]
-    try:
-        return [ts.finish(proc, timeout=600) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                ts.stop_group(proc)
-                proc.communicate()
-
-
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
     """train.zarr and valid.zarr packed by the CLI with the built-in ChatML template."""
@@ -259,7 +246,7 @@ def test_chat_errors_name_what_to_do(chat, tmp_path, run_cli):  # noqa: F811
     plain = ts.run_config(corpus, tmp_path / "runs", name="plain")
     plain["model"]["vocab_size"] = 260
     plain["training"] = {"steps": 2, "log_every": 1}
-    proc, pretrained = side_by_side(
+    proc, pretrained = ts.side_by_side(
         ts.llmtrain("run", ts.write_config(tmp_path / "cut.yaml", cfg)),
         ts.llmtrain("run", ts.write_config(tmp_path / "plain.yaml", plain)),
     )
@@ -345,7 +332,7 @@ def test_fine_tune_a_pretrained_run_after_adding_the_chat_tokens(chat, tmp_path)
     tune["init"] = {"from": str(tmp_path / "runs" / "pretrain" / "checkpoints")}
     # the same first batch from scratch: the pretrained model already knows bytes of English
     scratch = {**tune, "name": "scratch", "init": None}
-    for done in side_by_side(
+    for done in ts.side_by_side(
         ts.llmtrain("run", ts.write_config(tmp_path / "pretrain.yaml", pretrain)),
         ts.llmtrain("run", ts.write_config(tmp_path / "scratch.yaml", scratch)),
     ):

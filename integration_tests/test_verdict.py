@@ -43,15 +43,9 @@ def ladder(tmp_path_factory):
     )
     commands = [shlex.split(line) for line in printed.stdout.splitlines()]
     assert len(commands) == 6, printed.stdout
-    procs = [ts.start(ts.llmtrain(*command[1:])) for command in commands]
-    try:
-        for proc in [ts.finish(proc, timeout=1200) for proc in procs]:
-            assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stderr}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                ts.stop_group(proc)
-                proc.communicate()
+    trained = ts.side_by_side(*(ts.llmtrain(*command[1:]) for command in commands), timeout=1200)
+    for proc in trained:
+        assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stderr}"
     return work, work / "sweeps" / "ladder", dry.stdout
 
 

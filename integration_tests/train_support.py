@@ -115,6 +115,19 @@ def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def side_by_side(*commands: list[str], timeout: float = 600) -> list:
+    """Run the commands at once (each `llmtrain` start is seconds of imports, on one core);
+    returns their CompletedProcesses, leaving none running if one overruns."""
+    procs = [start(command) for command in commands]
+    try:
+        return [finish(proc, timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                stop_group(proc)
+                proc.communicate()
+
+
 def run(cmd: list[str], *, timeout: float = 120, check: bool = True):
     proc = finish(start(cmd), timeout)
     if check and proc.returncode != 0:
