@@ -85,6 +85,10 @@ def test_fit_and_report_and_the_page_in_a_browser(ladder):
     ts.run(ts.llmtrain("report", sweep, "-o", report, "--predict", "N=1e6,D=2e7"), timeout=300)
     page = report.read_text(encoding="utf-8")
     assert "<script" not in page and not re.search(r"(src|href)=\"https?:", page)
+    # each budget's rungs cost the same FLOPs as the fit counts them: two IsoFLOP profiles (an
+    # optimum inside both is up to what these tiny runs learned)
+    isoflop = re.search(r'<p id="no-isoflop"[^>]*>(.*?)</p>', page, re.S)
+    assert isoflop is None or "2 budget(s) found" in isoflop.group(1), isoflop.group(1)
 
     chromium = shutil.which("chromium")
     assert chromium, "needs Debian's chromium: apt-get install chromium (the nox session does)"

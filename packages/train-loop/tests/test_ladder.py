@@ -96,6 +96,8 @@ def test_the_count_is_the_built_model_s_and_the_formula_s(installed, tmp_path):
     assert first.shape == {"d_model": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4}
     per_layer = 128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 352 + 2 * 128
     assert first.params == 2 * per_layer + 128 == 369_280
+    # training FLOPs per token: 6N plus attention's 12 x layers x heads x head_dim x seq_len
+    assert first.flops_per_token == 6 * 369_280 + 12 * 2 * 8 * 16 * SEQ
 
 
 def test_a_base_mlp_hidden_scales_with_d_model(installed, tmp_path):
@@ -128,11 +130,14 @@ def test_steps_reach_d_within_one_step(installed, tmp_path, world, data, step_to
     config = ladder_base(str(base), installed)
     assert ladder.tokens_per_step(config, world, str(base)) == step_tokens
     for rung in rungs_of(base, installed, world=world):
-        wanted = rung.tokens_per_param * rung.target_params
+        # D spends the budget in the model's own FLOPs per token (6N plus attention)
+        assert rung.flops_per_token > 6 * rung.params
+        wanted = rung.budget / rung.flops_per_token
         assert rung.target_tokens == pytest.approx(wanted)
         assert rung.tokens == rung.steps * step_tokens
         assert wanted <= rung.tokens < wanted + step_tokens
-        assert rung.actual_budget == 6 * rung.params * rung.tokens
+        assert rung.actual_budget == rung.flops_per_token * rung.tokens
+        assert rung.budget <= rung.actual_budget < rung.budget + rung.flops_per_token * step_tokens
 
 
 def test_global_batch_tokens_sets_the_step(installed, tmp_path):
@@ -178,13 +183,17 @@ def test_dry_run_prints_the_table_and_writes_nothing(installed, tmp_path, run_cl
             "20",
             f"{rung.params:,}",
             f"{rung.tokens:,}",
+            f"{rung.tokens / rung.params:.1f}",
             ladder.compact(rung.actual_budget),
             str(rung.shape["n_layers"]),
             str(rung.shape["d_model"]),
             str(rung.shape["n_heads"]),
             str(rung.steps),
         ]
-    assert rows[0][3:5] == ["304,800", "5,773,824"]  # N = 304,800 for a target of 288,675
+    # N = 304,800 (d_model 96, 3 layers of 6 heads) for a target of 288,675; its FLOPs per
+    # token 6 x 304,800 + 12 x 3 x 6 x 16 x 64 = 2,049,984, so D = 1e13 / 2,049,984 = 4,878,087
+    # tokens: 9,528 steps of 512
+    assert rows[0][3:6] == ["304,800", "4,878,336", "16.0"]
 
 
 def test_launch_print_writes_configs_with_the_overrides(installed, tmp_path, run_cli):
@@ -226,7 +235,7 @@ def test_a_base_with_training_tokens_gets_steps_instead(installed, tmp_path, run
     training = yaml.safe_load((sweeps / "lad" / "C=1e13,r=20" / "config.yaml").read_text())[
         "training"
     ]
-    assert (training["steps"], training["tokens"]) == (11277, None)
+    assert (training["steps"], training["tokens"]) == (9528, None)  # as in the dry-run test
 
 
 # --- refusals ---

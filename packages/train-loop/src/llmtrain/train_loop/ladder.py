@@ -8,8 +8,12 @@ block in the run config: a run config describes one run, a sweep's axes are its 
         [--aspect-ratio 32,128] [--dry-run]
 
 Each rung is one compute budget C (FLOPs) and one tokens-per-parameter ratio r (budgets and
-ratios are crossed). Its target model size is N = sqrt(C / 6r) non-embedding parameters and its
-target data D = r N tokens (C = 6 N D).
+ratios are crossed). Its target model size is N = sqrt(C / 6r) non-embedding parameters (C = 6 N
+D with D = r N). Its data is then D = C / F tokens, F the chosen shape's training FLOPs per token
+as the model reports them (6 N plus attention, what `llmtrain fit` counts): every rung of a budget
+costs C, so a budget's rungs are one IsoFLOP profile. The tokens per parameter a rung gets, D / N,
+shown beside r, differs from r where attention is a large share of a small model's FLOPs (fewer
+tokens) or the nearest shape misses N (more tokens for a smaller model).
 
 The shape rule, from the base config's `model:` section:
 - head_dim = d_model / n_heads of the base stays fixed, and so does the base's n_heads /
@@ -31,7 +35,7 @@ then counted whole.
 
 Steps = ceil(D / tokens per step), where a step is the run's global batch (`data.batch_sizes`
 for the data-parallel size of the sweep's processes) x seq_len; the run's tokens are then within
-one step of D. The table reports the actual N, D and C = 6 N D of each rung.
+one step of D. The table reports the actual N, D, D / N and C = F D of each rung.
 """
 
 from __future__ import annotations
@@ -112,6 +116,7 @@ class Rung:
     steps: int
     tokens: int  # steps x tokens per step
     clears_tokens: bool  # the base sets training.tokens, which steps replaces
+    flops_per_token: float  # the shape's training FLOPs per token at the run's seq_len
 
     @property
     def label(self) -> dict[str, Any]:
@@ -120,7 +125,11 @@ class Rung:
 
     @property
     def actual_budget(self) -> float:
-        return 6.0 * self.params * self.tokens
+        return self.flops_per_token * self.tokens
+
+    @property
+    def actual_ratio(self) -> float:
+        return self.tokens / self.params
 
     def overrides(self) -> dict[str, Any]:
         """The config keys this rung sets in the base config."""
@@ -140,6 +149,8 @@ class Rung:
             "params": self.params,
             "tokens": self.tokens,
             "actual_budget": self.actual_budget,
+            "actual_tokens_per_param": self.actual_ratio,
+            "flops_per_token": self.flops_per_token,
             "steps": self.steps,
             **self.shape,
         }
@@ -234,24 +245,24 @@ def shape_rule(options: Any, kind: str, aspect: tuple[float, float]) -> ShapeRul
     )
 
 
-def meta_param_counter(plugins: Any, choice: Any) -> Callable[[dict[str, int]], int]:
-    """shape -> non-embedding parameters of the base model with that shape, built on the meta
-    device (no memory) by its plugin, as the model describes itself."""
+def meta_describer(plugins: Any, choice: Any) -> Callable[[dict[str, int]], Any]:
+    """shape -> the `ModelDescription` of the base model with that shape, built on the meta
+    device (no memory) by its plugin: its exact parameter counts and FLOPs per token."""
     import torch
 
     options = plugins.options_of("model", choice)
-    counted: dict[tuple, int] = {}
+    described: dict[tuple, Any] = {}
 
-    def count(shape: dict[str, int]) -> int:
+    def describe(shape: dict[str, int]) -> Any:
         key = tuple(sorted(shape.items()))
-        if key not in counted:
+        if key not in described:
             sized = attrs.evolve(choice, options=attrs.evolve(options, **shape))
             with torch.device("meta"):
                 model = plugins.build("model", sized)
-            counted[key] = model.describe().n_non_embedding_params
-        return counted[key]
+            described[key] = model.describe()
+        return described[key]
 
-    return count
+    return describe
 
 
 def nearest_shape(
@@ -313,7 +324,11 @@ def ladder(
     """One rung per (budget, ratio), budgets outer, each with its shape and steps."""
     options = checked_model_options(plugins, config.model)
     rule = shape_rule(options, config.model.kind, aspect)
-    count = meta_param_counter(plugins, config.model)
+    describe = meta_describer(plugins, config.model)
+
+    def count(shape: dict[str, int]) -> int:
+        return describe(shape).n_non_embedding_params
+
     step_tokens = tokens_per_step(config, world, source)
     rungs = []
     for budget in budgets:
@@ -335,7 +350,9 @@ def ladder(
                     f"d_model {shape['d_model']}, {shape['n_layers']} layers, {params:,}); "
                     "shapes are too coarse here: give larger budgets or widen --aspect-ratio"
                 )
-            tokens_wanted = ratio * target
+            # the budget in the model's own count (attention included), as `fit` groups budgets
+            per_token = float(describe(shape).flops_per_token(config.data.seq_len))
+            tokens_wanted = budget / per_token
             steps = math.ceil(tokens_wanted / step_tokens)
             rungs.append(
                 Rung(
@@ -348,6 +365,7 @@ def ladder(
                     steps=steps,
                     tokens=steps * step_tokens,
                     clears_tokens=config.training.tokens is not None,
+                    flops_per_token=per_token,
                 )
             )
     return rungs
@@ -361,6 +379,7 @@ def table(rows: Sequence[tuple[str, Rung]]) -> str:
         "tokens/param",
         "N",
         "D",
+        "D/N",
         "actual C",
         "n_layers",
         "d_model",
@@ -376,6 +395,7 @@ def table(rows: Sequence[tuple[str, Rung]]) -> str:
                 f"{_number(rung.tokens_per_param)}",
                 f"{rung.params:,}",
                 f"{rung.tokens:,}",
+                f"{rung.actual_ratio:.1f}",
                 compact(rung.actual_budget),
                 str(rung.shape["n_layers"]),
                 str(rung.shape["d_model"]),
