@@ -34,7 +34,7 @@ table { border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0; }
 th, td { border: 1px solid #ccc; padding: 0.25rem 0.5rem; text-align: left; white-space: nowrap; }
 th { background: #f3f3f3; }
 td.significant { background: #e3f4e3; font-weight: 600; }
-td.failed { color: #b00020; }
+td.unfinished { color: #b00020; }
 img { max-width: 100%; border: 1px solid #eee; }
 p.note { color: #555; }
 pre { background: #f7f7f7; padding: 0.5rem; overflow-x: auto; font-size: 0.8rem; }
@@ -150,10 +150,10 @@ def runs_section(runs: Sequence[Run]) -> str:
             ]
         )
 
-    def failed(column: int, text: str) -> str:
-        return "failed" if column == 1 and text not in ("finished",) else ""
+    def unfinished(column: int, text: str) -> str:
+        return "unfinished" if column == 1 and text != "finished" else ""
 
-    return "<h2>Runs</h2>" + html_table(header, body, css_id="runs", cell_class=failed)
+    return "<h2>Runs</h2>" + html_table(header, body, css_id="runs", cell_class=unfinished)
 
 
 def report_html(
