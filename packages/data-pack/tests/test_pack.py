@@ -159,7 +159,7 @@ def test_compressed_inputs_match_plain(tmp_path, write_jsonl, texts, suffix):
     pack([str(packed)], str(tmp_path / "packed"), BYTES, workers=1, split_bytes=1500)
     ds = PackedDataset(str(tmp_path / "packed"))
     _same_dataset(PackedDataset(str(tmp_path / "plain")), ds)
-    assert ds.meta["sources"] == [{"url": str(packed), "bytes": packed.stat().st_size}]
+    assert _files(ds.meta["sources"]) == [{"url": str(packed), "bytes": packed.stat().st_size}]
 
 
 def test_globs_and_several_files_keep_sorted_order(tmp_path, write_jsonl, corpus):
@@ -178,7 +178,7 @@ def test_globs_and_several_files_keep_sorted_order(tmp_path, write_jsonl, corpus
     order = ["part-1", "part-10", "part-2"]
     expected = [t for name in order for t in parts[name]] + corpus(5, seed=99)
     assert [bytes(doc).decode() for doc in _documents(ds)] == expected
-    assert ds.meta["sources"] == [
+    assert _files(ds.meta["sources"]) == [
         {"url": str(p), "bytes": p.stat().st_size} for p in [*(paths[n] for n in order), other]
     ]
 
@@ -343,9 +343,21 @@ def test_metadata(tmp_path, texts, tokenizer_json):
         "empty_documents": 2,
         "blank_lines": 3,
         "bad_lines": 0,
+        "dropped": 0,
     }
     assert meta["bad_lines"] == []
-    assert meta["sources"] == [{"url": str(data), "bytes": data.stat().st_size}]
+    assert meta["sources"] == [
+        {
+            "url": str(data),
+            "bytes": data.stat().st_size,
+            "format": "jsonl",
+            "unit": "line",
+            "kept": 10,
+            "dropped": 0,
+            "bad": 0,
+        }
+    ]
+    assert meta["filter"] is None
     assert meta["tokenizer"] == {
         "name": "hf:tokenizer.json",
         "fingerprint": tok.fingerprint,
@@ -411,7 +423,11 @@ def test_existing_output_refused_or_replaced(tmp_path, write_jsonl, corpus):
     assert sorted(os.listdir(out)) == [
         "chunk_docs",
         "chunk_heads",
+        "doc_id_bytes",
+        "doc_id_offsets",
         "doc_offsets",
+        "doc_row",
+        "doc_source",
         "tokens",
         "zarr.json",
     ]
@@ -454,7 +470,7 @@ def test_inspect(tmp_path, run_cli, write_jsonl, corpus):
     assert sample["ids"] == tokens[start : start + 16].tolist()
     assert sample["text"] == BytesTokenizer().decode(sample["ids"])
     assert sample["note"] is None
-    assert report["sources"] == [{"url": str(data), "bytes": data.stat().st_size}]
+    assert _files(report["sources"]) == [{"url": str(data), "bytes": data.stat().st_size}]
 
     code, stdout, _ = run_cli("data", "inspect", out, "--log-dir", tmp_path / "l")
     assert code == 0
@@ -650,3 +666,8 @@ def test_special_token_text_in_a_document_is_not_an_eod(
     assert int((tokens == ds.eod_id).sum()) == ds.n_documents == 3
     tok = HFTokenizer(HFOptions(str(tokenizer_json)))
     assert [tok.decode(ds.document(i).tolist()) for i in range(3)] == texts
+
+
+def _files(sources: list[dict]) -> list[dict]:
+    """The url and size of each source in a dataset's metadata."""
+    return [{"url": s["url"], "bytes": s["bytes"]} for s in sources]

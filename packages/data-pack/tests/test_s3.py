@@ -60,7 +60,7 @@ def test_pack_s3_glob_to_s3_matches_local(tmp_path, moto_s3, write_jsonl, corpus
     pack([str(p) for p in local], str(tmp_path / "local"), tokenizer, workers=1, chunk_tokens=2048)
     remote = PackedDataset(out)
     _same(remote, PackedDataset(str(tmp_path / "local")))
-    assert remote.meta["sources"] == [
+    assert [{"url": s["url"], "bytes": s["bytes"]} for s in remote.meta["sources"]] == [
         {"url": f"{moto_s3}/in/{p.name}", "bytes": p.stat().st_size} for p in local
     ]
     tok = HFTokenizer(HFOptions(str(tokenizer_json)))
@@ -72,7 +72,11 @@ def test_pack_s3_glob_to_s3_matches_local(tmp_path, moto_s3, write_jsonl, corpus
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(out.removeprefix("s3://"))) == [
         "chunk_docs",
         "chunk_heads",
+        "doc_id_bytes",
+        "doc_id_offsets",
         "doc_offsets",
+        "doc_row",
+        "doc_source",
         "tokens",
         "zarr.json",
     ]

@@ -15,6 +15,7 @@ from llmtrain.data_pack.store import (
     FORMAT,
     FORMAT_VERSION,
     DatasetWriter,
+    Origins,
     Output,
     PackedDataset,
 )
@@ -63,9 +64,16 @@ def merge(
     dtype = max((d.dtype for d in datasets), key=lambda t: t.itemsize)
     out = Output(output, overwrite=overwrite, storage_options=storage_options)
     try:
-        writer = DatasetWriter(out, dtype, chunk_tokens=first.chunk_tokens, compression=compression)
+        # provenance survives a merge when every input has it (source indices shift past the
+        # sources of the inputs before)
+        origins = all(d.has_origins for d in datasets)
+        writer = DatasetWriter(
+            out, dtype, chunk_tokens=first.chunk_tokens, compression=compression, origins=origins
+        )
+        source_base = 0
         for dataset in datasets:
-            _copy(dataset, writer)
+            _copy(dataset, writer, source_base if origins else None)
+            source_base += len(dataset.meta["sources"])
         writer.close()
         counts = {
             key: sum(int(d.meta["counts"][key]) for d in datasets) for key in first.meta["counts"]
@@ -90,10 +98,15 @@ def merge(
     return MergeSummary(writer.n_documents, writer.n_tokens)
 
 
-def _copy(dataset: PackedDataset, writer: DatasetWriter) -> None:
-    """Stream a dataset's documents across in blocks of whole documents (bounded memory)."""
+def _copy(dataset: PackedDataset, writer: DatasetWriter, source_base: int | None) -> None:
+    """Stream a dataset's documents across in blocks of whole documents (bounded memory), with
+    their origins when `source_base` is given."""
     for begin in range(0, dataset.n_documents, DOCS_PER_STEP):
         end = min(begin + DOCS_PER_STEP, dataset.n_documents)
         offsets = np.asarray(dataset.doc_offsets[begin : end + 1], dtype=np.int64)
         tokens = dataset.read(int(offsets[0]), int(offsets[-1]))
-        writer.add(tokens, np.diff(offsets))
+        origins = None
+        if source_base is not None:
+            theirs = dataset.origins(begin, end)
+            origins = Origins(theirs.sources + np.uint32(source_base), theirs.rows, theirs.ids)
+        writer.add(tokens, np.diff(offsets), origins=origins)

@@ -37,12 +37,14 @@ from llmtrain.data_pack.chat import (
     pieces,
     tokenize_conversations,
 )
+from llmtrain.data_pack.documents import Selection, read_documents
+from llmtrain.data_pack.filters import Where
 from llmtrain.data_pack.sources import (
+    LineNumbers,
     Source,
     Task,
     expand_inputs,
-    field_getter,
-    parse_line,
+    location,
     parse_record,
     plan_tasks,
     read_range,
@@ -52,6 +54,7 @@ from llmtrain.data_pack.store import (
     FORMAT,
     FORMAT_VERSION,
     DatasetWriter,
+    Origins,
     Output,
     compressors,
     token_dtype,
@@ -78,6 +81,12 @@ class PackSettings:
     vocab_size: int = 0
     chat: ChatSettings | None = None
     eod_id: int = 0
+    where: tuple[str, ...] = ()
+    id_field: str = "id"
+
+    @property
+    def selection(self) -> Selection:
+        return Selection(self.field, self.where, self.id_field, self.on_bad_line == "error")
 
 
 @attrs.frozen
@@ -93,6 +102,12 @@ class TaskResult:
     text_bytes: int
     mask: np.ndarray | None = None  # chat: the loss mask of `tokens`
     too_long: int = 0  # chat: conversations skipped or truncated for length
+    # text: each document's input file and line or row (relative to the task's first), id
+    doc_sources: np.ndarray | None = None
+    doc_numbers: np.ndarray | None = None
+    doc_ids: list[str] | None = None
+    dropped: dict[int, int] = attrs.Factory(dict)  # input file -> records the filter dropped
+    lost_rows: int = 0  # bad rows beyond those listed in `bad` (undecodable row groups)
 
 
 @attrs.frozen
@@ -106,6 +121,7 @@ class PackSummary:
     input_bytes: int
     seconds: float
     encoder: str
+    dropped: int = 0  # records the --where filter dropped
 
     @property
     def tokens_per_second(self) -> float:
@@ -133,34 +149,17 @@ def _init_worker(tokenizer_raw: dict, storage_options: dict) -> None:
 
 
 def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
-    """Read a task's lines, parse them, and tokenize the documents (each ended by eod)."""
+    """Read a task's documents and tokenize them (each ended by eod)."""
     tokenizer = _worker["tokenizer"]
-    data = read_range(task, _worker["storage_options"])
-    lines = data.split(b"\n")
-    if lines and not lines[-1]:
-        lines.pop()
     if settings.chat is not None:
+        data = read_range(task, _worker["storage_options"])
+        lines = data.split(b"\n")
+        if lines and not lines[-1]:
+            lines.pop()
         return _chat_task(task, settings, lines, len(data))
-    get = field_getter(settings.field)
-    texts: list[str] = []
-    bad: list[tuple[int, str]] = []
-    empty = blank = 0
-    for number, line in enumerate(lines):
-        if not line.strip():
-            blank += 1
-            continue
-        text, why = parse_line(line, get)
-        if why is not None:
-            bad.append((number, why))
-            if settings.on_bad_line == "error":
-                break
-        elif not text:
-            empty += 1
-        else:
-            texts.append(text)
+    docs = read_documents(task, settings.selection, _worker["storage_options"])
+    texts = [] if docs.bad and settings.on_bad_line == "error" else docs.texts
     dtype = np.dtype(settings.dtype)
-    if bad and settings.on_bad_line == "error":
-        texts = []
     pieces, lengths = [], []
     for begin in range(0, len(texts), settings.batch_docs):
         batch = texts[begin : begin + settings.batch_docs]
@@ -168,16 +167,22 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
         tokens, doc_lengths = _with_eod(encode(batch), tokenizer.eod_id, dtype, settings.vocab_size)
         pieces.append(tokens)
         lengths.append(doc_lengths)
+    kept = len(texts)
     return TaskResult(
         index=task.index,
         tokens=np.concatenate(pieces) if pieces else np.empty(0, dtype),
         doc_lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
-        n_lines=len(lines),
-        bad=bad,
-        empty_documents=empty,
-        blank_lines=blank,
+        n_lines=docs.n_lines,
+        bad=docs.bad,
+        empty_documents=docs.empty,
+        blank_lines=docs.blank,
         input_bytes=task.input_bytes,
-        text_bytes=len(data),
+        text_bytes=docs.text_bytes,
+        doc_sources=np.asarray(docs.sources[:kept], np.uint32),
+        doc_numbers=np.asarray(docs.numbers[:kept], np.int64),
+        doc_ids=docs.ids[:kept],
+        dropped=docs.dropped,
+        lost_rows=docs.lost_rows,
     )
 
 
@@ -347,21 +352,6 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         process.join(timeout=10)
 
 
-class _Lines:
-    """Absolute line numbers: a byte-range task starts after the lines of earlier ranges of its
-    file (known, since results arrive in order); a compressed-input task knows its own."""
-
-    def __init__(self) -> None:
-        self.seen: dict[int, int] = collections.defaultdict(int)
-
-    def first_line(self, task: Task, result: TaskResult) -> int:
-        if task.payload is not None:
-            return task.first_line
-        first = self.seen[task.source] + 1
-        self.seen[task.source] += result.n_lines
-        return first
-
-
 def _choose_encoder(
     tokenizer: Any,
     raw: dict,
@@ -386,19 +376,22 @@ def _choose_encoder(
 def _sample_texts(
     sources: Sequence[Source], settings: PackSettings, storage_options: dict
 ) -> list[str]:
-    """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all)."""
+    """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all); bad
+    records are left out here (the pack itself reports them)."""
     chosen = list(sources[:: max(1, len(sources) // 16)])[:16]
     per_file = max(64 << 10, FAST_SAMPLE_BYTES // max(1, len(chosen)))
-    get = field_getter(settings.field)
+    selection = attrs.evolve(settings.selection, stop_on_bad=False)
     texts: list[str] = []
     for source in chosen:
         task = next(plan_tasks([source], per_file, storage_options), None)
         if task is None:
             continue
-        for line in read_range(task, storage_options).split(b"\n"):
-            text, _ = parse_line(line, get) if line.strip() else (None, None)
-            if text:
-                texts.append(text)
+        size = 0
+        for text in read_documents(task, selection, storage_options, limit_rows=1024).texts:
+            texts.append(text)
+            size += len(text)
+            if size >= per_file:
+                break
     return texts
 
 
@@ -421,9 +414,14 @@ def pack(
     plugins: PluginManager | None = None,
     progress: bool = False,
     chat: ChatSettings | None = None,
+    where: Sequence[str] = (),
+    id_field: str = "id",
+    input_format: str = "auto",
+    text_per_line: bool = False,
 ) -> PackSummary:
-    """Pack JSONL files into a zarr token dataset; returns the counts. See the module docstring.
-    With `chat`, the records are conversations (`field` is unused)."""
+    """Pack JSONL, Parquet, Arrow or text files into a zarr token dataset; returns the counts.
+    See the module docstring. `where`: filter expressions every kept record meets. With `chat`,
+    the records are JSONL conversations (`field` is unused)."""
     started = time.perf_counter()
     storage_options = dict(storage_options or {})
     plugins = plugins or PluginManager().load_entry_points()
@@ -435,8 +433,17 @@ def pack(
     token_type = token_dtype(tok.vocab_size, dtype)
     if on_bad_line not in ("error", "skip"):
         raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
+    filters = Where.parse(where)  # a bad expression is an error before any work
     settings = PackSettings(
-        field, on_bad_line, batch_docs, token_type.name, tok.vocab_size, chat, tok.eod_id
+        field,
+        on_bad_line,
+        batch_docs,
+        token_type.name,
+        tok.vocab_size,
+        chat,
+        tok.eod_id,
+        filters.expressions,
+        id_field,
     )
     if chat is not None:  # the template compiles and its tokens exist, before any work
         template = ChatTemplate.from_meta(chat.template)
@@ -449,7 +456,8 @@ def pack(
                 message=f"the chat template writes {', '.join(plain)}, which tokenizer "
                 f"{tok.name} has no single id for: they are tokenized as plain text",
             )
-    sources = expand_inputs(inputs, storage_options)
+    sources = expand_inputs(inputs, storage_options, input_format, text_per_line=text_per_line)
+    _check_formats(sources, settings)
     total_bytes = sum(s.size for s in sources)
     if split_bytes is None:  # enough tasks that the last ones do not run alone
         split_bytes = int(min(MAX_SPLIT_BYTES, max(1 << 20, total_bytes // (workers * 8))))
@@ -479,6 +487,7 @@ def pack(
             shard_chunks=shard_chunks,
             compression=compression,
             loss_mask=chat is not None,
+            origins=chat is None,
         )
         counts = _write(
             out, sources, settings, workers, raw, storage_options, writer, split_bytes, bar
@@ -506,7 +515,11 @@ def pack(
                 },
                 "dtype": token_type.name,
                 "field": None if chat is not None else field,
-                "sources": [{"url": s.url, "bytes": s.size} for s in sources],
+                "sources": [
+                    {**s.to_meta(), **tally}
+                    for s, tally in zip(sources, counts["per_file"], strict=True)
+                ],
+                "filter": {"where": list(filters.expressions)} if filters.expressions else None,
                 "counts": counts["counts"],
                 "bad_lines": counts["bad_lines"],
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -528,6 +541,7 @@ def pack(
         total_bytes,
         time.perf_counter() - started,
         encoder,
+        c.get("dropped", 0),
     )
     log.info(
         "pack.done",
@@ -539,6 +553,21 @@ def pack(
         tokens_per_s=round(summary.tokens_per_second),
     )
     return summary
+
+
+def _check_formats(sources: Sequence[Source], settings: PackSettings) -> None:
+    """Refuse what an input's format cannot do, before any work."""
+    for source in sources:
+        if settings.chat is not None and source.format != "jsonl":
+            raise UserError(
+                f"{source.url}: pack-chat reads JSONL conversations; this is {source.format} "
+                "(convert it, or pass --input-format jsonl if it is JSONL after all)"
+            )
+        if settings.where and source.format in ("text", "text-lines"):
+            raise UserError(
+                f"{source.url}: plain text has no fields for --where to test; filter JSONL, "
+                "Parquet or Arrow inputs"
+            )
 
 
 def _progress_bar(total: int, enabled: bool):
@@ -566,38 +595,61 @@ def _write(
     split_bytes: int,
     bar: Any,
 ) -> dict[str, Any]:
-    """Run the tasks and append their documents in task order; returns counts and bad lines."""
+    """Run the tasks and append their documents in task order; returns counts, bad records and
+    what each input file gave (kept, dropped by the filter, bad)."""
     tasks_by_index: dict[int, Task] = {}
-    lines = _Lines()
-    empty = blank = n_bad = done_bytes = too_long = 0
+    numbers = LineNumbers()
+    empty = blank = done_bytes = too_long = 0
     chat = settings.chat
+    skip = settings.on_bad_line == "skip"
     sink = writer if chat is None else BlockPacker(writer, chat.seq_len, settings.eod_id)
     bad_lines: list[dict[str, Any]] = []
+    per_file = [{"kept": 0, "dropped": 0, "bad": 0} for _ in sources]
+    bad_files: list[tuple[int, str]] = []
     last_log = time.monotonic()
+
+    def bad(source: int, number: int | None, why: str) -> None:
+        source_ = sources[source]
+        where = source_.url if number is None else location(source_.url, source_.unit, number)
+        if not skip or "--too-long" in why:
+            hint = (
+                ""
+                if "--too-long" in why
+                else "; fix the line, or pass --on-bad-line skip to skip and count such lines"
+                if source_.unit == "line"
+                else "; pass --skip-bad to skip and count such rows and files"
+            )
+            raise PackError(f"{where}: {why}{hint}")
+        if len(bad_lines) < MAX_RECORDED_BAD_LINES:
+            entry = {"file": source_.url, "reason": why}
+            if number is not None:
+                entry[source_.unit] = number
+            bad_lines.append(entry)
 
     def remember(stream: Iterable[Task]) -> Iterator[Task]:
         for task in stream:
+            while bad_files:  # unreadable files the plan left out (--skip-bad)
+                source, why = bad_files.pop(0)
+                per_file[source]["bad"] += 1
+                bad(source, None, why)
             tasks_by_index[task.index] = task
             yield task
 
-    tasks = remember(plan_tasks(sources, split_bytes, storage_options))
-    for result in _run_tasks(tasks, settings, workers, raw, storage_options):
+    plan = plan_tasks(sources, split_bytes, storage_options, skip_bad=skip, bad_files=bad_files)
+    for result in _run_tasks(remember(plan), settings, workers, raw, storage_options):
         task = tasks_by_index.pop(result.index)
-        first = lines.first_line(task, result)
+        first = numbers.first(task, result.n_lines)
         for relative, why in result.bad:
-            n_bad += 1
-            where = f"{task.url}:{first + relative}"
-            if settings.on_bad_line == "error" or "--too-long" in why:
-                hint = (
-                    ""
-                    if "--too-long" in why
-                    else "; fix the line, or pass --on-bad-line skip to skip and count such lines"
-                )
-                raise PackError(f"{where}: {why}{hint}")
-            if len(bad_lines) < MAX_RECORDED_BAD_LINES:
-                bad_lines.append({"file": task.url, "line": first + relative, "reason": why})
+            bad(task.source, first + relative, why)
+        if result.bad:
+            per_file[task.source]["bad"] += len(result.bad) + result.lost_rows
         if chat is None:
-            writer.add(result.tokens, result.doc_lengths)
+            origins = Origins(result.doc_sources, first + result.doc_numbers, result.doc_ids)
+            writer.add(result.tokens, result.doc_lengths, origins=origins)
+            for source, n in zip(*np.unique(result.doc_sources, return_counts=True), strict=True):
+                per_file[int(source)]["kept"] += int(n)
+            for source, n in result.dropped.items():
+                per_file[source]["dropped"] += n
         else:
             sink.add(result.tokens, result.doc_lengths, result.mask)
         too_long += result.too_long
@@ -614,6 +666,9 @@ def _write(
                 tokens=writer.n_tokens,
                 bytes_done=done_bytes,
             )
+    for source, why in bad_files:  # unreadable files after the last task
+        per_file[source]["bad"] += 1
+        bad(source, None, why)
     if chat is not None:
         sink.close()
     writer.close()
@@ -622,7 +677,7 @@ def _write(
         "tokens": writer.n_tokens,
         "empty_documents": empty,
         "blank_lines": blank,
-        "bad_lines": n_bad,
+        "bad_lines": sum(f["bad"] for f in per_file),
     }
     if chat is not None:
         counts.update(
@@ -630,4 +685,6 @@ def _write(
             padding_tokens=sink.padding,
             too_long=too_long,
         )
-    return {"counts": counts, "bad_lines": bad_lines}
+    else:
+        counts["dropped"] = sum(f["dropped"] for f in per_file)
+    return {"counts": counts, "bad_lines": bad_lines, "per_file": per_file}

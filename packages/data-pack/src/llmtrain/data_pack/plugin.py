@@ -88,16 +88,50 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
     p = actions.add_parser(
         "pack",
-        help="tokenize JSONL files into a packed zarr dataset",
-        description="tokenize JSONL files (.jsonl, .jsonl.gz, .jsonl.zst; local or URLs, globs "
-        "allowed) into a packed zarr dataset",
+        help="tokenize JSONL, Parquet, Arrow or text files into a packed zarr dataset",
+        description="tokenize corpora into a packed zarr dataset: JSONL (.jsonl, .jsonl.gz, "
+        ".jsonl.zst), Parquet (.parquet), Arrow (.arrow files or datasets.save_to_disk "
+        "directories) and plain text (.txt); local or URLs, globs and directories allowed",
     )
-    p.add_argument("inputs", nargs="+", help="JSONL files or globs")
+    p.add_argument("inputs", nargs="+", help="files, globs or directories")
     p.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
     _tokenizer_args(p, required=True)
-    p.add_argument("--field", default="text", help="dotted path of the text in each record")
+    p.add_argument(
+        "--field", default="text", help="the text field or column (dotted for nested ones)"
+    )
+    p.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="EXPR",
+        help="keep only records where EXPR holds, e.g. 'int_score >= 3' or "
+        '\'language in ["en", "de"]\' (repeatable: all must hold)',
+    )
+    p.add_argument(
+        "--id-field",
+        default="id",
+        help="the field recorded as each document's id, when a record has it (default: id)",
+    )
+    p.add_argument(
+        "--input-format",
+        choices=["auto", "jsonl", "parquet", "arrow", "text"],
+        default="auto",
+        help="how to read the inputs (default: by suffix; JSONL for unknown suffixes)",
+    )
+    p.add_argument(
+        "--text-per-line",
+        action="store_true",
+        help="plain text inputs hold one document per line (default: one per file)",
+    )
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     p.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
+    p.add_argument(
+        "--skip-bad",
+        dest="on_bad_line",
+        action="store_const",
+        const="skip",
+        help="skip and count bad records, rows and unreadable files (= --on-bad-line skip)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
@@ -282,6 +316,10 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
         _tokenizer_raw(args, ctx),
         chat=chat,
         field=getattr(args, "field", "text"),
+        where=getattr(args, "where", ()),
+        id_field=getattr(args, "id_field", "id"),
+        input_format=getattr(args, "input_format", "auto"),
+        text_per_line=getattr(args, "text_per_line", False),
         workers=args.workers,
         on_bad_line=args.on_bad_line,
         overwrite=args.overwrite,
@@ -298,7 +336,9 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
         plugins=ctx.plugins,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
-    skipped = f", {summary.bad_lines} bad lines skipped" if summary.bad_lines else ""
+    unit = "lines" if chat is not None else "records"
+    skipped = f", {summary.bad_lines} bad {unit} skipped" if summary.bad_lines else ""
+    filtered = f", {summary.dropped} dropped by --where" if summary.dropped else ""
     if chat is not None:
         from llmtrain.data_pack.store import PackedDataset
 
@@ -312,7 +352,8 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
         return 0
     print(
         f"{summary.url}: {summary.documents} documents, {summary.tokens} tokens "
-        f"({summary.empty_documents} empty skipped{skipped}) in {summary.seconds:.1f} s, "
+        f"({summary.empty_documents} empty skipped{skipped}{filtered}) in "
+        f"{summary.seconds:.1f} s, "
         f"{summary.tokens_per_second:,.0f} tokens/s"
     )
     return 0

@@ -1,10 +1,16 @@
-"""JSONL inputs: expanding globs, splitting files into byte ranges, and reading documents.
+"""Inputs: finding the files, telling their formats apart, and cutting them into tasks.
 
-Plain `.jsonl` files are split into byte ranges that worker processes read themselves, so no
+Formats: JSONL (`.jsonl`, `.ndjson`, optionally `.gz`/`.zst`; also any file of no other known
+suffix), plain text (`.txt`, one document per file or per line), Parquet (`.parquet`) and Arrow
+(`.arrow` files, and the directories `datasets.save_to_disk` writes). A directory input is an
+Arrow dataset when it holds a `state.json`, otherwise every input file below it.
+
+Plain line files are split into byte ranges that worker processes read themselves, so no
 indexing pass is needed: a range owns every line whose first byte lies inside it. Compressed files
 (`.gz`, `.zst`) cannot be split by bytes; they are streamed and cut into batches of whole lines.
-Both kinds become a sequence of `Task`s whose order depends only on the input, never on the number
-of workers, which is what makes the packed order deterministic.
+Parquet files are cut by row groups and Arrow files by record batches (`columnar.py`). Every kind
+becomes a sequence of `Task`s whose order depends only on the input, never on the number of
+workers, which is what makes the packed order deterministic.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import posixpath
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,6 +31,17 @@ from fsspec.core import url_to_fs
 from llmtrain.core_mesh.errors import UserError
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+FORMATS = ("auto", "jsonl", "text", "parquet", "arrow")
+SUFFIX_FORMATS = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "jsonl",
+    ".txt": "text",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+}
+LINE_FORMATS = ("jsonl", "text-lines")  # read by byte ranges or batches of lines
+ARROW_STATE = "state.json"  # what `datasets.save_to_disk` writes beside its .arrow files
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -36,20 +54,44 @@ class Source:
     url: str
     size: int
     compression: str | None
+    format: str = "jsonl"  # jsonl, text (a document per file), text-lines, parquet or arrow
+    dataset: str | None = None  # an Arrow file's save_to_disk directory
+
+    @property
+    def unit(self) -> str:
+        """What a document's number counts in this file: lines (from 1), rows (from 0), or
+        nothing (the whole file is one document)."""
+        if self.format == "text":
+            return "file"
+        return "line" if self.format in LINE_FORMATS else "row"
+
+    def to_meta(self) -> dict[str, Any]:
+        meta = {"url": self.url, "bytes": self.size, "format": self.format, "unit": self.unit}
+        if self.dataset is not None:
+            meta["dataset"] = self.dataset
+        return meta
 
 
 @attrs.frozen
 class Task:
-    """One unit of work: bytes [start, end) of a plain file, or whole lines already read."""
+    """One unit of work: bytes [start, end) of a plain line file, whole lines already read
+    (`payload`), row groups of a Parquet file, record batches of an Arrow file, or whole text
+    files (`members`: (source number, url) pairs)."""
 
     index: int
     source: int
     url: str
+    format: str = "jsonl"
     start: int = 0
     end: int = 0
     payload: bytes | None = None
-    first_line: int = 1  # the line number of the payload's first line (compressed inputs)
+    # the first line's number (1-based; compressed inputs) or the first row's (0-based;
+    # columnar inputs); None for a byte range, whose lines follow those of the ranges before it
+    first_line: int | None = None
     input_bytes: int = 0  # input (compressed) bytes this task accounts for, for progress
+    row_groups: tuple[int, ...] = ()  # parquet
+    batches: tuple[int, int] = (0, 0)  # arrow: record batches [first, stop); (0, 0): all
+    members: tuple[tuple[int, str], ...] = ()  # text, one document per file
 
 
 def compression_of(url: str) -> str | None:
@@ -59,8 +101,38 @@ def compression_of(url: str) -> str | None:
     return None
 
 
-def expand_inputs(patterns: Sequence[str], storage_options: dict | None = None) -> list[Source]:
-    """Files matching each pattern (globs, local or fsspec URLs), in a stable sorted order."""
+def format_of(url: str, requested: str = "auto") -> str:
+    """The input format: as requested, else by suffix (under any compression suffix); JSONL for
+    a suffix of no other format."""
+    if requested != "auto":
+        return requested
+    name = posixpath.basename(url)
+    for suffix in COMPRESSION:
+        name = name.removesuffix(suffix)
+    return SUFFIX_FORMATS.get(posixpath.splitext(name)[1].lower(), "jsonl")
+
+
+def _known_input(path: str) -> bool:
+    name = posixpath.basename(path)
+    if name.startswith((".", "_")):
+        return False
+    for suffix in COMPRESSION:
+        name = name.removesuffix(suffix)
+    return posixpath.splitext(name)[1].lower() in SUFFIX_FORMATS
+
+
+def expand_inputs(
+    patterns: Sequence[str],
+    storage_options: dict | None = None,
+    input_format: str = "auto",
+    *,
+    text_per_line: bool = False,
+) -> list[Source]:
+    """Files matching each pattern (globs, directories, local or fsspec URLs), in a stable
+    sorted order, each with its format (plain text: a document per line if `text_per_line`,
+    else per file)."""
+    if input_format not in FORMATS:
+        raise InputError(f"input format {input_format!r}: use one of {', '.join(FORMATS)}")
     sources: list[Source] = []
     seen: set[str] = set()
     for pattern in patterns:
@@ -71,47 +143,171 @@ def expand_inputs(patterns: Sequence[str], storage_options: dict | None = None) 
             raise InputError(f"{pattern}: no file matches")
         for match in matches:
             url = fs.unstrip_protocol(match) if "://" in pattern else match
-            if url in seen:
-                continue
             try:
                 info = fs.info(match)
             except FileNotFoundError:
                 raise InputError(f"{pattern}: no such file") from None
             if info.get("type") == "directory":
-                raise InputError(f"{url}: is a directory; give a glob such as {url}/*.jsonl")
-            seen.add(url)
-            sources.append(Source(url, int(info.get("size") or 0), compression_of(url)))
+                found = _directory(fs, match, url, input_format)
+            else:
+                found = [_source(url, info, input_format)]
+            if text_per_line:
+                found = [
+                    attrs.evolve(s, format="text-lines") if s.format == "text" else s for s in found
+                ]
+            for source in found:
+                if source.url not in seen:
+                    seen.add(source.url)
+                    sources.append(source)
+    return sources
+
+
+def _source(url: str, info: dict, input_format: str) -> Source:
+    kind = format_of(url, input_format)
+    compression = compression_of(url) if kind in ("jsonl", "text") else None
+    return Source(url, int(info.get("size") or 0), compression, kind)
+
+
+def _directory(fs: Any, path: str, url: str, input_format: str) -> list[Source]:
+    """An Arrow dataset directory's files in its own order, or every input file below a
+    directory (sorted)."""
+    names = {posixpath.basename(p) for p in fs.ls(path, detail=False)}
+    prefix = url.rstrip("/") + "/"
+    if ARROW_STATE in names:
+        return _arrow_dataset(fs, path, url)
+    if "dataset_dict.json" in names:
+        splits = sorted(n for n in names if fs.isdir(posixpath.join(path, n)))
+        raise InputError(
+            f"{url}: a DatasetDict with splits {', '.join(splits)}; give one split's "
+            f"directory, e.g. {prefix}{splits[0] if splits else 'train'}"
+        )
+    if any(n.endswith(".arrow") for n in names):
+        raise InputError(
+            f"{url}: .arrow files without the {ARROW_STATE} that datasets.save_to_disk writes "
+            "beside them (an incomplete save?); save the dataset again, or give the .arrow "
+            "files themselves"
+        )
+    found = []
+    for file, info in sorted(fs.find(path, detail=True).items()):
+        if _known_input(file) and not any(part.startswith(".") for part in file.split("/")):
+            relative = file[len(path.rstrip("/")) + 1 :]
+            found.append(_source(prefix + relative if "://" in url else file, info, input_format))
+    if not found:
+        raise InputError(
+            f"{url}: a directory with no input files (.jsonl, .txt, .parquet, .arrow, "
+            "optionally .gz/.zst) below it"
+        )
+    return found
+
+
+def _arrow_dataset(fs: Any, path: str, url: str) -> list[Source]:
+    state_path = posixpath.join(path, ARROW_STATE)
+    try:
+        with fs.open(state_path, "rb") as f:
+            files = [entry["filename"] for entry in json.load(f)["_data_files"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(
+            f"{url}/{ARROW_STATE}: not a datasets state file ({type(exc).__name__}: {exc}); "
+            "save the dataset again"
+        ) from None
+    sources = []
+    for name in files:
+        file = posixpath.join(path, name)
+        if not fs.exists(file):
+            raise InputError(f"{url}/{ARROW_STATE} lists {name}, which is missing")
+        size = int(fs.info(file).get("size") or 0)
+        file_url = url.rstrip("/") + "/" + name
+        sources.append(Source(file_url, size, None, "arrow", url.rstrip("/")))
     return sources
 
 
 def plan_tasks(
-    sources: Sequence[Source], chunk_bytes: int, storage_options: dict | None = None
+    sources: Sequence[Source],
+    chunk_bytes: int,
+    storage_options: dict | None = None,
+    *,
+    skip_bad: bool = False,
+    bad_files: list[tuple[int, str]] | None = None,
 ) -> Iterator[Task]:
-    """Tasks in input order: byte ranges of plain files, batches of lines of compressed ones."""
+    """Tasks in input order. Columnar files that cannot be opened stop the plan, or with
+    `skip_bad` are left out and listed in `bad_files` as (source number, reason)."""
+    from llmtrain.data_pack.columnar import ColumnarError, plan_columnar
+
     index = itertools.count()
+    text_files: list[tuple[int, Source]] = []
     for number, source in enumerate(sources):
-        if source.compression is None:
-            for start in range(0, source.size, chunk_bytes):
-                end = min(start + chunk_bytes, source.size)
-                yield Task(next(index), number, source.url, start, end, input_bytes=end - start)
+        if source.format == "text":
+            text_files.append((number, source))
+            if sum(s.size for _, s in text_files) >= chunk_bytes:
+                yield _text_task(next(index), text_files)
+                text_files = []
             continue
-        line, counted = 1, 0
-        with fsspec.open(source.url, "rb", **(storage_options or {})) as raw:
-            reader = io.BufferedReader(fsspec.compression.compr[source.compression](raw, mode="rb"))
-            while block := reader.read(chunk_bytes):
-                if not block.endswith(b"\n"):
-                    block += reader.readline()
-                position = raw.tell()
-                yield Task(
-                    next(index),
-                    number,
-                    source.url,
-                    payload=block,
-                    first_line=line,
-                    input_bytes=position - counted,
-                )
-                counted = position
-                line += block.count(b"\n")
+        if text_files:
+            yield _text_task(next(index), text_files)
+            text_files = []
+        if source.format in ("parquet", "arrow"):
+            try:
+                yield from plan_columnar(source, number, chunk_bytes, index, storage_options)
+            except ColumnarError as exc:
+                if not skip_bad or bad_files is None:
+                    raise
+                bad_files.append((number, str(exc)))
+            continue
+        yield from _line_tasks(source, number, chunk_bytes, index, storage_options)
+    if text_files:
+        yield _text_task(next(index), text_files)
+
+
+def _line_tasks(
+    source: Source,
+    number: int,
+    chunk_bytes: int,
+    index: Iterator[int],
+    storage_options: dict | None,
+) -> Iterator[Task]:
+    """Byte ranges of a plain line file; batches of whole lines of a compressed one."""
+    kind = source.format
+    if source.compression is None:
+        for start in range(0, source.size, chunk_bytes):
+            end = min(start + chunk_bytes, source.size)
+            yield Task(next(index), number, source.url, kind, start, end, input_bytes=end - start)
+        return
+    line, counted = 1, 0
+    with fsspec.open(source.url, "rb", **(storage_options or {})) as raw:
+        reader = io.BufferedReader(fsspec.compression.compr[source.compression](raw, mode="rb"))
+        while block := reader.read(chunk_bytes):
+            if not block.endswith(b"\n"):
+                block += reader.readline()
+            position = raw.tell()
+            yield Task(
+                next(index),
+                number,
+                source.url,
+                kind,
+                payload=block,
+                first_line=line,
+                input_bytes=position - counted,
+            )
+            counted = position
+            line += block.count(b"\n")
+
+
+def _text_task(index: int, files: list[tuple[int, Source]]) -> Task:
+    """Whole text files, each one document, read together by one worker."""
+    number, first = files[0]
+    return Task(
+        index,
+        number,
+        first.url,
+        "text",
+        input_bytes=sum(s.size for _, s in files),
+        members=tuple((n, s.url) for n, s in files),
+    )
+
+
+def read_text_file(url: str, storage_options: dict | None = None) -> bytes:
+    with fsspec.open(url, "rb", compression="infer", **(storage_options or {})) as f:
+        return f.read()
 
 
 def read_range(task: Task, storage_options: dict | None = None) -> bytes:
@@ -170,11 +366,8 @@ def parse_record(line: bytes) -> tuple[Any, str | None]:
         return None, "JSON nested too deeply"
 
 
-def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
-    """(text, None) for a good line, (None, reason) for a bad one."""
-    record, why = parse_record(line)
-    if why is not None:
-        return None, why
+def text_of(record: Any, get, line: bytes) -> tuple[str | None, str | None]:
+    """(text, None) from a parsed JSONL record, or (None, reason)."""
     try:
         text = get(record)
     except KeyError as exc:
@@ -187,22 +380,32 @@ def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
     return text, None
 
 
-def iter_texts(
-    sources: Sequence[Source], field: str, storage_options: dict | None = None
-) -> Iterator[str]:
-    """Every non-empty document of the inputs in order (one process; for training tokenizers).
+def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
+    """(text, None) for a good line, (None, reason) for a bad one."""
+    record, why = parse_record(line)
+    if why is not None:
+        return None, why
+    return text_of(record, get, line)
 
-    A bad line stops with its file:line, as `pack` does by default."""
-    get = field_getter(field)
-    for source in sources:
-        with fsspec.open(
-            source.url, "rb", compression=source.compression, **(storage_options or {})
-        ) as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                text, why = parse_line(line.rstrip(b"\n"), get)
-                if why is not None:
-                    raise InputError(f"{source.url}:{number}: {why}")
-                if text:
-                    yield text
+
+class LineNumbers:
+    """Absolute numbers of a task's documents: a byte-range task's lines follow the lines of
+    the earlier ranges of its file (known, since results arrive in task order); every other
+    task knows its first line or row."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def first(self, task: Task, n_lines: int) -> int:
+        if task.first_line is not None:
+            return task.first_line
+        first = self.seen.get(task.source, 0) + 1
+        self.seen[task.source] = first - 1 + n_lines
+        return first
+
+
+def location(url: str, unit: str, number: int) -> str:
+    """How a message names a document: file:line, "file, row N", or the file."""
+    if unit == "line":
+        return f"{url}:{number}"
+    return f"{url}, row {number}" if unit == "row" else url

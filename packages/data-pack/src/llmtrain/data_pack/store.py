@@ -8,7 +8,16 @@
 <dataset>/chunk_heads    2-D, the first tokens of each chunk (windows that just reach into it)
 <dataset>/loss_mask      1-D bool beside `tokens` (chat datasets, format version 2): True where
                          the token is a target the loss counts
+<dataset>/doc_source     1-D uint32, n_documents: each document's input file (an index into the
+                         metadata's "sources")
+<dataset>/doc_row        1-D int64, n_documents: its line (1-based, JSONL and text) or row
+                         (0-based, Parquet and Arrow) in that file
+<dataset>/doc_id_offsets 1-D int64, n_documents + 1, and doc_id_bytes, 1-D uint8: its `id` field
+                         as UTF-8 ("" when it had none)
 ```
+
+The four `doc_*` arrays (provenance) are optional: datasets packed before them, chat datasets
+and merges of datasets without them have none, and readers that predate them ignore them.
 
 The group's `zarr.json` (with `"complete": true`) is written last, after every array; a directory
 without it is not a dataset. On a local disk everything is first written under a temporary name
@@ -18,12 +27,14 @@ last is the commit. No pickle anywhere: arrays and JSON only.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import numpy as np
 import zarr
 from fsspec.core import url_to_fs
@@ -37,10 +48,28 @@ META_KEY = "llmtrain"
 DEFAULT_COMPRESSION = "none"
 HEAD_TOKENS = 8192  # first tokens of each chunk kept in `chunk_heads` (windows up to 8191 long)
 HEADS_PER_CHUNK = 64
+ORIGIN_ARRAYS = ("doc_source", "doc_row", "doc_id_offsets", "doc_id_bytes")
 
 
 class DatasetError(UserError):
     """A packed dataset that is missing, incomplete, or does not fit the run."""
+
+
+@attrs.frozen
+class Origins:
+    """Where consecutive documents came from: input file index, line or row, and id."""
+
+    sources: np.ndarray  # uint32
+    rows: np.ndarray  # int64
+    ids: list[str]
+
+    def __attrs_post_init__(self) -> None:
+        if not len(self.sources) == len(self.rows) == len(self.ids):
+            raise ValueError("one source, row and id per document")
+
+    @classmethod
+    def empty(cls) -> Origins:
+        return cls(np.empty(0, np.uint32), np.empty(0, np.int64), [])
 
 
 def token_dtype(vocab_size: int, requested: str | None = None) -> np.dtype:
@@ -252,6 +281,9 @@ class PackedDataset:
                     f"{self.url}: a chat dataset without its loss_mask array (damaged); pack it "
                     "again"
                 ) from None
+        self._origins = None  # provenance (optional): the doc_* arrays, when all are there
+        if all(name in group for name in ORIGIN_ARRAYS):
+            self._origins = {name: group[name] for name in ORIGIN_ARRAYS}
         self.n_tokens = int(meta["counts"]["tokens"])
         self.n_documents = int(meta["counts"]["documents"])
         self.chunk_tokens = int(self.tokens.chunks[0])
@@ -314,6 +346,33 @@ class PackedDataset:
         start, stop = (int(v) for v in self.doc_offsets[index : index + 2])
         return self.read(start, stop - 1)
 
+    @property
+    def has_origins(self) -> bool:
+        return self._origins is not None
+
+    def origins(self, begin: int, end: int) -> Origins:
+        """Where documents [begin, end) came from; a DatasetError if the dataset has no record."""
+        if self._origins is None:
+            raise DatasetError(
+                f"{self.url} records no provenance (packed before llmtrain recorded it, a chat "
+                "dataset, or a merge of such datasets); pack it again to have it"
+            )
+        end = min(end, self.n_documents)
+        begin = min(begin, end)
+        arrays = self._origins
+        offsets = np.asarray(arrays["doc_id_offsets"][begin : end + 1], np.int64)
+        blob = bytes(np.asarray(arrays["doc_id_bytes"][int(offsets[0]) : int(offsets[-1])]))
+        base = int(offsets[0])
+        ids = [
+            blob[a - base : b - base].decode("utf-8", "surrogatepass")
+            for a, b in itertools.pairwise(offsets.tolist())
+        ]
+        return Origins(
+            np.asarray(arrays["doc_source"][begin:end], np.uint32),
+            np.asarray(arrays["doc_row"][begin:end], np.int64),
+            ids,
+        )
+
     def check_tokenizer(self, tokenizer: Any) -> None:
         """Refuse a tokenizer other than the one the dataset was packed with."""
         if tokenizer.fingerprint != self.fingerprint:
@@ -338,6 +397,7 @@ class DatasetWriter:
         shard_chunks: int = 0,
         compression: str = DEFAULT_COMPRESSION,
         loss_mask: bool = False,
+        origins: bool = False,
     ):
         options = out.storage_options
         self.out = out
@@ -368,6 +428,7 @@ class DatasetWriter:
                 compression=compression,
                 storage_options=options,
             )
+        self.origins = _OriginsWriter(out, compression) if origins else None
         self.counted = 0
         # the first tokens of every chunk, kept apart: a window that reaches a few tokens into
         # the next chunk reads them here instead of decoding that whole chunk
@@ -388,10 +449,18 @@ class DatasetWriter:
         self.n_documents = 0
 
     def add(
-        self, tokens: np.ndarray, doc_lengths: np.ndarray, mask: np.ndarray | None = None
+        self,
+        tokens: np.ndarray,
+        doc_lengths: np.ndarray,
+        mask: np.ndarray | None = None,
+        origins: Origins | None = None,
     ) -> None:
         if not len(doc_lengths):
             return
+        if (origins is None) != (self.origins is None) or (
+            origins is not None and len(origins.rows) != len(doc_lengths)
+        ):
+            raise ValueError("origins go with every document of a dataset that records them")
         ends = self.n_tokens + np.cumsum(doc_lengths)
         if int(ends[-1]) != self.n_tokens + len(tokens):
             raise ValueError("document lengths do not add up to the tokens given")
@@ -402,6 +471,8 @@ class DatasetWriter:
         if mask is not None:
             self.mask.append(mask)
             self.counted += int(np.count_nonzero(mask))
+        if origins is not None:
+            self.origins.append(origins)
         starts = ends - doc_lengths
         # chunk c's first document: the first one starting at or after c * chunk_tokens
         last_chunk = int(starts[-1]) // self.chunk_tokens
@@ -439,6 +510,8 @@ class DatasetWriter:
         self.offsets.close()
         if self.mask is not None:
             self.mask.close()
+        if self.origins is not None:
+            self.origins.close()
         index = AppendArray(
             self.out.array_url("chunk_docs"),
             np.int64,
@@ -447,3 +520,37 @@ class DatasetWriter:
         )
         index.append(np.asarray(self.chunk_docs[: n_chunks + 1], np.int64))
         index.close()
+
+
+class _OriginsWriter:
+    """The provenance arrays, appended beside the documents."""
+
+    def __init__(self, out: Output, compression: str):
+        def array(name: str, dtype: Any, chunk: int) -> AppendArray:
+            return AppendArray(
+                out.array_url(name),
+                dtype,
+                chunk,
+                compression=compression,
+                storage_options=out.storage_options,
+            )
+
+        self.sources = array("doc_source", np.uint32, 1 << 16)
+        self.rows = array("doc_row", np.int64, 1 << 16)
+        self.id_offsets = array("doc_id_offsets", np.int64, 1 << 16)
+        self.id_bytes = array("doc_id_bytes", np.uint8, 1 << 20)
+        self.id_offsets.append(np.zeros(1, np.int64))
+        self.id_end = 0
+
+    def append(self, origins: Origins) -> None:
+        self.sources.append(origins.sources)
+        self.rows.append(origins.rows)
+        encoded = [i.encode("utf-8", "surrogatepass") for i in origins.ids]
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        self.id_offsets.append(self.id_end + np.cumsum(lengths))
+        self.id_end += int(lengths.sum())
+        self.id_bytes.append(np.frombuffer(b"".join(encoded), np.uint8))
+
+    def close(self) -> None:
+        for array in (self.sources, self.rows, self.id_offsets, self.id_bytes):
+            array.close()

@@ -12,7 +12,8 @@ import structlog
 from fsspec.core import url_to_fs
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.data_pack.sources import expand_inputs, iter_texts
+from llmtrain.data_pack.documents import iter_texts
+from llmtrain.data_pack.sources import expand_inputs
 from llmtrain.data_pack.tokenizer import ENDOFTEXT, train_bpe
 
 log = structlog.get_logger("llmtrain.data_pack")

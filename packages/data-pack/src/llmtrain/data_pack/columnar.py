@@ -1,0 +1,250 @@
+"""Parquet and Arrow inputs, read with pyarrow: planning tasks from file metadata, checking the
+schema before any row is read, and streaming the needed columns in bounded record batches.
+
+A Parquet task is one or more consecutive row groups (up to the split size, compressed); an Arrow
+task is a run of record batches of a local file (memory-mapped, so counting them reads nothing),
+or the whole file when it is remote. Workers open the files themselves and read only the columns
+the pack needs (the text, the filter's columns, the id), `READ_ROWS` rows at a time, so memory
+stays bounded whatever the file size. Rows are numbered from 0 within each file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llmtrain.data_pack.sources import InputError, Source, Task
+
+READ_ROWS = 2048
+_STRINGS = (pa.string(), pa.large_string())
+
+
+class ColumnarError(InputError):
+    """A Parquet or Arrow file that cannot be read, or whose columns do not fit the pack."""
+
+    rows = 0  # rows an undecodable part held (what --skip-bad counts as bad)
+
+
+def _local(url: str) -> str | None:
+    if "://" not in url:
+        return url
+    return url.removeprefix("file://") if url.startswith("file://") else None
+
+
+@contextlib.contextmanager
+def _opened(url: str, storage_options: dict | None) -> Iterator[Any]:
+    """A file pyarrow reads: memory-mapped when local, an fsspec file otherwise."""
+    path = _local(url)
+    if path is not None:
+        with pa.memory_map(path) as f:
+            yield f
+        return
+    with fsspec.open(url, "rb", **(storage_options or {})) as f:
+        yield f
+
+
+def _parquet(f: Any, url: str) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(f)
+    except (pa.ArrowException, OSError) as exc:
+        raise ColumnarError(
+            f"{url}: not a readable Parquet file ({_reason(exc)}); it may be truncated or "
+            "corrupt: download it again, or pass --skip-bad to leave it out"
+        ) from None
+
+
+def _arrow(f: Any, url: str) -> Any:
+    """An IPC file reader (random access) or stream reader (what datasets writes)."""
+    try:
+        return pa.ipc.open_file(f)
+    except (pa.ArrowException, OSError):
+        pass
+    try:
+        f.seek(0)
+        return pa.ipc.open_stream(f)
+    except (pa.ArrowException, OSError) as exc:
+        raise ColumnarError(
+            f"{url}: not a readable Arrow file ({_reason(exc)}); it may be truncated or "
+            "corrupt: write it again, or pass --skip-bad to leave it out"
+        ) from None
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
+    if isinstance(reader, pa.ipc.RecordBatchFileReader):
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+    else:
+        yield from reader
+
+
+def schema_of(source: Source, storage_options: dict | None = None) -> pa.Schema:
+    with _opened(source.url, storage_options) as f:
+        if source.format == "parquet":
+            return _parquet(f, source.url).schema_arrow
+        return _arrow(f, source.url).schema
+
+
+def plan_columnar(
+    source: Source,
+    number: int,
+    split_bytes: int,
+    index: Iterator[int],
+    storage_options: dict | None = None,
+) -> Iterator[Task]:
+    """A file's tasks: runs of row groups (Parquet) or record batches (local Arrow) of about
+    `split_bytes`, each knowing the number of its first row."""
+    with _opened(source.url, storage_options) as f:
+        if source.format == "parquet":
+            meta = _parquet(f, source.url).metadata
+            sizes = [
+                (
+                    meta.row_group(g).num_rows,
+                    sum(
+                        meta.row_group(g).column(c).total_compressed_size
+                        for c in range(meta.num_columns)
+                    ),
+                )
+                for g in range(meta.num_row_groups)
+            ]
+        elif _local(source.url) is None:  # a remote stream: one task reads it through
+            yield Task(
+                next(index), number, source.url, "arrow", first_line=0, input_bytes=source.size
+            )
+            return
+        else:
+            try:
+                sizes = [(b.num_rows, b.nbytes) for b in _batches(_arrow(f, source.url))]
+            except (pa.ArrowException, OSError) as exc:
+                raise ColumnarError(
+                    f"{source.url}: cannot read its record batches ({_reason(exc)})"
+                ) from None
+    total = sum(size for _, size in sizes) or 1
+    row = group_start = 0
+    while group_start < len(sizes):
+        stop, size = group_start, 0
+        while stop < len(sizes) and (stop == group_start or size + sizes[stop][1] <= split_bytes):
+            size += sizes[stop][1]
+            stop += 1
+        rows = sum(n for n, _ in sizes[group_start:stop])
+        common = dict(first_line=row, input_bytes=source.size * size // total)
+        if source.format == "parquet":
+            yield Task(
+                next(index),
+                number,
+                source.url,
+                "parquet",
+                row_groups=tuple(range(group_start, stop)),
+                **common,
+            )
+        else:
+            yield Task(
+                next(index), number, source.url, "arrow", batches=(group_start, stop), **common
+            )
+        row += rows
+        group_start = stop
+
+
+def read_batches(
+    task: Task, columns: Sequence[str], storage_options: dict | None = None, *, skip_bad=False
+) -> Iterator[tuple[int, pa.RecordBatch | ColumnarError]]:
+    """(first row, batch of `columns`) for a task's rows, at most READ_ROWS rows a batch. A part
+    that fails to decode raises ColumnarError naming the file, the row group or batch and its
+    rows; with `skip_bad` it is yielded in the batch's place (its `rows`: how many were lost)
+    and reading goes on with the next row group."""
+    row = task.first_line or 0
+    with _opened(task.url, storage_options) as f:
+        if task.format == "parquet":
+            pf = _parquet(f, task.url)
+            for group in task.row_groups:
+                n = pf.metadata.row_group(group).num_rows
+                start = row
+                try:
+                    for batch in pf.iter_batches(
+                        batch_size=READ_ROWS,
+                        row_groups=[group],
+                        columns=list(columns),
+                        use_threads=False,
+                    ):
+                        yield row, batch
+                        row += batch.num_rows
+                except (pa.ArrowException, OSError) as exc:
+                    error = ColumnarError(
+                        f"{task.url}: row group {group} (rows {start}-{start + n - 1}) cannot "
+                        f"be decoded: {_reason(exc)}"
+                    )
+                    if not skip_bad:
+                        raise error from None
+                    error.rows = start + n - row
+                    yield row, error
+                    row = start + n
+            return
+        first, stop = task.batches
+        try:
+            for number, batch in enumerate(_batches(_arrow(f, task.url))):
+                if stop and number >= stop:
+                    break
+                if number < first:
+                    continue
+                batch = batch.select(list(columns))
+                for begin in range(0, batch.num_rows, READ_ROWS):
+                    piece = batch.slice(begin, READ_ROWS)
+                    yield row, piece
+                    row += piece.num_rows
+        except (pa.ArrowException, OSError) as exc:
+            error = ColumnarError(
+                f"{task.url}: the record batches from row {row} on cannot be read: "
+                f"{_reason(exc)} (a truncated file?)"
+            )
+            if not skip_bad:
+                raise error from None
+            error.rows = 1  # a broken stream has no row count past the break
+            yield row, error
+
+
+def field_type(schema: pa.Schema, path: str) -> pa.DataType | None:
+    """The type at a dotted path through struct columns, or None if there is none."""
+    kind: Any = schema
+    for part in path.split("."):
+        if isinstance(kind, pa.Schema):
+            found = kind.get_field_index(part)
+            kind = kind.field(found).type if found >= 0 else None
+        elif isinstance(kind, pa.StructType):
+            found = kind.get_field_index(part)
+            kind = kind.field(found).type if found >= 0 else None
+        else:
+            kind = None
+        if kind is None:
+            return None
+    return kind
+
+
+def check_text_field(schema: pa.Schema, field: str, url: str) -> None:
+    """The text column exists and holds strings, before any row is read."""
+    kind = field_type(schema, field)
+    if kind is None:
+        raise ColumnarError(
+            f"{url}: no column {field!r} (columns: {', '.join(schema.names)}); pass --field "
+            "with the text column (a dotted path for a struct field)"
+        )
+    if kind not in _STRINGS and not str(kind).startswith("string_view"):
+        raise ColumnarError(
+            f"{url}: column {field!r} is {kind}, not a string; pass --field with the text column"
+        )
+
+
+def column_values(batch: pa.RecordBatch, path: str) -> list[Any]:
+    """A (possibly dotted) column's values as Python objects."""
+    top, *rest = path.split(".")
+    array: Any = batch.column(batch.schema.get_field_index(top))
+    for part in rest:
+        array = array.field(part)
+    return array.to_pylist()

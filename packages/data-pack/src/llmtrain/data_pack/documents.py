@@ -1,0 +1,242 @@
+"""From a task to its documents, whatever the input format: the text of each record that passes
+the `--where` filter, where it came from (file, line or row, id), and the counts of what was
+dropped, empty, blank or bad. Runs in the pack's worker processes, and in one process for
+training tokenizers and for the fast encoder's sample.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from llmtrain.data_pack.filters import RecordMismatch, Where
+from llmtrain.data_pack.sources import (
+    InputError,
+    LineNumbers,
+    Source,
+    Task,
+    field_getter,
+    location,
+    parse_record,
+    plan_tasks,
+    read_range,
+    read_text_file,
+    text_of,
+)
+
+
+@attrs.frozen
+class Selection:
+    """What to take from each record (picklable: it travels with every task)."""
+
+    field: str = "text"
+    where: tuple[str, ...] = ()
+    id_field: str = "id"
+    stop_on_bad: bool = True
+
+
+@functools.lru_cache(maxsize=8)
+def _where(expressions: tuple[str, ...]) -> Where:
+    return Where.parse(expressions)
+
+
+@attrs.define
+class Documents:
+    """A task's documents, in input order. Numbers are relative to the task's first line or row
+    (`LineNumbers` makes them absolute); `bad` holds (relative number, reason)."""
+
+    texts: list[str] = attrs.Factory(list)
+    numbers: list[int] = attrs.Factory(list)
+    sources: list[int] = attrs.Factory(list)
+    ids: list[str] = attrs.Factory(list)
+    bad: list[tuple[int, str]] = attrs.Factory(list)
+    dropped: dict[int, int] = attrs.Factory(dict)  # source -> records the filter dropped
+    lost_rows: int = 0  # rows of undecodable parts beyond their one entry in `bad`
+    empty: int = 0
+    blank: int = 0
+    n_lines: int = 0
+    text_bytes: int = 0
+
+    def add(self, text: str, number: int, source: int, record_id: str) -> None:
+        if not text:
+            self.empty += 1
+            return
+        self.texts.append(text)
+        self.numbers.append(number)
+        self.sources.append(source)
+        self.ids.append(record_id)
+
+    def drop(self, source: int) -> None:
+        self.dropped[source] = self.dropped.get(source, 0) + 1
+
+
+def _id_of(record: Any, id_field: str) -> str:
+    value = record.get(id_field) if isinstance(record, dict) else None
+    return "" if value is None else str(value)
+
+
+def read_documents(
+    task: Task,
+    selection: Selection,
+    storage_options: dict | None = None,
+    *,
+    limit_rows: int | None = None,
+) -> Documents:
+    """The documents of one task (at most `limit_rows` records of a columnar one). With
+    `stop_on_bad`, reading stops at the first bad record (the caller reports it)."""
+    if task.format in ("parquet", "arrow"):
+        return _columnar(task, selection, storage_options, limit_rows)
+    if task.format == "text":
+        return _text_files(task, storage_options)
+    data = read_range(task, storage_options)
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    docs = Documents(n_lines=len(lines), text_bytes=len(data))
+    if task.format == "text-lines":
+        _text_lines(docs, task, lines, selection)
+    else:
+        _jsonl(docs, task, lines, selection)
+    return docs
+
+
+def _jsonl(docs: Documents, task: Task, lines: list[bytes], selection: Selection) -> None:
+    get = field_getter(selection.field)
+    where = _where(selection.where) if selection.where else None
+    for number, line in enumerate(lines):
+        if not line.strip():
+            docs.blank += 1
+            continue
+        record, why = parse_record(line)
+        if why is None and where is not None:
+            try:
+                if not where.keep(record):
+                    docs.drop(task.source)
+                    continue
+            except RecordMismatch as exc:
+                why = str(exc.args[0])
+        text = None
+        if why is None:
+            text, why = text_of(record, get, line)
+        if why is not None:
+            docs.bad.append((number, why))
+            if selection.stop_on_bad:
+                return
+            continue
+        docs.add(text, number, task.source, _id_of(record, selection.id_field))
+
+
+def _text_lines(docs: Documents, task: Task, lines: list[bytes], selection: Selection) -> None:
+    for number, line in enumerate(lines):
+        if not line.strip():
+            docs.blank += 1
+            continue
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            docs.bad.append((number, f"invalid UTF-8 at byte {exc.start}"))
+            if selection.stop_on_bad:
+                return
+            continue
+        docs.add(text, number, task.source, "")
+
+
+def _text_files(task: Task, storage_options: dict | None) -> Documents:
+    """Whole files, each one document. Invalid UTF-8 makes the file bad (relative number 0 of
+    a one-file task; the parent names the file)."""
+    docs = Documents()
+    for source, url in task.members:
+        data = read_text_file(url, storage_options)
+        docs.text_bytes += len(data)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"{url}: invalid UTF-8 at byte {exc.start}; plain text inputs must be UTF-8"
+            ) from None
+        docs.add(text, 0, source, "")
+    return docs
+
+
+def _columnar(
+    task: Task, selection: Selection, storage_options: dict | None, limit_rows: int | None
+) -> Documents:
+    from llmtrain.data_pack.columnar import (
+        ColumnarError,
+        check_text_field,
+        column_values,
+        read_batches,
+        schema_of,
+    )
+
+    where = _where(selection.where) if selection.where else None
+    source = Source(task.url, 0, None, task.format)
+    schema = schema_of(source, storage_options)
+    check_text_field(schema, selection.field, task.url)
+    if where is not None:
+        where.check_columns(schema.names, task.url)
+    id_field = selection.id_field if selection.id_field in schema.names else None
+    wanted = [selection.field.split(".")[0], *(where.columns if where else ()), id_field]
+    columns = list(dict.fromkeys(c for c in wanted if c is not None))
+    first = task.first_line or 0
+    docs = Documents()
+    skip_bad = not selection.stop_on_bad
+    for row, batch in read_batches(task, columns, storage_options, skip_bad=skip_bad):
+        if isinstance(batch, ColumnarError):  # skipped: its rows are bad, the others stay
+            docs.bad.append((row - first, str(batch)))
+            docs.lost_rows += max(0, batch.rows - 1)
+            docs.n_lines += batch.rows
+            continue
+        texts = column_values(batch, selection.field)
+        ids = column_values(batch, id_field) if id_field else [None] * len(texts)
+        records = _records(batch, where) if where is not None else None
+        docs.n_lines += len(texts)
+        for i, text in enumerate(texts):
+            number = row + i - first
+            if records is not None:
+                try:
+                    if not where.keep(records[i]):
+                        docs.drop(task.source)
+                        continue
+                except RecordMismatch as exc:
+                    docs.bad.append((number, str(exc.args[0])))
+                    if selection.stop_on_bad:
+                        return docs
+                    continue
+            if text is None:
+                docs.bad.append((number, f"column {selection.field!r} is null"))
+                if selection.stop_on_bad:
+                    return docs
+                continue
+            docs.text_bytes += len(text)
+            docs.add(text, number, task.source, "" if ids[i] is None else str(ids[i]))
+        if limit_rows is not None and docs.n_lines >= limit_rows:
+            break
+    return docs
+
+
+def _records(batch: Any, where: Where) -> list[dict[str, Any]]:
+    """The filter's columns of each row, as dicts (struct columns become nested dicts)."""
+    names = where.columns
+    values = [batch.column(batch.schema.get_field_index(n)).to_pylist() for n in names]
+    return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
+
+
+def iter_texts(
+    sources: Sequence[Source], field: str, storage_options: dict | None = None
+) -> Iterator[str]:
+    """Every non-empty document of the inputs in order (one process; for training tokenizers).
+    A bad record stops with where it is, as `pack` does by default."""
+    selection = Selection(field)
+    numbers = LineNumbers()
+    for task in plan_tasks(sources, 16 << 20, storage_options):
+        docs = read_documents(task, selection, storage_options)
+        first = numbers.first(task, docs.n_lines)
+        if docs.bad:
+            relative, why = docs.bad[0]
+            unit = sources[task.source].unit
+            raise InputError(f"{location(task.url, unit, first + relative)}: {why}")
+        yield from docs.texts
