@@ -33,7 +33,7 @@ TEST_SIBLINGS = {"downstream": ["data-pack", "models"]}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
 EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot]"}
 TEST_GROUPS = {
-    "data-pack": ["object-store"],
+    "data-pack": ["object-store", "formats"],
     "checkpoint": ["object-store"],
     "train-loop": ["object-store"],
 }

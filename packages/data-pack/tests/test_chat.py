@@ -399,7 +399,7 @@ def test_special_tokens_missing_from_the_tokenizer(tmp_path, run_cli):
 def test_encoder_follows_the_tokenizer_of_each_pack(tmp_path, monkeypatch):
     """Two packs in one process (workers=1) with the same template and different tokenizers:
     each must use its own tokenizer's ids."""
-    import llmtrain.data_pack.pack as pack_module
+    import llmtrain.data_pack.pack_worker as pack_module
 
     monkeypatch.setattr(pack_module, "_worker", {})  # what this test caches stays here
     data = tmp_path / "chat.jsonl"

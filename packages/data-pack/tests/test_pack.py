@@ -83,6 +83,24 @@ def test_round_trip_bytes(tmp_path, write_jsonl, texts):
         ds.document(300)
 
 
+def test_fast_encoder_that_differs_is_not_used(tmp_path, write_jsonl, texts, tokenizer_json):
+    """The workers start with the fast encoder while the sample check runs; when the check finds
+    other ids, nothing they made is written and the pack starts over with the reference."""
+    data = write_jsonl("corpus.jsonl", texts)
+    reference = pack([str(data)], str(tmp_path / "ref"), _hf(tokenizer_json, fast="off"), workers=1)
+    real = HFTokenizer._fast_arrays
+
+    def off_by_one(self, batch):  # a fast encoder that is wrong on every text
+        return [ids + 1 for ids in real(self, batch)]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(HFTokenizer, "_fast_arrays", off_by_one)
+        summary = pack([str(data)], str(tmp_path / "auto"), _hf(tokenizer_json), workers=1)
+    assert summary.encoder == "reference"
+    assert (summary.documents, summary.tokens) == (reference.documents, reference.tokens)
+    _same_dataset(PackedDataset(str(tmp_path / "auto")), PackedDataset(str(tmp_path / "ref")))
+
+
 def test_round_trip_hf(tmp_path, write_jsonl, texts, tokenizer_json):
     data = write_jsonl("corpus.jsonl", texts)
     fast = pack([str(data)], str(tmp_path / "fast"), _hf(tokenizer_json), workers=1)

@@ -12,12 +12,12 @@ under a temporary name → tokenize tasks in spawn-started workers, consuming re
 from __future__ import annotations
 
 import collections
-import itertools
 import multiprocessing
 import os
+import pickle
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
 
@@ -27,27 +27,23 @@ import structlog
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
-from llmtrain.data_pack.chat import (
-    BlockPacker,
-    ChatSettings,
-    ChatTemplate,
-    Encoder,
-    RenderError,
-    messages_of,
-    pieces,
-    tokenize_conversations,
-)
-from llmtrain.data_pack.documents import Selection, read_documents
+from llmtrain.data_pack.chat import BlockPacker, ChatSettings, ChatTemplate
+from llmtrain.data_pack.documents import read_documents
 from llmtrain.data_pack.filters import Where
+from llmtrain.data_pack.pack_worker import (
+    PackError,
+    PackSettings,
+    TaskResult,
+    init_worker,
+    tokenize_task,
+)
 from llmtrain.data_pack.sources import (
     LineNumbers,
     Source,
     Task,
     expand_inputs,
     location,
-    parse_record,
     plan_tasks,
-    read_range,
 )
 from llmtrain.data_pack.store import (
     DEFAULT_COMPRESSION,
@@ -66,48 +62,6 @@ log = structlog.get_logger("llmtrain.data_pack")
 MAX_RECORDED_BAD_LINES = 100
 FAST_SAMPLE_BYTES = 1 << 20
 MAX_SPLIT_BYTES = 16 << 20
-
-
-class PackError(UserError):
-    """A pack that cannot finish: bad input in `error` mode, or a worker process that died."""
-
-
-@attrs.frozen
-class PackSettings:
-    field: str = "text"
-    on_bad_line: Literal["error", "skip"] = "error"
-    batch_docs: int = 512
-    dtype: str = "uint16"
-    vocab_size: int = 0
-    chat: ChatSettings | None = None
-    eod_id: int = 0
-    where: tuple[str, ...] = ()
-    id_field: str = "id"
-
-    @property
-    def selection(self) -> Selection:
-        return Selection(self.field, self.where, self.id_field, self.on_bad_line == "error")
-
-
-@attrs.frozen
-class TaskResult:
-    index: int
-    tokens: np.ndarray
-    doc_lengths: np.ndarray
-    n_lines: int
-    bad: list[tuple[int, str]]
-    empty_documents: int
-    blank_lines: int
-    input_bytes: int
-    text_bytes: int
-    mask: np.ndarray | None = None  # chat: the loss mask of `tokens`
-    too_long: int = 0  # chat: conversations skipped or truncated for length
-    # text: each document's input file and line or row (relative to the task's first), id
-    doc_sources: np.ndarray | None = None
-    doc_numbers: np.ndarray | None = None
-    doc_ids: list[str] | None = None
-    dropped: dict[int, int] = attrs.Factory(dict)  # input file -> records the filter dropped
-    lost_rows: int = 0  # bad rows beyond those listed in `bad` (undecodable row groups)
 
 
 @attrs.frozen
@@ -136,154 +90,6 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
-# -- the worker side ------------------------------------------------------------------------------
-
-_worker: dict[str, Any] = {}
-
-
-def _init_worker(tokenizer_raw: dict, storage_options: dict) -> None:
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
-    _worker.clear()  # one pack's state (a chat encoder) must not reach the next in this process
-    _worker["tokenizer"] = tokenizer_from_raw(tokenizer_raw)
-    _worker["storage_options"] = storage_options
-
-
-def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
-    """Read a task's documents and tokenize them (each ended by eod)."""
-    tokenizer = _worker["tokenizer"]
-    if settings.chat is not None:
-        data = read_range(task, _worker["storage_options"])
-        lines = data.split(b"\n")
-        if lines and not lines[-1]:
-            lines.pop()
-        return _chat_task(task, settings, lines, len(data))
-    docs = read_documents(task, settings.selection, _worker["storage_options"])
-    texts = [] if docs.bad and settings.on_bad_line == "error" else docs.texts
-    dtype = np.dtype(settings.dtype)
-    pieces, lengths = [], []
-    for begin in range(0, len(texts), settings.batch_docs):
-        batch = texts[begin : begin + settings.batch_docs]
-        encode = getattr(tokenizer, "encode_batch_arrays", None) or tokenizer.encode_batch
-        tokens, doc_lengths = _with_eod(encode(batch), tokenizer.eod_id, dtype, settings.vocab_size)
-        pieces.append(tokens)
-        lengths.append(doc_lengths)
-    kept = len(texts)
-    return TaskResult(
-        index=task.index,
-        tokens=np.concatenate(pieces) if pieces else np.empty(0, dtype),
-        doc_lengths=np.concatenate(lengths) if lengths else np.empty(0, np.int64),
-        n_lines=docs.n_lines,
-        bad=docs.bad,
-        empty_documents=docs.empty,
-        blank_lines=docs.blank,
-        input_bytes=task.input_bytes,
-        text_bytes=docs.text_bytes,
-        doc_sources=np.asarray(docs.sources[:kept], np.uint32),
-        doc_numbers=np.asarray(docs.numbers[:kept], np.int64),
-        doc_ids=docs.ids[:kept],
-        dropped=docs.dropped,
-        lost_rows=docs.lost_rows,
-    )
-
-
-def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int) -> TaskResult:
-    """Conversations to tokens and loss masks, each fitted to the sequence length."""
-    chat = settings.chat
-    tokenizer = _worker["tokenizer"]
-    template = ChatTemplate.from_meta(chat.template)
-    key = ("encoder", template.source)
-    if key not in _worker:
-        _worker[key] = Encoder(tokenizer, template)
-    stop_on_bad = settings.on_bad_line == "error"
-    rendered, numbers = [], []
-    bad: list[tuple[int, str]] = []
-    blank = 0
-    for number, line in enumerate(lines):
-        if not line.strip():
-            blank += 1
-            continue
-        record, why = parse_record(line)
-        if why is None:
-            try:
-                rendered.append(pieces(template, messages_of(record, chat), chat.train_roles))
-                numbers.append(number)
-            except RenderError as exc:
-                why = str(exc)
-        if why is not None:
-            bad.append((number, why))
-            if stop_on_bad:
-                break  # the conversations before it are still checked for length (below)
-    tokens, masks = [], []
-    too_long = 0
-    for number, (ids, mask) in zip(
-        numbers, tokenize_conversations(rendered, _worker[key], tokenizer.eod_id), strict=True
-    ):
-        if len(ids) > chat.seq_len:
-            if chat.too_long == "error":
-                bad.append(
-                    (
-                        number,
-                        f"{len(ids)} tokens (with its eod), longer than the sequence length "
-                        f"{chat.seq_len}; pass --too-long skip or truncate to fit such "
-                        "conversations, or a larger --seq-len",
-                    )
-                )
-                break
-            too_long += 1
-            if chat.too_long == "skip":
-                continue
-            ids, mask = ids[: chat.seq_len].copy(), mask[: chat.seq_len].copy()
-            ids[-1], mask[-1] = tokenizer.eod_id, False
-            if not mask.any():
-                continue  # nothing left to learn from
-        tokens.append(ids)
-        masks.append(mask)
-    bad.sort()  # the parent reports the first problem of the file, whatever its kind
-    dtype = np.dtype(settings.dtype)
-    flat = np.concatenate(tokens) if tokens else np.empty(0, np.int64)
-    if len(flat) and (int(flat.max()) >= settings.vocab_size or int(flat.min()) < 0):
-        raise PackError(
-            f"the tokenizer produced id {int(flat.max())}, outside its vocab of "
-            f"{settings.vocab_size}"
-        )
-    return TaskResult(
-        index=task.index,
-        tokens=flat.astype(dtype),
-        doc_lengths=np.asarray([len(t) for t in tokens], np.int64),
-        n_lines=len(lines),
-        bad=bad,
-        empty_documents=0,
-        blank_lines=blank,
-        input_bytes=task.input_bytes,
-        text_bytes=size,
-        mask=np.concatenate(masks) if masks else np.empty(0, bool),
-        too_long=too_long,
-    )
-
-
-def _with_eod(
-    ids: Sequence[Sequence[int]] | Sequence[np.ndarray], eod: int, dtype: np.dtype, vocab_size: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Flatten a batch of id lists (or arrays) into one array with eod after every document."""
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
-    total = int(lengths.sum()) - len(ids)
-    if ids and isinstance(ids[0], np.ndarray):
-        flat = np.concatenate(ids) if total else np.empty(0, np.int64)
-    else:
-        flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)
-    if len(flat) and (int(flat.max()) >= vocab_size or int(flat.min()) < 0):
-        raise PackError(
-            f"the tokenizer produced id {int(flat.max())}, outside its vocab of {vocab_size}"
-        )
-    out = np.empty(total + len(ids), dtype=dtype)
-    ends = np.cumsum(lengths) - 1
-    keep = np.ones(len(out), dtype=bool)
-    keep[ends] = False
-    out[keep] = flat
-    out[ends] = eod
-    return out, lengths
-
-
 # -- the parent side ------------------------------------------------------------------------------
 
 
@@ -291,20 +97,21 @@ def _run_tasks(
     tasks: Iterable[Task],
     settings: PackSettings,
     workers: int,
-    tokenizer_raw: dict,
+    tokenizer: Any,
     storage_options: dict,
 ) -> Iterator[TaskResult]:
-    """Results in task order. One worker runs in this process; more are spawn-started processes."""
+    """Results in task order. One worker runs in this process; more are spawn-started processes,
+    given the tokenizer object itself when it pickles (else its spec)."""
     if workers <= 1:
-        _init_worker(tokenizer_raw, storage_options)
+        init_worker(tokenizer, storage_options)
         for task in tasks:
             yield tokenize_task(task, settings)
         return
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(tokenizer_raw, storage_options),
+        initializer=init_worker,
+        initargs=(tokenizer, storage_options),
     )
     pending: collections.deque = collections.deque()
     task = None
@@ -352,25 +159,72 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         process.join(timeout=10)
 
 
+@attrs.define
+class _Encoder:
+    """Which encoder the workers run (`for_workers`: the tokenizer or its spec), and the check of
+    the fast one that may still be running in a thread of this process."""
+
+    name: str  # fast or reference
+    for_workers: Any
+    check: Future | None = None
+
+    def settle(self) -> None:
+        """Wait for the check; raise _FastDiffers if the fast encoder failed it. Called before
+        anything is written, so a failed check costs only the work done so far."""
+        if self.check is None:
+            return
+        differs, checked = self.check.result()
+        self.check = None
+        if differs is not None:
+            raise _FastDiffers(differs)
+        log.info("pack.fast_encoder", checked_documents=checked)
+
+
+class _FastDiffers(Exception):
+    """The fast encoder gave other ids than the reference on the sample (args[0]: which text)."""
+
+
 def _choose_encoder(
     tokenizer: Any,
     raw: dict,
     sources: Sequence[Source],
     settings: PackSettings,
     storage_options: dict,
-) -> tuple[dict, str]:
-    """Use the fast BPE path only if it gives the reference ids on a sample of every input."""
+) -> _Encoder:
+    """Use the fast BPE path only if it gives the reference ids on a sample of every input. The
+    workers start with it at once while a thread here checks it on the sample: the check costs no
+    time of its own, and nothing is written until it passes (else the pack starts over with the
+    reference encoder)."""
     if not getattr(tokenizer, "fast", False) or raw.get("fast") == "off" or settings.chat:
-        return raw, "reference"
+        return _Encoder("reference", _portable(tokenizer, raw))
     if raw.get("fast") == "on":
-        return raw, "fast"
-    texts = _sample_texts(sources, settings, storage_options)
-    differs = tokenizer.verify_fast(texts)
-    if differs is None:
-        log.info("pack.fast_encoder", checked_documents=len(texts))
-        return {**raw, "fast": "on"}, "fast"
-    log.warning("pack.fast_encoder_differs", document=differs, using="reference")
-    return {**raw, "fast": "off"}, "reference"
+        return _Encoder("fast", _portable(tokenizer, raw))
+
+    def check() -> tuple[int | None, int]:
+        texts = _sample_texts(sources, settings, storage_options)
+        return tokenizer.first_fast_difference(texts), len(texts)
+
+    checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fast-check")
+    future = checker.submit(check)
+    checker.shutdown(wait=False)
+    return _Encoder("fast", _portable(tokenizer.with_fast(True), {**raw, "fast": "on"}), future)
+
+
+def _settled_first(results: Iterator[TaskResult], encoder: _Encoder) -> Iterator[TaskResult]:
+    """The results, each only once the fast encoder's check has passed (nothing is written
+    before). A failure of the work before then is what the fast encoder did if the check fails:
+    the check's verdict comes first."""
+    try:
+        for result in results:
+            encoder.settle()
+            yield result
+    except Exception:
+        encoder.settle()
+        raise
+
+
+def _reference_encoder(tokenizer: Any, raw: dict) -> _Encoder:
+    return _Encoder("reference", _portable(tokenizer.with_fast(False), {**raw, "fast": "off"}))
 
 
 def _sample_texts(
@@ -467,7 +321,7 @@ def pack(
             f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
         )
     compressors(compression)  # a bad spelling is an error before any work
-    raw, encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
+    encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
     out = Output(output, overwrite=overwrite, storage_options=storage_options)
     log.info(
         "pack.start",
@@ -475,7 +329,7 @@ def pack(
         bytes=total_bytes,
         workers=workers,
         tokenizer=tok.name,
-        encoder=encoder,
+        encoder=encoder.name,
         output=output,
     )
     bar = _progress_bar(total_bytes, progress)
@@ -489,9 +343,17 @@ def pack(
             loss_mask=chat is not None,
             origins=chat is None,
         )
-        counts = _write(
-            out, sources, settings, workers, raw, storage_options, writer, split_bytes, bar
-        )
+        try:
+            counts = _write(
+                sources, settings, workers, encoder, storage_options, writer, split_bytes, bar
+            )
+        except _FastDiffers as differs:
+            log.warning("pack.fast_encoder_differs", document=differs.args[0], using="reference")
+            encoder = _reference_encoder(tok, raw)
+            bar.reset()
+            counts = _write(
+                sources, settings, workers, encoder, storage_options, writer, split_bytes, bar
+            )
         extra = {}
         if chat is not None:
             extra["chat"] = chat.to_meta()
@@ -540,7 +402,7 @@ def pack(
         c["blank_lines"],
         total_bytes,
         time.perf_counter() - started,
-        encoder,
+        encoder.name,
         c.get("dropped", 0),
     )
     log.info(
@@ -553,6 +415,16 @@ def pack(
         tokens_per_s=round(summary.tokens_per_second),
     )
     return summary
+
+
+def _portable(tokenizer: Any, raw: dict) -> Any:
+    """What the workers get: the tokenizer itself if it pickles (built and verified once, here),
+    else its spec (each worker builds it through the plugins)."""
+    try:
+        pickle.dumps(tokenizer)
+    except (pickle.PicklingError, TypeError, AttributeError):  # a plugin's need not pickle
+        return raw
+    return tokenizer
 
 
 def _check_formats(sources: Sequence[Source], settings: PackSettings) -> None:
@@ -585,11 +457,10 @@ def _progress_bar(total: int, enabled: bool):
 
 
 def _write(
-    out: Output,
     sources: Sequence[Source],
     settings: PackSettings,
     workers: int,
-    raw: dict,
+    encoder: _Encoder,
     storage_options: dict,
     writer: DatasetWriter,
     split_bytes: int,
@@ -636,7 +507,8 @@ def _write(
             yield task
 
     plan = plan_tasks(sources, split_bytes, storage_options, skip_bad=skip, bad_files=bad_files)
-    for result in _run_tasks(remember(plan), settings, workers, raw, storage_options):
+    results = _run_tasks(remember(plan), settings, workers, encoder.for_workers, storage_options)
+    for result in _settled_first(results, encoder):
         task = tasks_by_index.pop(result.index)
         first = numbers.first(task, result.n_lines)
         for relative, why in result.bad:
@@ -666,6 +538,7 @@ def _write(
                 tokens=writer.n_tokens,
                 bytes_done=done_bytes,
             )
+    encoder.settle()
     for source, why in bad_files:  # unreadable files after the last task
         per_file[source]["bad"] += 1
         bad(source, None, why)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -310,16 +311,27 @@ class HFTokenizer:
         """Compare both encoders on `texts`; enable the fast one if every id matches.
 
         Returns None when they match, else the index of the first text that differs."""
+        differs = self.first_fast_difference(texts)
+        self._fast_verified = differs is None
+        return differs
+
+    def first_fast_difference(self, texts: Sequence[str]) -> int | None:
+        """Compare both encoders on `texts`, changing nothing: None when every id matches, else
+        the index of the first text that differs (0 when there is no fast encoder)."""
         if self._fast is None:
             return 0
         fast = self.encode_batch_fast(texts)
         reference = self.encode_batch_hf(texts)
         for i, (a, b) in enumerate(zip(fast, reference, strict=True)):
             if a != b:
-                self._fast_verified = False
                 return i
-        self._fast_verified = True
         return None
+
+    def with_fast(self, on: bool) -> HFTokenizer:
+        """A copy that uses the fast encoder (trusted: the caller checks it) or the reference."""
+        twin = copy.copy(self)
+        twin._fast_verified = on and self._fast is not None
+        return twin
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._fast is not None and self._fast_verified:
