@@ -494,7 +494,7 @@ def test_inspect(tmp_path, run_cli, write_jsonl, corpus):
     assert code == 0
     assert f"  documents   51 ({ds.n_tokens / 51:,.1f} tokens each on average)" in stdout
     assert f"  tokens      {ds.n_tokens:,} (uint16, chunks of 512)" in stdout
-    assert "  skipped     1 empty documents, 0 bad lines, 0 blank lines" in stdout
+    assert "  skipped     1 empty documents, 0 bad records, 0 blank lines" in stdout
     assert f"  tokenizer   bytes (vocab 258, eod 256, fingerprint {ds.fingerprint})" in stdout
     assert f"  sources     1 file(s), {data.stat().st_size:,} bytes" in stdout
     assert f"256-511           1  {'#' * round(40 / max(buckets.values()))}" in stdout
@@ -689,3 +689,17 @@ def test_special_token_text_in_a_document_is_not_an_eod(
 def _files(sources: list[dict]) -> list[dict]:
     """The url and size of each source in a dataset's metadata."""
     return [{"url": s["url"], "bytes": s["bytes"]} for s in sources]
+
+
+def test_inspect_shows_the_filter_and_each_file(tmp_path, run_cli, write_jsonl):
+    first = write_jsonl("a.jsonl", [{"text": f"doc {i}", "score": i} for i in range(10)])
+    second = write_jsonl("b.jsonl", [{"text": f"doc {i}", "score": i % 3} for i in range(9)])
+    out = tmp_path / "ds"
+    summary = pack([str(first), str(second)], str(out), BYTES, workers=1, where=["score >= 2"])
+    assert (summary.documents, summary.dropped) == (8 + 3, 2 + 6)
+    code, stdout, _ = run_cli("data", "inspect", out, "--log-dir", tmp_path / "l")
+    assert code == 0
+    assert "  filter      score >= 2: 8 records dropped" in stdout
+    assert f"    {first}: 8 kept, 2 dropped, 0 bad" in stdout
+    assert f"    {second}: 3 kept, 6 dropped, 0 bad" in stdout
+    assert "(jsonl); provenance recorded" in stdout

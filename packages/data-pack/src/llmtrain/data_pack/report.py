@@ -10,6 +10,7 @@ import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.data_pack.sources import location
 from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 
@@ -63,6 +64,8 @@ def inspect_dataset(
         "sources": meta["sources"],
         "document_lengths": length_histogram(dataset),
         "bad_lines": meta.get("bad_lines", []),
+        "filter": meta.get("filter"),
+        "provenance": dataset.has_origins,
         "sample": {"start": start, "ids": ids.tolist(), "text": sample, "note": note},
         "created": meta.get("created"),
     }
@@ -95,12 +98,13 @@ def _text(r: dict[str, Any]) -> str:
         f"{r['path']}",
         f"  documents   {c['documents']:,} ({mean:,.1f} tokens each on average)",
         f"  tokens      {c['tokens']:,} ({r['dtype']}, chunks of {r['chunk_tokens']:,})",
-        f"  skipped     {c['empty_documents']:,} empty documents, {c['bad_lines']:,} bad lines, "
-        f"{c['blank_lines']:,} blank lines",
+        f"  skipped     {c['empty_documents']:,} empty documents, {c['bad_lines']:,} bad "
+        f"records, {c['blank_lines']:,} blank lines",
         f"  tokenizer   {t['name']} (vocab {t['vocab_size']:,}, eod {t['eod_id']}, "
         f"fingerprint {t['fingerprint']})",
         f"  sources     {len(r['sources'])} file(s), "
-        f"{sum(s['bytes'] for s in r['sources']):,} bytes",
+        f"{sum(s['bytes'] for s in r['sources']):,} bytes{_formats(r['sources'])}; "
+        f"provenance {'recorded' if r['provenance'] else 'not recorded'}",
         f"  created     {r['created']}",
         "  document lengths (tokens, with eod):",
     ]
@@ -118,8 +122,24 @@ def _text(r: dict[str, Any]) -> str:
             f"{c['padding_tokens']:,} padding ({c['padding_tokens'] / n:.1%}); "
             f"{c['too_long']:,} conversations too long ({chat['too_long']})",
         ]
+    if r["filter"]:
+        dropped = c.get("dropped", 0)
+        lines.append(
+            f"  filter      {' and '.join(r['filter']['where'])}: {dropped:,} records dropped"
+        )
+        for source in r["sources"][:20]:
+            lines.append(
+                f"    {source['url']}: {source.get('kept', 0):,} kept, "
+                f"{source.get('dropped', 0):,} dropped, {source.get('bad', 0):,} bad"
+            )
+        if len(r["sources"]) > 20:
+            lines.append(f"    ... and {len(r['sources']) - 20} more files (--json lists all)")
     for bad in r["bad_lines"][:10]:
-        lines.append(f"  bad line    {bad['file']}:{bad['line']}: {bad['reason']}")
+        where = bad["file"]
+        for unit in ("line", "row"):
+            if unit in bad:
+                where = location(bad["file"], unit, bad[unit])
+        lines.append(f"  bad record  {where}: {bad['reason']}")
     s = r["sample"]
     lines.append(f"  sample at token {s['start']:,}:")
     lines.append("    " + (repr(s["text"]) if s["text"] is not None else s["note"]))
@@ -127,3 +147,17 @@ def _text(r: dict[str, Any]) -> str:
         lines.append("  counted by the loss in the sample:")
         lines.extend(f"    {text!r}" for text in s["counted_text"])
     return "\n".join(lines)
+
+
+def _formats(sources: list[dict[str, Any]]) -> str:
+    """ "(jsonl)" or "(parquet 3, jsonl 1)": the input formats (datasets packed before formats
+    were recorded say nothing)."""
+    counts: dict[str, int] = {}
+    for source in sources:
+        if "format" in source:
+            counts[source["format"]] = counts.get(source["format"], 0) + 1
+    if not counts:
+        return ""
+    if len(counts) == 1:
+        return f" ({next(iter(counts))})"
+    return " (" + ", ".join(f"{kind} {n}" for kind, n in counts.items()) + ")"
