@@ -703,3 +703,25 @@ def test_inspect_shows_the_filter_and_each_file(tmp_path, run_cli, write_jsonl):
     assert f"    {first}: 8 kept, 2 dropped, 0 bad" in stdout
     assert f"    {second}: 3 kept, 6 dropped, 0 bad" in stdout
     assert "(jsonl); provenance recorded" in stdout
+
+
+def test_a_worker_imports_neither_zarr_nor_the_plugins(tokenizer_json):
+    """What a spawned worker imports to run a task, in a fresh interpreter: the worker side and
+    unpickling the tokenizer. zarr, logging and the plugins' modules stay out (they would make
+    every worker start slowly)."""
+    code = textwrap.dedent(
+        """
+        import pickle, sys
+        import llmtrain.data_pack.pack_worker
+        pickle.loads(sys.stdin.buffer.read())
+        heavy = ("zarr", "structlog", "rich", "torch", "jinja2", "llmtrain.train_loop")
+        print(sorted({m.split(".")[0] for m in sys.modules if m.startswith(heavy)}))
+        """
+    )
+    import pickle
+
+    tokenizer = pickle.dumps(HFTokenizer(HFOptions(str(tokenizer_json))))
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=tokenizer, capture_output=True, timeout=300, check=True
+    )
+    assert done.stdout.decode().strip() == "[]"
