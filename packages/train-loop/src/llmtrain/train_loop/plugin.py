@@ -1,5 +1,5 @@
 """train-loop's plugin (entry point `train_loop`): the run-level commands (`run`, `eval`,
-`generate`, `quickstart`, `config`, `sweep`, `estimate`), the optimizers, lr schedules,
+`generate`, `quickstart`, `config`, `sweep`, `estimate`, `which`), the optimizers, lr schedules,
 loggers and the `loss_spike` callback. Loading it imports no torch. The commands that read runs back (`compare`, `plot`,
 `profile`, `ranks`) are llmtrain-ablate's."""
 
@@ -29,6 +29,7 @@ from llmtrain.train_loop import (
     quickstart,
     schedules,
     sweep,
+    which,
 )
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
@@ -132,6 +133,14 @@ def llmtrain_commands(register):
             help="memory per rank for a config and world size, without allocating it",
             configure=estimate.configure,
             run=estimate.run,
+        ),
+    )
+    register(
+        "which",
+        Command(
+            help="the documents a step of a run trained on (dataset, file, line or row, id)",
+            configure=which.configure,
+            run=which.run,
         ),
     )
 
