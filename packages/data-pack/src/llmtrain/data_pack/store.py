@@ -357,6 +357,8 @@ class PackedDataset:
                 f"{self.url} records no provenance (packed before llmtrain recorded it, a chat "
                 "dataset, or a merge of such datasets); pack it again to have it"
             )
+        if not 0 <= begin <= end:
+            raise IndexError(f"documents [{begin}, {end}) of {self.n_documents}")
         end = min(end, self.n_documents)
         begin = min(begin, end)
         arrays = self._origins
