@@ -200,6 +200,19 @@ def cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
 
 
+def write_parquet(corpus: Path, out: Path, row_group_rows: int = 4096) -> None:
+    """The JSONL corpus as Parquet ({id, text}; row groups of `row_group_rows` documents, zstd as
+    the published corpora use), written a row group at a time."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("id", pa.int64()), ("text", pa.string())])
+    with pq.ParquetWriter(out, schema, compression="zstd") as writer, open(corpus, "rb") as f:
+        while lines := list(itertools.islice(f, row_group_rows)):
+            records = [json.loads(line) for line in lines]
+            writer.write_table(pa.Table.from_pylist(records, schema=schema))
+
+
 def run_pack(corpus: Path, out: Path, tokenizer: dict, procs: int, batch_docs: int):
     """(summary, seconds, CPU seconds of this process and the workers)."""
     from llmtrain.data_pack.pack import pack
@@ -330,6 +343,19 @@ def main() -> None:
     p.add_argument("--modalities-python", help="a Python with `modalities` (and transformers<5)")
     p.add_argument("--workdir", help="where the temporary files go (default: the system's)")
     p.add_argument("--quick", action="store_true", help="a ~10 MB smoke run, one round")
+    p.add_argument(
+        "--format",
+        choices=["jsonl", "parquet"],
+        default="jsonl",
+        help="what pack reads: the JSONL corpus, or the same documents as Parquet",
+    )
+    p.add_argument(
+        "--rss-gb",
+        type=float,
+        default=0.0,
+        help="also pack a Parquet corpus of this many GB (and one a tenth of it) with the CLI and "
+        "print the peak RSS of its processes: memory must not grow with the input",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.quick:
@@ -354,7 +380,7 @@ def fast_check_seconds(corpus: Path, tokenizer_path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def measure_ours(args, corpus: Path, tokenizer_path: Path, work: Path) -> dict:
+def measure_ours(args, corpus: Path, tokenizer_path: Path, work: Path, source: Path) -> dict:
     """Ceiling and pack for each backend, in interleaved rounds; medians of tokens/s and CPU s.
     The last round's packs stay in work/pack-hf and work/pack-fast."""
     specs = {
@@ -373,7 +399,7 @@ def measure_ours(args, corpus: Path, tokenizer_path: Path, work: Path) -> dict:
             tokens[f"ceiling {backend}"] = n
             out = work / f"pack-{backend}"
             shutil.rmtree(out, ignore_errors=True)
-            summary, wall, cpu = run_pack(corpus, out, specs[backend], args.procs, args.batch_docs)
+            summary, wall, cpu = run_pack(source, out, specs[backend], args.procs, args.batch_docs)
             rates.setdefault(f"pack {backend}", []).append(rate(summary.tokens, wall))
             cpus.setdefault(f"pack {backend}", []).append(cpu)
             tokens[f"pack {backend}"], encoders[backend] = summary.tokens, summary.encoder
@@ -405,8 +431,13 @@ def bench(args, work: Path) -> dict:
         f"{args.procs} processes, {args.batch_docs} documents per batch, {args.rounds} rounds; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
-    res: dict = {"corpus_mb": mb, "documents": n_docs, "procs": args.procs}
-    runs = res["runs"] = measure_ours(args, corpus, tokenizer_path, work)
+    source = corpus
+    if args.format == "parquet":
+        source = work / "corpus.parquet"
+        write_parquet(corpus, source)
+        print(f"pack reads the same documents as Parquet: {source.stat().st_size / 1e6:.1f} MB")
+    res: dict = {"corpus_mb": mb, "documents": n_docs, "procs": args.procs, "format": args.format}
+    runs = res["runs"] = measure_ours(args, corpus, tokenizer_path, work, source)
     res["fast_check_s"] = fast_check_seconds(corpus, tokenizer_path)
     ours = packed_tokens(work / "pack-fast")
     res["fast_vs_hf_ids"] = compare_ids(ours, packed_tokens(work / "pack-hf"))
@@ -428,7 +459,65 @@ def bench(args, work: Path) -> dict:
         r["seconds"] = r["tokens"] / r["tokens_per_s"]
     res["load_average_end"] = os.getloadavg()[0]
     report(res)
+    if args.rss_gb:
+        res["peak_rss"] = [
+            peak_rss(work, tokenizer_path, gb, args.procs) for gb in (args.rss_gb / 10, args.rss_gb)
+        ]
     return res
+
+
+def peak_rss(work: Path, tokenizer_path: Path, gb: float, procs: int) -> dict:
+    """Pack a Parquet corpus of `gb` GB with `llmtrain data pack` and sample the RSS of its
+    processes every 0.1 s: the largest single process and the whole tree."""
+    import psutil
+
+    jsonl, parquet, out = work / "rss.jsonl", work / "rss.parquet", work / "rss.zarr"
+    write_corpus(jsonl, int(gb * 1e9), seed=7)
+    write_parquet(jsonl, parquet)
+    jsonl.unlink()
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [
+        "llmtrain",
+        "data",
+        "pack",
+        str(parquet),
+        "-o",
+        str(out),
+        "--tokenizer",
+        f"hf:{tokenizer_path}",
+        "--workers",
+        str(procs),
+        "--no-progress",
+        "--log-dir",
+        str(work / "rss-logs"),
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    top, largest, tree = psutil.Process(proc.pid), 0, 0
+    while proc.poll() is None:
+        try:
+            rss = [p.memory_info().rss for p in [top, *top.children(recursive=True)]]
+        except psutil.Error:
+            rss = []
+        largest, tree = max(largest, *rss, 0), max(tree, sum(rss))
+        time.sleep(0.1)
+    output = proc.communicate()[0]
+    if proc.returncode:
+        raise SystemExit(f"the RSS pack failed:\n{output}")
+    row = {
+        "input_gb": parquet.stat().st_size / 1e9,
+        "seconds": time.perf_counter() - t0,
+        "largest_process_mb": largest / 1e6,
+        "all_processes_mb": tree / 1e6,
+    }
+    print(
+        f"peak RSS packing {row['input_gb']:.2f} GB of Parquet ({gb:g} GB as JSONL) in "
+        f"{row['seconds']:.0f}s: largest process {row['largest_process_mb']:.0f} MB, all "
+        f"{procs + 1} processes {row['all_processes_mb']:.0f} MB"
+    )
+    parquet.unlink()
+    shutil.rmtree(out, ignore_errors=True)
+    return row
 
 
 def report(res: dict) -> None:
@@ -478,8 +567,9 @@ def report(res: dict) -> None:
             "uses in all its processes (less sensitive than tokens/s to other load on the machine)"
         )
     print(
-        f"the default pack first checks the fast path against HF on a sample, in one process: "
-        f"{res['fast_check_s']:.2f}s of its {runs['pack fast']['seconds']:.2f}s"
+        f"the default pack checks the fast path against HF on a sample (in a thread, while the "
+        f"workers start): {res['fast_check_s']:.2f}s of CPU in its "
+        f"{runs['pack fast']['seconds']:.2f}s"
     )
     if "modalities_error" in res:
         print(f"modalities: NOT MEASURED: {res['modalities_error']}")
