@@ -681,3 +681,17 @@ def test_train_tokenizer_cli_errors(tmp_path, run_cli, write_jsonl):
     )
     assert code == 2
     assert "vocab size 200 is too small" in stderr
+
+
+@pytest.mark.parametrize("parse_special", [False, True])
+@pytest.mark.parametrize("fast", ["auto", "off", "on"])
+def test_hf_tokenizer_pickles_with_its_behaviour(tokenizer_json, texts, parse_special, fast):
+    """pack sends its workers the tokenizer pickled: the copy encodes exactly as the original,
+    special-token text and the fast path's state included."""
+    import pickle
+
+    tok = HFTokenizer(HFOptions(str(tokenizer_json), fast=fast, parse_special=parse_special))
+    docs = [*texts[:20], "a <|endoftext|> in the text", "<|endoftext|>"]
+    copy = pickle.loads(pickle.dumps(tok))
+    assert copy.encode_batch(docs) == tok.encode_batch(docs)
+    assert (copy.eod_id in copy.encode_batch(docs[-1:])[0]) == parse_special

@@ -101,7 +101,7 @@ def _run_tasks(
     storage_options: dict,
 ) -> Iterator[TaskResult]:
     """Results in task order. One worker runs in this process; more are spawn-started processes,
-    given the tokenizer object itself when it pickles (else its spec)."""
+    given the tokenizer pickled (else its spec)."""
     if workers <= 1:
         init_worker(tokenizer, storage_options)
         for task in tasks:
@@ -417,14 +417,15 @@ def pack(
     return summary
 
 
-def _portable(tokenizer: Any, raw: dict) -> Any:
-    """What the workers get: the tokenizer itself if it pickles (built and verified once, here),
-    else its spec (each worker builds it through the plugins)."""
+def _portable(tokenizer: Any, raw: dict) -> bytes | dict:
+    """What the workers get: the tokenizer pickled (built and checked once, here), or its spec
+    if it does not pickle (each worker builds it through the plugins). Pickled bytes rather than
+    the object: a process start blocks until the new process has read its arguments, so an object
+    would be unpickled by one worker after the other, bytes by all of them at once."""
     try:
-        pickle.dumps(tokenizer)
+        return pickle.dumps(tokenizer)
     except (pickle.PicklingError, TypeError, AttributeError):  # a plugin's need not pickle
         return raw
-    return tokenizer
 
 
 def _check_formats(sources: Sequence[Source], settings: PackSettings) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import pickle
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -73,15 +74,17 @@ class TaskResult:
 _worker: dict[str, Any] = {}
 
 
-def init_worker(tokenizer: Any, storage_options: dict) -> None:
-    """`tokenizer`: the parent's tokenizer object (pickled: nothing to rebuild or verify again),
-    or its spec as a dict when the object does not pickle (built here through the plugins)."""
+def init_worker(tokenizer: bytes | dict, storage_options: dict) -> None:
+    """`tokenizer`: the parent's tokenizer, pickled (nothing to rebuild or check again), or its
+    spec when it does not pickle (built here through the plugins)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
     _worker.clear()  # one pack's state (a chat encoder) must not reach the next in this process
     if isinstance(tokenizer, dict):
         from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 
         tokenizer = tokenizer_from_raw(tokenizer)
+    else:
+        tokenizer = pickle.loads(tokenizer)  # noqa: S301 (our own parent's bytes)
     _worker["tokenizer"] = tokenizer
     _worker["storage_options"] = storage_options
 

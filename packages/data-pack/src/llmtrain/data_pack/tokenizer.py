@@ -271,6 +271,12 @@ class HFTokenizer:
             if options.fast == "on" and self._fast is None:
                 raise TokenizerError(f"{options.path}: fast: on, but {why}")
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled (pack's workers get the parent's tokenizer pickled): tokenizers' own pickle
+        keeps the vocabulary but not the special-token switch, so it is set again."""
+        self.__dict__.update(state)
+        self._tok.encode_special_tokens = not self.options.parse_special
+
     def _find_eod(self, given: str | None) -> str:
         if given is not None:
             if self._tok.token_to_id(given) is None:
