@@ -28,6 +28,14 @@ class ColumnarError(InputError):
     """A Parquet or Arrow file that cannot be read, or whose columns do not fit the pack."""
 
     rows = 0  # rows an undecodable part held (what --skip-bad counts as bad)
+    reason = ""  # the message without the file's name and the advice (for a skipped file)
+
+
+def _unreadable(url: str, what: str, exc: BaseException, advice: str) -> ColumnarError:
+    reason = f"not a readable {what} file ({_reason(exc)})"
+    error = ColumnarError(f"{url}: {reason}; it may be truncated or corrupt: {advice}")
+    error.reason = reason
+    return error
 
 
 def _local(url: str) -> str | None:
@@ -49,13 +57,13 @@ def _opened(url: str, storage_options: dict | None) -> Iterator[Any]:
 
 
 def _parquet(f: Any, url: str) -> pq.ParquetFile:
+    """The file's reader; pages that carry a checksum are checked against it as they are read,
+    so flipped bits are an error rather than silently different text."""
     try:
-        return pq.ParquetFile(f)
+        return pq.ParquetFile(f, page_checksum_verification=True)
     except (pa.ArrowException, OSError) as exc:
-        raise ColumnarError(
-            f"{url}: not a readable Parquet file ({_reason(exc)}); it may be truncated or "
-            "corrupt: download it again, or pass --skip-bad to leave it out"
-        ) from None
+        advice = "download it again, or pass --skip-bad to leave it out"
+        raise _unreadable(url, "Parquet", exc, advice) from None
 
 
 def _arrow(f: Any, url: str) -> Any:
@@ -68,14 +76,13 @@ def _arrow(f: Any, url: str) -> Any:
         f.seek(0)
         return pa.ipc.open_stream(f)
     except (pa.ArrowException, OSError) as exc:
-        raise ColumnarError(
-            f"{url}: not a readable Arrow file ({_reason(exc)}); it may be truncated or "
-            "corrupt: write it again, or pass --skip-bad to leave it out"
-        ) from None
+        advice = "write it again, or pass --skip-bad to leave it out"
+        raise _unreadable(url, "Arrow", exc, advice) from None
 
 
 def _reason(exc: BaseException) -> str:
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
 
 
 def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
@@ -124,9 +131,10 @@ def plan_columnar(
             try:
                 sizes = [(b.num_rows, b.nbytes) for b in _batches(_arrow(f, source.url))]
             except (pa.ArrowException, OSError) as exc:
-                raise ColumnarError(
-                    f"{source.url}: cannot read its record batches ({_reason(exc)})"
-                ) from None
+                reason = f"cannot read its record batches ({_reason(exc)}; a truncated file?)"
+                error = ColumnarError(f"{source.url}: {reason}")
+                error.reason = reason
+                raise error from None
     total = sum(size for _, size in sizes) or 1
     row = group_start = 0
     while group_start < len(sizes):
@@ -154,12 +162,12 @@ def plan_columnar(
 
 
 def read_batches(
-    task: Task, columns: Sequence[str], storage_options: dict | None = None, *, skip_bad=False
+    task: Task, columns: Sequence[str], storage_options: dict | None = None
 ) -> Iterator[tuple[int, pa.RecordBatch | ColumnarError]]:
     """(first row, batch of `columns`) for a task's rows, at most READ_ROWS rows a batch. A part
-    that fails to decode raises ColumnarError naming the file, the row group or batch and its
-    rows; with `skip_bad` it is yielded in the batch's place (its `rows`: how many were lost)
-    and reading goes on with the next row group."""
+    that fails to decode comes as a ColumnarError in its batch's place, naming the row group or
+    batch, its rows and the column that fails (its `rows`: how many rows were lost); reading
+    goes on with the next row group, or stops for an Arrow stream, which has no way past it."""
     row = task.first_line or 0
     with _opened(task.url, storage_options) as f:
         if task.format == "parquet":
@@ -178,11 +186,9 @@ def read_batches(
                         row += batch.num_rows
                 except (pa.ArrowException, OSError) as exc:
                     error = ColumnarError(
-                        f"{task.url}: row group {group} (rows {start}-{start + n - 1}) cannot "
-                        f"be decoded: {_reason(exc)}"
+                        f"{_failing_columns(pf, group, columns)}row group {group} (rows "
+                        f"{start}-{start + n - 1}) cannot be decoded: {_reason(exc)}"
                     )
-                    if not skip_bad:
-                        raise error from None
                     error.rows = start + n - row
                     yield row, error
                     row = start + n
@@ -201,13 +207,28 @@ def read_batches(
                     row += piece.num_rows
         except (pa.ArrowException, OSError) as exc:
             error = ColumnarError(
-                f"{task.url}: the record batches from row {row} on cannot be read: "
-                f"{_reason(exc)} (a truncated file?)"
+                f"the record batches from row {row} on cannot be read: {_reason(exc)} "
+                "(a truncated file?)"
             )
-            if not skip_bad:
-                raise error from None
             error.rows = 1  # a broken stream has no row count past the break
             yield row, error
+
+
+def _failing_columns(pf: pq.ParquetFile, group: int, columns: Sequence[str]) -> str:
+    """A message's prefix naming the columns that fail to decode on their own ("column 'text'
+    of "); the row group is read again, one column at a time, only after it failed."""
+    failing = []
+    for column in columns:
+        try:
+            for _ in pf.iter_batches(
+                batch_size=READ_ROWS, row_groups=[group], columns=[column], use_threads=False
+            ):
+                pass
+        except (pa.ArrowException, OSError):
+            failing.append(repr(column))
+    if not failing:
+        return ""
+    return f"column{'s' if len(failing) > 1 else ''} {', '.join(failing)} of "
 
 
 def field_type(schema: pa.Schema, path: str) -> pa.DataType | None:
@@ -235,6 +256,8 @@ def check_text_field(schema: pa.Schema, field: str, url: str) -> None:
             f"{url}: no column {field!r} (columns: {', '.join(schema.names)}); pass --field "
             "with the text column (a dotted path for a struct field)"
         )
+    if pa.types.is_dictionary(kind):  # categorical strings (pandas writes them so)
+        kind = kind.value_type
     if kind not in _STRINGS and not str(kind).startswith("string_view"):
         raise ColumnarError(
             f"{url}: column {field!r} is {kind}, not a string; pass --field with the text column"
@@ -242,9 +265,12 @@ def check_text_field(schema: pa.Schema, field: str, url: str) -> None:
 
 
 def column_values(batch: pa.RecordBatch, path: str) -> list[Any]:
-    """A (possibly dotted) column's values as Python objects."""
+    """A (possibly dotted) column's values as Python objects; a row whose struct is null is
+    null (`StructArray.field` alone would show whatever its child holds there)."""
+    import pyarrow.compute as pc
+
     top, *rest = path.split(".")
     array: Any = batch.column(batch.schema.get_field_index(top))
-    for part in rest:
-        array = array.field(part)
+    if rest:
+        array = pc.struct_field(array, rest)
     return array.to_pylist()

@@ -12,7 +12,8 @@ from typing import Any
 
 import attrs
 
-from llmtrain.data_pack.filters import RecordMismatch, Where
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.filters import RecordMismatch, Where, quoted
 from llmtrain.data_pack.sources import (
     InputError,
     LineNumbers,
@@ -46,13 +47,15 @@ def _where(expressions: tuple[str, ...]) -> Where:
 @attrs.define
 class Documents:
     """A task's documents, in input order. Numbers are relative to the task's first line or row
-    (`LineNumbers` makes them absolute); `bad` holds (relative number, reason)."""
+    (`LineNumbers` makes them absolute); `bad` holds (relative number, reason), and
+    `bad_sources` the input file of each (a task of whole text files spans several)."""
 
     texts: list[str] = attrs.Factory(list)
     numbers: list[int] = attrs.Factory(list)
     sources: list[int] = attrs.Factory(list)
     ids: list[str] = attrs.Factory(list)
     bad: list[tuple[int, str]] = attrs.Factory(list)
+    bad_sources: list[int] = attrs.Factory(list)
     dropped: dict[int, int] = attrs.Factory(dict)  # source -> records the filter dropped
     lost_rows: int = 0  # rows of undecodable parts beyond their one entry in `bad`
     empty: int = 0
@@ -68,6 +71,10 @@ class Documents:
         self.numbers.append(number)
         self.sources.append(source)
         self.ids.append(record_id)
+
+    def fail(self, number: int, source: int, why: str) -> None:
+        self.bad.append((number, why))
+        self.bad_sources.append(source)
 
     def drop(self, source: int) -> None:
         self.dropped[source] = self.dropped.get(source, 0) + 1
@@ -90,7 +97,7 @@ def read_documents(
     if task.format in ("parquet", "arrow"):
         return _columnar(task, selection, storage_options, limit_rows)
     if task.format == "text":
-        return _text_files(task, storage_options)
+        return _text_files(task, selection, storage_options)
     data = read_range(task, storage_options)
     lines = data.split(b"\n")
     if lines and not lines[-1]:
@@ -122,7 +129,7 @@ def _jsonl(docs: Documents, task: Task, lines: list[bytes], selection: Selection
         if why is None:
             text, why = text_of(record, get, line)
         if why is not None:
-            docs.bad.append((number, why))
+            docs.fail(number, task.source, why)
             if selection.stop_on_bad:
                 return
             continue
@@ -131,22 +138,23 @@ def _jsonl(docs: Documents, task: Task, lines: list[bytes], selection: Selection
 
 def _text_lines(docs: Documents, task: Task, lines: list[bytes], selection: Selection) -> None:
     for number, line in enumerate(lines):
+        line = line.removesuffix(b"\r")  # a CRLF line ending is no part of the document
         if not line.strip():
             docs.blank += 1
             continue
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as exc:
-            docs.bad.append((number, f"invalid UTF-8 at byte {exc.start}"))
+            docs.fail(number, task.source, f"invalid UTF-8 at byte {exc.start}")
             if selection.stop_on_bad:
                 return
             continue
         docs.add(text, number, task.source, "")
 
 
-def _text_files(task: Task, storage_options: dict | None) -> Documents:
-    """Whole files, each one document. Invalid UTF-8 makes the file bad (relative number 0 of
-    a one-file task; the parent names the file)."""
+def _text_files(task: Task, selection: Selection, storage_options: dict | None) -> Documents:
+    """Whole files, each one document. A file that is not UTF-8 stops the pack, naming it, or
+    without `stop_on_bad` is bad (number 0, its own source in `bad_sources`)."""
     docs = Documents()
     for source, url in task.members:
         data = read_text_file(url, storage_options)
@@ -154,9 +162,13 @@ def _text_files(task: Task, storage_options: dict | None) -> Documents:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InputError(
-                f"{url}: invalid UTF-8 at byte {exc.start}; plain text inputs must be UTF-8"
-            ) from None
+            why = f"invalid UTF-8 at byte {exc.start}; plain text inputs must be UTF-8"
+            if selection.stop_on_bad:
+                raise InputError(
+                    f"{url}: {why}; pass --skip-bad to skip and count such files"
+                ) from None
+            docs.fail(0, source, why)
+            continue
         docs.add(text, 0, source, "")
     return docs
 
@@ -178,17 +190,19 @@ def _columnar(
     check_text_field(schema, selection.field, task.url)
     if where is not None:
         where.check_columns(schema.names, task.url)
+        _check_nested_fields(where, schema, task.url)
     id_field = selection.id_field if selection.id_field in schema.names else None
     wanted = [selection.field.split(".")[0], *(where.columns if where else ()), id_field]
     columns = list(dict.fromkeys(c for c in wanted if c is not None))
     first = task.first_line or 0
     docs = Documents()
-    skip_bad = not selection.stop_on_bad
-    for row, batch in read_batches(task, columns, storage_options, skip_bad=skip_bad):
-        if isinstance(batch, ColumnarError):  # skipped: its rows are bad, the others stay
-            docs.bad.append((row - first, str(batch)))
+    for row, batch in read_batches(task, columns, storage_options):
+        if isinstance(batch, ColumnarError):  # its rows are bad; with --skip-bad the rest stay
+            docs.fail(row - first, task.source, str(batch))
             docs.lost_rows += max(0, batch.rows - 1)
             docs.n_lines += batch.rows
+            if selection.stop_on_bad:
+                return docs
             continue
         texts = column_values(batch, selection.field)
         ids = column_values(batch, id_field) if id_field else [None] * len(texts)
@@ -202,12 +216,12 @@ def _columnar(
                         docs.drop(task.source)
                         continue
                 except RecordMismatch as exc:
-                    docs.bad.append((number, str(exc.args[0])))
+                    docs.fail(number, task.source, str(exc.args[0]))
                     if selection.stop_on_bad:
                         return docs
                     continue
             if text is None:
-                docs.bad.append((number, f"column {selection.field!r} is null"))
+                docs.fail(number, task.source, f"column {selection.field!r} is null")
                 if selection.stop_on_bad:
                     return docs
                 continue
@@ -216,6 +230,29 @@ def _columnar(
         if limit_rows is not None and docs.n_lines >= limit_rows:
             break
     return docs
+
+
+def _check_nested_fields(where: Where, schema: Any, url: str) -> None:
+    """A dotted filter field the schema cannot hold (a struct without that field, or a column
+    that is no struct) is refused before any row is read, as a missing column is."""
+    import pyarrow as pa
+
+    for text in where.expressions:
+        label = f"{url}: --where {quoted(text)} names field"
+        for field in _where((text,)).fields:
+            parts = field.split(".")
+            kind = schema.field(parts[0]).type
+            for depth, part in enumerate(parts[1:], start=1):
+                parent = ".".join(parts[:depth])
+                if not pa.types.is_struct(kind):
+                    raise UserError(f"{label} {field!r}, but {parent!r} is {kind}, not a struct")
+                found = kind.get_field_index(part)
+                if found < 0:
+                    names = ", ".join(kind.field(i).name for i in range(kind.num_fields))
+                    raise UserError(
+                        f"{label} {field!r}, which struct {parent!r} lacks (its fields: {names})"
+                    )
+                kind = kind.field(found).type
 
 
 def _records(batch: Any, where: Where) -> list[dict[str, Any]]:

@@ -137,14 +137,21 @@ def expand_inputs(
     seen: set[str] = set()
     for pattern in patterns:
         fs, path = url_to_fs(pattern, **(storage_options or {}))
-        matches = sorted(fs.glob(path)) if fs.glob and any(c in path for c in "*?[") else [path]
-        matches = [m for m in matches if not fs.isdir(m)] if len(matches) > 1 else matches
+        infos: dict[str, dict] = {}
+        matches = [path]
+        if fs.glob and any(c in path for c in "*?["):
+            # one listing gives every match's type and size (no request per match on S3)
+            infos = fs.glob(path, detail=True)
+            files = sorted(m for m, i in infos.items() if i.get("type") != "directory")
+            # a glob of directories (data/CC-MAIN-*) reads each; one that also matches files
+            # (data/**) reads the files, not their directories a second time
+            matches = files or sorted(infos)
         if not matches:
             raise InputError(f"{pattern}: no file matches")
         for match in matches:
             url = fs.unstrip_protocol(match) if "://" in pattern else match
             try:
-                info = fs.info(match)
+                info = infos.get(match) or fs.info(match)
             except FileNotFoundError:
                 raise InputError(f"{pattern}: no such file") from None
             if info.get("type") == "directory":
@@ -176,11 +183,7 @@ def _directory(fs: Any, path: str, url: str, input_format: str) -> list[Source]:
     if ARROW_STATE in names:
         return _arrow_dataset(fs, path, url)
     if "dataset_dict.json" in names:
-        splits = sorted(n for n in names if fs.isdir(posixpath.join(path, n)))
-        raise InputError(
-            f"{url}: a DatasetDict with splits {', '.join(splits)}; give one split's "
-            f"directory, e.g. {prefix}{splits[0] if splits else 'train'}"
-        )
+        _refuse_dataset_dict(fs, path, url)
     if any(n.endswith(".arrow") for n in names):
         raise InputError(
             f"{url}: .arrow files without the {ARROW_STATE} that datasets.save_to_disk writes "
@@ -188,9 +191,21 @@ def _directory(fs: Any, path: str, url: str, input_format: str) -> list[Source]:
             "files themselves"
         )
     found = []
-    for file, info in sorted(fs.find(path, detail=True).items()):
-        if _known_input(file) and not any(part.startswith(".") for part in file.split("/")):
-            relative = file[len(path.rstrip("/")) + 1 :]
+    listing = sorted(fs.find(path, detail=True).items())
+    # save_to_disk directories inside the tree are read as datasets (their own file order),
+    # never as loose .arrow files plus their .json bookkeeping read as JSONL
+    datasets = {posixpath.dirname(f) for f, _ in listing if posixpath.basename(f) == ARROW_STATE}
+    for file, info in listing:
+        relative = file[len(path.rstrip("/")) + 1 :]
+        folder = posixpath.dirname(file)
+        if posixpath.basename(file) == "dataset_dict.json":
+            _refuse_dataset_dict(fs, folder, prefix + posixpath.dirname(relative))
+        if any(folder == d or folder.startswith(d + "/") for d in datasets):
+            if posixpath.basename(file) == ARROW_STATE and folder in datasets:
+                found.extend(_arrow_dataset(fs, folder, prefix + posixpath.dirname(relative)))
+            continue
+        # hidden below the input, not above it (~/.cache/... is a fine place for data)
+        if _known_input(file) and not any(part.startswith(".") for part in relative.split("/")):
             found.append(_source(prefix + relative if "://" in url else file, info, input_format))
     if not found:
         raise InputError(
@@ -198,6 +213,16 @@ def _directory(fs: Any, path: str, url: str, input_format: str) -> list[Source]:
             "optionally .gz/.zst) below it"
         )
     return found
+
+
+def _refuse_dataset_dict(fs: Any, path: str, url: str) -> None:
+    """A DatasetDict's splits (train, test, ...) are never packed together unasked."""
+    names = [posixpath.basename(p) for p in fs.ls(path, detail=False)]
+    splits = sorted(n for n in names if fs.isdir(posixpath.join(path, n)))
+    raise InputError(
+        f"{url}: a DatasetDict with splits {', '.join(splits)}; give one split's directory, "
+        f"e.g. {url.rstrip('/')}/{splits[0] if splits else 'train'}"
+    )
 
 
 def _arrow_dataset(fs: Any, path: str, url: str) -> list[Source]:
@@ -251,7 +276,7 @@ def plan_tasks(
             except ColumnarError as exc:
                 if not skip_bad or bad_files is None:
                     raise
-                bad_files.append((number, str(exc)))
+                bad_files.append((number, exc.reason or str(exc)))
             continue
         yield from _line_tasks(source, number, chunk_bytes, index, storage_options)
     if text_files:
