@@ -447,6 +447,40 @@ def test_truncated_parquet_file(tmp_path, parquet_file):
     )
 
 
+def test_truncated_parquet_file_skipped_with_the_fast_encoder(
+    tmp_path, parquet_file, tokenizer_json
+):
+    """The fast encoder's sample check reads the start of each input: an unreadable one is left
+    to the pack, which skips and counts it."""
+    good, texts = parquet_file
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[:100])
+    out = tmp_path / "ds"
+    summary = pack(
+        [str(good), str(truncated)], str(out), _hf(tokenizer_json), workers=1, on_bad_line="skip"
+    )
+    assert (summary.documents, summary.bad_lines, summary.encoder) == (len(texts), 1, "fast")
+
+
+def test_bad_text_file_among_others_is_counted_against_itself(tmp_path):
+    folder = tmp_path / "books"
+    folder.mkdir()
+    for k in range(4):
+        (folder / f"{k}.txt").write_bytes(b"doc \xff" if k == 2 else f"doc {k}".encode())
+    out = tmp_path / "ds"
+    pack([str(folder)], str(out), BYTES, workers=1, on_bad_line="skip")
+    ds = PackedDataset(str(out))
+    assert _texts(ds) == ["doc 0", "doc 1", "doc 3"]
+    assert _tally(ds) == [(1, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 0)]
+    assert ds.meta["bad_lines"] == [
+        {
+            "file": str(folder / "2.txt"),
+            "reason": "invalid UTF-8 at byte 4; plain text inputs must be UTF-8",
+        }
+    ]
+    assert ds.origins(0, 3).rows.tolist() == [0, 0, 0]  # a whole file is document 0 of it
+
+
 @pytest.mark.parametrize("column", ["text", "score"])
 def test_a_row_group_that_cannot_be_decoded(tmp_path, parquet_file, column):
     good, texts = parquet_file
@@ -708,11 +742,15 @@ def test_a_killed_pack_leaves_nothing_that_opens(tmp_path, corpus, tokenizer_jso
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    for process in workers:  # orphans now: this test started them, so it ends them
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
+    # the workers notice their parent is gone and end (generous: a loaded machine is slow)
+    deadline = time.monotonic() + 120
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.1)
+    for process in alive:  # so a failure leaves no orphans behind
+        process.kill()
+    assert alive == [], "workers outlived the killed pack"
     assert not out.exists()
     [staging] = glob.glob(f"{out}.tmp-*")
     for path in (out, Path(staging)):

@@ -38,6 +38,7 @@ from llmtrain.data_pack.pack_worker import (
     tokenize_task,
 )
 from llmtrain.data_pack.sources import (
+    InputError,
     LineNumbers,
     Source,
     Task,
@@ -237,11 +238,15 @@ def _sample_texts(
     selection = attrs.evolve(settings.selection, stop_on_bad=False)
     texts: list[str] = []
     for source in chosen:
-        task = next(plan_tasks([source], per_file, storage_options), None)
-        if task is None:
+        try:  # a file that cannot be read is the pack's to report (or skip), not the sample's
+            task = next(plan_tasks([source], per_file, storage_options), None)
+            if task is None:
+                continue
+            documents = read_documents(task, selection, storage_options, limit_rows=1024)
+        except InputError:
             continue
         size = 0
-        for text in read_documents(task, selection, storage_options, limit_rows=1024).texts:
+        for text in documents.texts:
             texts.append(text)
             size += len(text)
             if size >= per_file:
@@ -494,7 +499,7 @@ def _write(
             raise PackError(f"{where}: {why}{hint}")
         if len(bad_lines) < MAX_RECORDED_BAD_LINES:
             entry = {"file": source_.url, "reason": why}
-            if number is not None:
+            if number is not None and source_.unit != "file":
                 entry[source_.unit] = number
             bad_lines.append(entry)
 
@@ -512,10 +517,11 @@ def _write(
     for result in _settled_first(results, encoder):
         task = tasks_by_index.pop(result.index)
         first = numbers.first(task, result.n_lines)
-        for relative, why in result.bad:
-            bad(task.source, first + relative, why)
-        if result.bad:
-            per_file[task.source]["bad"] += len(result.bad) + result.lost_rows
+        owners = result.bad_sources or [task.source] * len(result.bad)
+        for (relative, why), source in zip(result.bad, owners, strict=True):
+            bad(source, first + relative, why)
+            per_file[source]["bad"] += 1
+        per_file[task.source]["bad"] += result.lost_rows
         if chat is None:
             origins = Origins(result.doc_sources, first + result.doc_numbers, result.doc_ids)
             writer.add(result.tokens, result.doc_lengths, origins=origins)

@@ -7,8 +7,10 @@ time, which is most of what a pack costs beyond tokenizing on a small machine.
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import pickle
+import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -67,6 +69,7 @@ class TaskResult:
     doc_sources: np.ndarray | None = None
     doc_numbers: np.ndarray | None = None
     doc_ids: list[str] | None = None
+    bad_sources: list[int] | None = None  # text: the input file of each entry of `bad`
     dropped: dict[int, int] = attrs.Factory(dict)  # input file -> records the filter dropped
     lost_rows: int = 0  # bad rows beyond those listed in `bad` (undecodable row groups)
 
@@ -74,10 +77,25 @@ class TaskResult:
 _worker: dict[str, Any] = {}
 
 
+def _exit_with_the_parent() -> None:
+    """End this worker when the pack's process dies (a SIGKILL, the OOM killer): otherwise it
+    would wait forever on the pool's queues, whose pipes it holds open itself."""
+    parent = multiprocessing.parent_process()
+    if parent is None:  # the one worker that runs in the pack's own process
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def init_worker(tokenizer: bytes | dict, storage_options: dict) -> None:
     """`tokenizer`: the parent's tokenizer, pickled (nothing to rebuild or check again), or its
     spec when it does not pickle (built here through the plugins)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
+    _exit_with_the_parent()
     _worker.clear()  # one pack's state (a chat encoder) must not reach the next in this process
     if isinstance(tokenizer, dict):
         from llmtrain.data_pack.tokenizer import tokenizer_from_raw
@@ -122,6 +140,7 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
         doc_sources=np.asarray(docs.sources[:kept], np.uint32),
         doc_numbers=np.asarray(docs.numbers[:kept], np.int64),
         doc_ids=docs.ids[:kept],
+        bad_sources=docs.bad_sources,
         dropped=docs.dropped,
         lost_rows=docs.lost_rows,
     )

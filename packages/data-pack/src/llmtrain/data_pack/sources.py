@@ -325,6 +325,7 @@ def _text_task(index: int, files: list[tuple[int, Source]]) -> Task:
         number,
         first.url,
         "text",
+        first_line=0,  # a whole file is one document: its number is 0
         input_bytes=sum(s.size for _, s in files),
         members=tuple((n, s.url) for n, s in files),
     )
