@@ -19,7 +19,7 @@ import pytest
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.pack import MAX_RECORDED_BAD_LINES, PackError, pack
-from llmtrain.data_pack.sources import InputError
+from llmtrain.data_pack.sources import InputError, parse_record
 from llmtrain.data_pack.store import DatasetError, PackedDataset
 
 BYTES = {"kind": "bytes"}
@@ -431,3 +431,20 @@ def test_interrupted_pack_commits_nothing(tmp_path, tokenizer_json, texts):
     _assert_nothing_written(tmp_path, tmp_path / "ds")
     _, alive = psutil.wait_procs(workers, timeout=10)
     assert alive == []
+
+
+@pytest.mark.parametrize(
+    ("line", "value"),
+    [
+        (b'{"text": "x", "id": 123456789012345678901234567890}', 123456789012345678901234567890),
+        (b'{"text": "x", "id": NaN}', "nan"),
+        (b'{"text": "x", "id": "\\u00e9t\\u00e9"}', "\u00e9t\u00e9"),
+        (b'{"text": "x", "id": 18446744073709551615}', 18446744073709551615),
+    ],
+)
+def test_records_parse_as_json_does(line, value):
+    """The fast parser's answers are json's, where they could differ."""
+    record, why = parse_record(line)
+    assert why is None
+    assert json.dumps(record) == json.dumps(json.loads(line))
+    assert (str(record["id"]) if value == "nan" else record["id"]) == value

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 import fsspec
 import fsspec.compression
+import orjson
 from fsspec.core import url_to_fs
 
 from llmtrain.core_mesh.errors import UserError
@@ -42,6 +43,7 @@ SUFFIX_FORMATS = {
 }
 LINE_FORMATS = ("jsonl", "text-lines")  # read by byte ranges or batches of lines
 ARROW_STATE = "state.json"  # what `datasets.save_to_disk` writes beside its .arrow files
+_LONG_NUMBER = re.compile(rb"[0-9]{20}")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -379,7 +381,17 @@ def field_getter(field: str):
 
 
 def parse_record(line: bytes) -> tuple[Any, str | None]:
-    """(the parsed JSON value, None) for a good line, (None, reason) for a bad one."""
+    """(the parsed JSON value, None) for a good line, (None, reason) for a bad one.
+
+    orjson parses the good lines (several times faster than json, which on a fast tokenizer is
+    a tenth of a pack's work); what it refuses goes through json, which says exactly what is
+    wrong and accepts what orjson does not (NaN). A line with a run of 20 digits goes to json
+    too: orjson reads integers beyond 64 bits as floats, json exactly."""
+    if _LONG_NUMBER.search(line) is None:
+        try:
+            return orjson.loads(line), None
+        except orjson.JSONDecodeError:
+            pass
     try:
         decoded = line.decode("utf-8")
     except UnicodeDecodeError as exc:
