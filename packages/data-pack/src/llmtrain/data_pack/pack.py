@@ -15,6 +15,7 @@ import collections
 import multiprocessing
 import os
 import pickle
+import tempfile
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
@@ -108,6 +109,30 @@ def _run_tasks(
         for task in tasks:
             yield tokenize_task(task, settings)
         return
+    with tempfile.TemporaryDirectory(prefix="llmtrain-pack-") as folder:
+        yield from _run_pool(tasks, settings, workers, _by_file(tokenizer, folder), storage_options)
+
+
+def _by_file(tokenizer: bytes | dict, folder: str) -> str | dict:
+    """A pickled tokenizer as a file the workers read. Starting a process blocks until it has
+    read its arguments, and a spawned process first imports the program's main module: with
+    the tokenizer among its arguments (more than a pipe holds) the workers would start one
+    after the other; with a path they start at once."""
+    if isinstance(tokenizer, dict):
+        return tokenizer
+    path = os.path.join(folder, "tokenizer.pickle")
+    with open(path, "wb") as f:
+        f.write(tokenizer)
+    return path
+
+
+def _run_pool(
+    tasks: Iterable[Task],
+    settings: PackSettings,
+    workers: int,
+    tokenizer: str | dict,
+    storage_options: dict,
+) -> Iterator[TaskResult]:
     pool = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=multiprocessing.get_context("spawn"),

@@ -91,9 +91,9 @@ def _exit_with_the_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def init_worker(tokenizer: bytes | dict, storage_options: dict) -> None:
-    """`tokenizer`: the parent's tokenizer, pickled (nothing to rebuild or check again), or its
-    spec when it does not pickle (built here through the plugins)."""
+def init_worker(tokenizer: bytes | str | dict, storage_options: dict) -> None:
+    """`tokenizer`: the parent's tokenizer, pickled (nothing to rebuild or check again) or in a
+    file of that, or its spec when it does not pickle (built here through the plugins)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
     _exit_with_the_parent()
     _worker.clear()  # one pack's state (a chat encoder) must not reach the next in this process
@@ -102,6 +102,9 @@ def init_worker(tokenizer: bytes | dict, storage_options: dict) -> None:
 
         tokenizer = tokenizer_from_raw(tokenizer)
     else:
+        if isinstance(tokenizer, str):
+            with open(tokenizer, "rb") as f:
+                tokenizer = f.read()
         tokenizer = pickle.loads(tokenizer)  # noqa: S301 (our own parent's bytes)
     _worker["tokenizer"] = tokenizer
     _worker["storage_options"] = storage_options
