@@ -565,57 +565,26 @@ def kleene_not(test: Test) -> Test:
 
 def kleene_and(tests: list[Test]) -> Test:
     """False wins, then null; operands after a False are not judged."""
-    if len(tests) == 2:
-        first, second = tests
-
-        def both(record: Record) -> bool | None:
-            a = first(record)
-            if a is False:
-                return False
-            b = second(record)
-            if b is False:
-                return False
-            return a and b  # both are True or None: None if either is
-
-        return both
-
-    def every(record: Record) -> bool | None:
-        result: bool | None = True
-        for test in tests:
-            value = test(record)
-            if value is False:
-                return False
-            if value is None:
-                result = None
-        return result
-
-    return every
+    return _kleene(tests, decisive=False)
 
 
 def kleene_or(tests: list[Test]) -> Test:
     """True wins, then null; operands after a True are not judged."""
-    if len(tests) == 2:
-        first, second = tests
+    return _kleene(tests, decisive=True)
 
-        def either(record: Record) -> bool | None:
-            a = first(record)
-            if a is True:
-                return True
-            b = second(record)
-            if b is True:
-                return True
-            return None if a is None or b is None else False
 
-        return either
+def _kleene(tests: list[Test], *, decisive: bool) -> Test:
+    """`and` (False decides) or `or` (True decides) in Kleene logic: the deciding value as soon
+    as an operand has it, else null if any operand was null, else the other value."""
 
-    def some(record: Record) -> bool | None:
-        result: bool | None = False
+    def judge(record: Record) -> bool | None:
+        result: bool | None = not decisive
         for test in tests:
             value = test(record)
-            if value is True:
-                return True
+            if value is decisive:
+                return decisive
             if value is None:
                 result = None
         return result
 
-    return some
+    return judge
