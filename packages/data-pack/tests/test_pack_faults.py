@@ -346,7 +346,12 @@ def _start_pack(tmp_path, tokenizer_json, texts, megabytes: int) -> tuple[subpro
     encoder) on a big input, so it runs for several seconds."""
     data = tmp_path / "big.jsonl"
     _big_input(data, texts, megabytes)
-    script = "from llmtrain.core_mesh.cli import main; raise SystemExit(main())"
+    # Ctrl-C as in a terminal: a job started in the background by a shell (as CI may be)
+    # inherits SIGINT ignored, and the interrupt test would then test nothing
+    script = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from llmtrain.core_mesh.cli import main; raise SystemExit(main())"
+    )
     args = [
         data, "-o", tmp_path / "ds", "--tokenizer", tokenizer_json, "--tokenizer-option", "fast=off",
         "--workers", 2, "--split-mb", 0.1, "--no-progress", "--log-dir", tmp_path / "logs",
