@@ -2,11 +2,13 @@
 (`llmtrain data pack-chat`) the records are conversations, rendered with a chat template into
 tokens and a loss mask and laid into blocks of the sequence length (see `chat.py`).
 
-The recipe: resolve the tokenizer and token dtype (errors before any work) → expand the inputs →
+The recipe: check the options and expand the inputs → start the workers (they import while the
+rest of the set-up runs) → resolve the tokenizer and token dtype (errors before any output) →
 choose the encoder path (the fast BPE path only if it matches on a sample) → open the output
-under a temporary name → tokenize tasks in spawn-started workers, consuming results in task order
-→ write whole chunks as they fill → commit the group metadata last. Any failure (a bad line in
-`error` mode, a worker that dies, an interrupt) removes the partial output; nothing is committed.
+under a temporary name → tokenize tasks in the spawn-started workers, consuming results in task
+order → write whole chunks as they fill → commit the group metadata last. Any failure (a bad line
+in `error` mode, a worker that dies, an interrupt) removes the partial output; nothing is
+committed.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import pickle
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
@@ -37,6 +39,7 @@ from llmtrain.data_pack.pack_worker import (
     TaskResult,
     init_worker,
     tokenize_task,
+    warm_up,
 )
 from llmtrain.data_pack.sources import (
     InputError,
@@ -95,94 +98,101 @@ def default_workers() -> int:
 # -- the parent side ------------------------------------------------------------------------------
 
 
-def _run_tasks(
-    tasks: Iterable[Task],
-    settings: PackSettings,
-    workers: int,
-    tokenizer: Any,
-    storage_options: dict,
-) -> Iterator[TaskResult]:
-    """Results in task order. One worker runs in this process; more are spawn-started processes,
-    given the tokenizer pickled (else its spec)."""
-    if workers <= 1:
-        init_worker(tokenizer, storage_options)
-        for task in tasks:
-            yield tokenize_task(task, settings)
-        return
-    with tempfile.TemporaryDirectory(prefix="llmtrain-pack-") as folder:
-        yield from _run_pool(tasks, settings, workers, _by_file(tokenizer, folder), storage_options)
+class _Workers:
+    """The processes that read and tokenize tasks, spawn-started first thing in `pack` so that
+    they import the readers and the tokenizer stack while this process builds and checks the
+    tokenizer they are then given. With one worker, tasks run in this process."""
 
+    def __init__(self, workers: int, storage_options: dict):
+        self.pool: ProcessPoolExecutor | None = None
+        self.count = max(1, workers)
+        self.runs = 0
+        if workers <= 1:
+            init_worker(storage_options)
+            return
+        self.folder = tempfile.TemporaryDirectory(prefix="llmtrain-pack-")
+        self.pool = ProcessPoolExecutor(
+            max_workers=workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=init_worker,
+            initargs=(storage_options,),
+        )
+        for _ in range(workers):  # a process starts for each task submitted while none is idle
+            self.pool.submit(warm_up)
 
-def _by_file(tokenizer: bytes | dict, folder: str) -> str | dict:
-    """A pickled tokenizer as a file the workers read. Starting a process blocks until it has
-    read its arguments, and a spawned process first imports the program's main module: with
-    the tokenizer among its arguments (more than a pipe holds) the workers would start one
-    after the other; with a path they start at once."""
-    if isinstance(tokenizer, dict):
-        return tokenizer
-    path = os.path.join(folder, "tokenizer.pickle")
-    with open(path, "wb") as f:
-        f.write(tokenizer)
-    return path
-
-
-def _run_pool(
-    tasks: Iterable[Task],
-    settings: PackSettings,
-    workers: int,
-    tokenizer: str | dict,
-    storage_options: dict,
-) -> Iterator[TaskResult]:
-    pool = ProcessPoolExecutor(
-        max_workers=workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=init_worker,
-        initargs=(tokenizer, storage_options),
-    )
-    pending: collections.deque = collections.deque()
-    task = None
-    finished = False
-    try:
-        for task in tasks:
-            pending.append((task, pool.submit(tokenize_task, task, settings)))
-            while len(pending) >= 2 * workers:
+    def run(
+        self, tasks: Iterable[Task], settings: PackSettings, tokenizer: Any
+    ) -> Iterator[TaskResult]:
+        """Results in task order. `tokenizer`: pickled bytes, or its spec (see `_portable`)."""
+        if self.pool is None:
+            for task in tasks:
+                yield tokenize_task(task, settings, tokenizer)
+            return
+        tokenizer = self._by_file(tokenizer)
+        pending: collections.deque = collections.deque()
+        task = None
+        try:
+            for task in tasks:
+                pending.append((task, self.pool.submit(tokenize_task, task, settings, tokenizer)))
+                while len(pending) >= 2 * self.count:
+                    task, future = pending.popleft()
+                    yield future.result()
+            while pending:
                 task, future = pending.popleft()
                 yield future.result()
-        while pending:
-            task, future = pending.popleft()
-            yield future.result()
-        finished = True
-    except BrokenProcessPool:
-        where = ""
-        if task is not None:
-            span = (
-                f"bytes {task.start}-{task.end}"
-                if task.payload is None
-                else f"line {task.first_line}"
-            )
-            where = f" while tokenizing {task.url} ({span} or a task beside it)"
-        raise PackError(
-            f"a worker process died{where}; nothing was written. Check memory limits and the "
-            "log, then pack again"
-        ) from None
-    finally:
+        except BrokenProcessPool:
+            raise PackError(
+                f"a worker process died{_while(task)}; nothing was written. Check memory limits "
+                "and the log, then pack again"
+            ) from None
+        finally:  # a run given up (the fast encoder's check failed) leaves its queue to the next
+            for _, future in pending:
+                future.cancel()
+
+    def _by_file(self, tokenizer: bytes | dict) -> str | dict:
+        """A pickled tokenizer as a file the workers read: a task's arguments are pickled for
+        every task, a path costs nothing."""
+        if isinstance(tokenizer, dict):
+            return tokenizer
+        self.runs += 1
+        path = os.path.join(self.folder.name, f"tokenizer-{self.runs}.pickle")
+        with open(path, "wb") as f:
+            f.write(tokenizer)
+        return path
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __enter__(self) -> _Workers:
+        return self
+
+    def __exit__(self, error_type: Any, *_: Any) -> None:
+        self.close(finished=error_type is None)
+
+    def close(self, *, finished: bool) -> None:
+        """Wait for the workers after a finished pack; else end them at once: a worker killed
+        mid-task can leave the others blocked on the task queue, and a graceful shutdown would
+        wait for them forever."""
+        if self.pool is None:
+            return
         if finished:
-            pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True)
         else:
-            _stop(pool)
+            processes = list((getattr(self.pool, "_processes", None) or {}).values())
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+            for process in processes:
+                process.join(timeout=10)
+        self.folder.cleanup()
 
 
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """End a pool that failed or was abandoned without waiting on its workers: a worker killed
-    mid-task can leave the others blocked on the task queue, and a graceful shutdown would wait
-    for them forever."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-    for process in processes:
-        process.join(timeout=10)
+def _while(task: Task | None) -> str:
+    if task is None:
+        return ""
+    span = f"bytes {task.start}-{task.end}" if task.payload is None else f"line {task.first_line}"
+    return f" while tokenizing {task.url} ({span} or a task beside it)"
 
 
 @attrs.define
@@ -236,7 +246,9 @@ def _choose_encoder(
     return _Encoder("fast", _portable(tokenizer.with_fast(True), {**raw, "fast": "on"}), future)
 
 
-def _settled_first(results: Iterator[TaskResult], encoder: _Encoder) -> Iterator[TaskResult]:
+def _settled_first(
+    results: Generator[TaskResult, None, None], encoder: _Encoder
+) -> Iterator[TaskResult]:
     """The results, each only once the fast encoder's check has passed (nothing is written
     before). A failure of the work before then is what the fast encoder did if the check fails:
     the check's verdict comes first."""
@@ -247,6 +259,8 @@ def _settled_first(results: Iterator[TaskResult], encoder: _Encoder) -> Iterator
     except Exception:
         encoder.settle()
         raise
+    finally:  # a run given up stops here, its queued tasks cancelled, before the next starts
+        results.close()
 
 
 def _reference_encoder(tokenizer: Any, raw: dict) -> _Encoder:
@@ -308,41 +322,13 @@ def pack(
     the records are JSONL conversations (`field` is unused)."""
     started = time.perf_counter()
     storage_options = dict(storage_options or {})
-    plugins = plugins or PluginManager().load_entry_points()
-    workers = workers or default_workers()
-    raw = dict(tokenizer)
-    if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
-        raw["path"] = os.path.abspath(raw["path"])  # so the stored spec works from anywhere
-    tok = tokenizer_from_raw(raw, plugins)
-    token_type = token_dtype(tok.vocab_size, dtype)
     if on_bad_line not in ("error", "skip"):
         raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
     filters = Where.parse(where)  # a bad expression is an error before any work
-    settings = PackSettings(
-        field,
-        on_bad_line,
-        batch_docs,
-        token_type.name,
-        tok.vocab_size,
-        chat,
-        tok.eod_id,
-        filters.expressions,
-        id_field,
-    )
-    if chat is not None:  # the template compiles and its tokens exist, before any work
-        template = ChatTemplate.from_meta(chat.template)
-        template.check_tokenizer(tok)
-        plain = template.plain_markers(tok)
-        if plain:
-            log.warning(
-                "pack.template_markers_not_special",
-                markers=plain,
-                message=f"the chat template writes {', '.join(plain)}, which tokenizer "
-                f"{tok.name} has no single id for: they are tokenized as plain text",
-            )
     sources = expand_inputs(inputs, storage_options, input_format, text_per_line=text_per_line)
-    _check_formats(sources, settings)
+    _check_formats(sources, chat, filters)
     total_bytes = sum(s.size for s in sources)
+    workers = workers or default_workers()
     if split_bytes is None:  # enough tasks that the last ones do not run alone
         split_bytes = int(min(MAX_SPLIT_BYTES, max(1 << 20, total_bytes // (workers * 8))))
     if chunk_tokens < 1 or shard_chunks < 0 or split_bytes < 1 or batch_docs < 1:
@@ -351,77 +337,101 @@ def pack(
             f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
         )
     compressors(compression)  # a bad spelling is an error before any work
-    encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
-    out = Output(output, overwrite=overwrite, storage_options=storage_options)
-    log.info(
-        "pack.start",
-        inputs=len(sources),
-        bytes=total_bytes,
-        workers=workers,
-        tokenizer=tok.name,
-        encoder=encoder.name,
-        output=output,
-    )
-    bar = _progress_bar(total_bytes, progress)
-    try:
-        writer = DatasetWriter(
-            out,
-            token_type,
-            chunk_tokens=chunk_tokens,
-            shard_chunks=shard_chunks,
-            compression=compression,
-            loss_mask=chat is not None,
-            origins=chat is None,
+    tasks = sum(max(1, -(-s.size // split_bytes)) for s in sources)
+    # the workers start now: they import while the tokenizer is built and checked here
+    with _Workers(min(workers, tasks), storage_options) as pool:
+        plugins = plugins or PluginManager().load_entry_points()
+        raw = dict(tokenizer)
+        if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
+            raw["path"] = os.path.abspath(raw["path"])  # so the stored spec works from anywhere
+        tok = tokenizer_from_raw(raw, plugins)
+        token_type = token_dtype(tok.vocab_size, dtype)
+        settings = PackSettings(
+            field,
+            on_bad_line,
+            batch_docs,
+            token_type.name,
+            tok.vocab_size,
+            chat,
+            tok.eod_id,
+            filters.expressions,
+            id_field,
         )
+        if chat is not None:  # the template compiles and its tokens exist, before any work
+            _check_template(chat, tok)
+        encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
+        out = Output(output, overwrite=overwrite, storage_options=storage_options)
+        log.info(
+            "pack.start",
+            inputs=len(sources),
+            bytes=total_bytes,
+            workers=len(pool),
+            tokenizer=tok.name,
+            encoder=encoder.name,
+            output=output,
+        )
+        bar = _progress_bar(total_bytes, progress)
         try:
-            counts = _write(
-                sources, settings, workers, encoder, storage_options, writer, split_bytes, bar
+            writer = DatasetWriter(
+                out,
+                token_type,
+                chunk_tokens=chunk_tokens,
+                shard_chunks=shard_chunks,
+                compression=compression,
+                loss_mask=chat is not None,
+                origins=chat is None,
             )
-        except _FastDiffers as differs:
-            log.warning("pack.fast_encoder_differs", document=differs.args[0], using="reference")
-            encoder = _reference_encoder(tok, raw)
-            bar.reset()
-            counts = _write(
-                sources, settings, workers, encoder, storage_options, writer, split_bytes, bar
-            )
-        extra = {}
-        if chat is not None:
-            extra["chat"] = chat.to_meta()
-            if not counts["counts"]["documents"]:
-                raise PackError(
-                    f"no conversation of {', '.join(inputs)} was kept "
-                    f"({counts['counts']['too_long']} too long, {counts['counts']['bad_lines']} "
-                    "bad); nothing was written"
+            try:
+                counts = _write(
+                    sources, settings, pool, encoder, storage_options, writer, split_bytes, bar
                 )
-        out.commit(
-            {
-                **extra,
-                "format": FORMAT,
-                "version": FORMAT_VERSION if chat is not None else 1,
-                "tokenizer": {
-                    "name": tok.name,
-                    "fingerprint": tok.fingerprint,
-                    "vocab_size": tok.vocab_size,
-                    "eod_id": tok.eod_id,
-                    "spec": {k: v for k, v in raw.items() if k != "fast"},
-                },
-                "dtype": token_type.name,
-                "field": None if chat is not None else field,
-                "sources": [
-                    {**s.to_meta(), **tally}
-                    for s, tally in zip(sources, counts["per_file"], strict=True)
-                ],
-                "filter": {"where": list(filters.expressions)} if filters.expressions else None,
-                "counts": counts["counts"],
-                "bad_lines": counts["bad_lines"],
-                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-        )
-    except BaseException:
-        out.abort()
-        raise
-    finally:
-        bar.close()
+            except _FastDiffers as differs:
+                log.warning(
+                    "pack.fast_encoder_differs", document=differs.args[0], using="reference"
+                )
+                encoder = _reference_encoder(tok, raw)
+                bar.reset()
+                counts = _write(
+                    sources, settings, pool, encoder, storage_options, writer, split_bytes, bar
+                )
+            extra = {}
+            if chat is not None:
+                extra["chat"] = chat.to_meta()
+                if not counts["counts"]["documents"]:
+                    raise PackError(
+                        f"no conversation of {', '.join(inputs)} was kept "
+                        f"({counts['counts']['too_long']} too long, {counts['counts']['bad_lines']} "
+                        "bad); nothing was written"
+                    )
+            out.commit(
+                {
+                    **extra,
+                    "format": FORMAT,
+                    "version": FORMAT_VERSION if chat is not None else 1,
+                    "tokenizer": {
+                        "name": tok.name,
+                        "fingerprint": tok.fingerprint,
+                        "vocab_size": tok.vocab_size,
+                        "eod_id": tok.eod_id,
+                        "spec": {k: v for k, v in raw.items() if k != "fast"},
+                    },
+                    "dtype": token_type.name,
+                    "field": None if chat is not None else field,
+                    "sources": [
+                        {**s.to_meta(), **tally}
+                        for s, tally in zip(sources, counts["per_file"], strict=True)
+                    ],
+                    "filter": {"where": list(filters.expressions)} if filters.expressions else None,
+                    "counts": counts["counts"],
+                    "bad_lines": counts["bad_lines"],
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+            )
+        except BaseException:
+            out.abort()
+            raise
+        finally:
+            bar.close()
     c = counts["counts"]
     summary = PackSummary(
         output,
@@ -458,15 +468,29 @@ def _portable(tokenizer: Any, raw: dict) -> bytes | dict:
         return raw
 
 
-def _check_formats(sources: Sequence[Source], settings: PackSettings) -> None:
+def _check_template(chat: ChatSettings, tok: Any) -> None:
+    """The chat template compiles and its tokens exist; a warning for markers tokenized as text."""
+    template = ChatTemplate.from_meta(chat.template)
+    template.check_tokenizer(tok)
+    plain = template.plain_markers(tok)
+    if plain:
+        log.warning(
+            "pack.template_markers_not_special",
+            markers=plain,
+            message=f"the chat template writes {', '.join(plain)}, which tokenizer "
+            f"{tok.name} has no single id for: they are tokenized as plain text",
+        )
+
+
+def _check_formats(sources: Sequence[Source], chat: ChatSettings | None, filters: Where) -> None:
     """Refuse what an input's format cannot do, before any work."""
     for source in sources:
-        if settings.chat is not None and source.format != "jsonl":
+        if chat is not None and source.format != "jsonl":
             raise UserError(
                 f"{source.url}: pack-chat reads JSONL conversations; this is {source.format} "
                 "(convert it, or pass --input-format jsonl if it is JSONL after all)"
             )
-        if settings.where and source.format in ("text", "text-lines"):
+        if filters.expressions and source.format in ("text", "text-lines"):
             raise UserError(
                 f"{source.url}: plain text has no fields for --where to test; filter JSONL, "
                 "Parquet or Arrow inputs"
@@ -490,7 +514,7 @@ def _progress_bar(total: int, enabled: bool):
 def _write(
     sources: Sequence[Source],
     settings: PackSettings,
-    workers: int,
+    pool: _Workers,
     encoder: _Encoder,
     storage_options: dict,
     writer: DatasetWriter,
@@ -538,7 +562,7 @@ def _write(
             yield task
 
     plan = plan_tasks(sources, split_bytes, storage_options, skip_bad=skip, bad_files=bad_files)
-    results = _run_tasks(remember(plan), settings, workers, encoder.for_workers, storage_options)
+    results = pool.run(remember(plan), settings, encoder.for_workers)
     for result in _settled_first(results, encoder):
         task = tasks_by_index.pop(result.index)
         first = numbers.first(task, result.n_lines)

@@ -91,34 +91,49 @@ def _exit_with_the_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def init_worker(tokenizer: bytes | str | dict, storage_options: dict) -> None:
-    """`tokenizer`: the parent's tokenizer, pickled (nothing to rebuild or check again) or in a
-    file of that, or its spec when it does not pickle (built here through the plugins)."""
+def init_worker(storage_options: dict) -> None:
+    """Set a worker up before its first task: it imports the tokenizer module meanwhile, while the
+    pack's process is still building the tokenizer it will be given."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
     _exit_with_the_parent()
-    _worker.clear()  # one pack's state (a chat encoder) must not reach the next in this process
-    if isinstance(tokenizer, dict):
+    _worker.clear()  # one pack's state (its tokenizer) must not reach the next in this process
+    _worker["storage_options"] = storage_options
+    import llmtrain.data_pack.tokenizer  # noqa: F401 (imported now, used by the first task)
+
+
+def warm_up() -> None:
+    """A task that does nothing: submitting one per worker starts them all at once."""
+
+
+def _tokenizer(given: bytes | str | dict) -> Any:
+    """The tokenizer a task names, loaded once per worker: the parent's tokenizer pickled
+    (nothing to rebuild or check again), in bytes or in a file of them, or its spec when it does
+    not pickle (built here through the plugins)."""
+    if _worker.get("tokenizer_given") == given:
+        return _worker["tokenizer"]
+    if isinstance(given, dict):
         from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 
-        tokenizer = tokenizer_from_raw(tokenizer)
+        tokenizer = tokenizer_from_raw(given)
+    elif isinstance(given, str):
+        with open(given, "rb") as f:
+            tokenizer = pickle.loads(f.read())  # noqa: S301 (our own parent's bytes)
     else:
-        if isinstance(tokenizer, str):
-            with open(tokenizer, "rb") as f:
-                tokenizer = f.read()
-        tokenizer = pickle.loads(tokenizer)  # noqa: S301 (our own parent's bytes)
-    _worker["tokenizer"] = tokenizer
-    _worker["storage_options"] = storage_options
+        tokenizer = pickle.loads(given)  # noqa: S301
+    _worker.update(tokenizer_given=given, tokenizer=tokenizer, chat_encoders={})
+    return tokenizer
 
 
-def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
-    """Read a task's documents and tokenize them (each ended by eod)."""
-    tokenizer = _worker["tokenizer"]
+def tokenize_task(task: Task, settings: PackSettings, tokenizer: bytes | str | dict) -> TaskResult:
+    """Read a task's documents and tokenize them (each ended by eod). `tokenizer`: see
+    `_tokenizer`."""
+    tokenizer = _tokenizer(tokenizer)
     if settings.chat is not None:
         data = read_range(task, _worker["storage_options"])
         lines = data.split(b"\n")
         if lines and not lines[-1]:
             lines.pop()
-        return _chat_task(task, settings, lines, len(data))
+        return _chat_task(task, settings, tokenizer, lines, len(data))
     docs = read_documents(task, settings.selection, _worker["storage_options"])
     texts = [] if docs.bad and settings.on_bad_line == "error" else docs.texts
     dtype = np.dtype(settings.dtype)
@@ -149,14 +164,15 @@ def tokenize_task(task: Task, settings: PackSettings) -> TaskResult:
     )
 
 
-def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int) -> TaskResult:
+def _chat_task(
+    task: Task, settings: PackSettings, tokenizer: Any, lines: list[bytes], size: int
+) -> TaskResult:
     """Conversations to tokens and loss masks, each fitted to the sequence length."""
     chat = settings.chat
-    tokenizer = _worker["tokenizer"]
     template = ChatTemplate.from_meta(chat.template)
-    key = ("encoder", template.source)
-    if key not in _worker:
-        _worker[key] = Encoder(tokenizer, template)
+    encoders = _worker["chat_encoders"]  # of this tokenizer
+    if template.source not in encoders:
+        encoders[template.source] = Encoder(tokenizer, template)
     stop_on_bad = settings.on_bad_line == "error"
     rendered, numbers = [], []
     bad: list[tuple[int, str]] = []
@@ -179,7 +195,9 @@ def _chat_task(task: Task, settings: PackSettings, lines: list[bytes], size: int
     tokens, masks = [], []
     too_long = 0
     for number, (ids, mask) in zip(
-        numbers, tokenize_conversations(rendered, _worker[key], tokenizer.eod_id), strict=True
+        numbers,
+        tokenize_conversations(rendered, encoders[template.source], tokenizer.eod_id),
+        strict=True,
     ):
         if len(ids) > chat.seq_len:
             if chat.too_long == "error":
