@@ -20,22 +20,22 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import fsspec
 
-from llmtrain.core_mesh.config import Choice, make_converter, structure, unstructure
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.plugins import PluginManager
+
+if TYPE_CHECKING:
+    from llmtrain.core_mesh.config import Choice
+    from llmtrain.core_mesh.plugins import PluginManager
 
 ENDOFTEXT = "<|endoftext|>"
 # names tried, in order, when an `hf` tokenizer is given no `eod_token`
 EOD_CANDIDATES = (ENDOFTEXT, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]")
 # the pre-tokenization regex of GPT-2's byte-level BPE (HF `ByteLevel(use_regex=True)`)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-
-TokenizerChoice = Choice.of("tokenizer")
 
 
 class TokenizerError(UserError):
@@ -516,6 +516,15 @@ class TiktokenTokenizer:
 
 
 # -- building from a config ------------------------------------------------------------------------
+# The config and plugin machinery is imported when first used, not with this module: pack's
+# worker processes import this module to unpickle their tokenizer, and its start is pack's cost.
+
+
+@functools.cache
+def _tokenizer_choice_type() -> type:
+    from llmtrain.core_mesh.config import Choice
+
+    return Choice.of("tokenizer")
 
 
 def tokenizer_choice(text: str, plugins: PluginManager, extra: Sequence[str] = ()) -> Choice:
@@ -537,18 +546,26 @@ def tokenizer_choice(text: str, plugins: PluginManager, extra: Sequence[str] = (
         if not sep:
             raise UserError(f"tokenizer option {item!r}: expected key=value")
         raw[key] = json.loads(value) if value[:1] in "[{" or value in ("true", "false") else value
-    return structure(raw, TokenizerChoice, plugins=plugins, source="--tokenizer")
+    from llmtrain.core_mesh.config import structure
+
+    return structure(raw, _tokenizer_choice_type(), plugins=plugins, source="--tokenizer")
 
 
 def choice_to_raw(choice: Choice, plugins: PluginManager) -> dict[str, Any]:
     """Plain data for a tokenizer choice (stored in dataset metadata, sent to worker processes)."""
+    from llmtrain.core_mesh.config import make_converter, unstructure
+
     return unstructure(choice, converter=make_converter(plugins))
 
 
 def tokenizer_from_raw(raw: dict[str, Any], plugins: PluginManager | None = None):
+    from llmtrain.core_mesh.config import structure
+    from llmtrain.core_mesh.plugins import PluginManager
+
     if plugins is None:
         plugins = PluginManager().load_entry_points()
-    return plugins.build("tokenizer", structure(raw, TokenizerChoice, plugins=plugins))
+    choice = structure(raw, _tokenizer_choice_type(), plugins=plugins)
+    return plugins.build("tokenizer", choice)
 
 
 # -- training --------------------------------------------------------------------------------------
