@@ -37,8 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-from llmtrain.core_mesh.logs import configure_logging
-
 GOAL_CEILING = 0.9
 GOAL_MODALITIES = 2.0
 EOD = "<|endoftext|>"
@@ -361,6 +359,10 @@ def main() -> None:
     if args.quick:
         args.corpus_mb, args.train_mb = min(args.corpus_mb, 10.0), min(args.train_mb, 2.0)
         args.rounds = 1
+    # imported here, not at the top: pack's workers import this script (spawn re-runs the main
+    # module's imports), and a CLI user's workers would not import logging's console stack
+    from llmtrain.core_mesh.logs import configure_logging
+
     configure_logging(level="WARNING")  # pack's progress lines would drown the table
     with tempfile.TemporaryDirectory(prefix="bench_pack-", dir=args.workdir) as tmp:
         results = bench(args, Path(tmp))
