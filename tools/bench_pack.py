@@ -12,7 +12,8 @@ trained on a sample of it. With the same N processes throughout:
   token ids are compared with ours. It runs the functions its `data create_raw_index` and
   `data pack_encoded_data` commands call, timed inside its process (the wall time with the
   interpreter's start and imports is printed too).
-Ceilings and packs run in interleaved rounds (medians printed), with the CPU seconds they used:
+Ceilings and packs run in interleaved rounds (medians printed; pack's ratio to its ceiling is the
+median of the rounds' ratios, each round timing both back to back), with the CPU seconds they used:
 the ceiling's encode loops, pack's parent and workers together. CPU time is less disturbed than
 tokens/s by other load on a shared machine. Token counts include one end-of-document token per
 document everywhere.
@@ -433,6 +434,13 @@ def bench(args, work: Path) -> dict:
         f"{args.procs} processes, {args.batch_docs} documents per batch, {args.rounds} rounds; "
         f"load average {os.getloadavg()[0]:.1f}"
     )
+    if missing := uncompiled(("numpy", "fsspec", "llmtrain.data_pack.pack_worker")):
+        print(
+            f"note: {', '.join(missing)} have no compiled bytecode here (PYTHONDONTWRITEBYTECODE "
+            "with an install that did not compile it): each of pack's workers compiles them at "
+            "its start, which an installed environment does not; `python -m compileall` the "
+            "environment for a user's figures"
+        )
     source = corpus
     if args.format == "parquet":
         source = work / "corpus.parquet"
@@ -466,6 +474,18 @@ def bench(args, work: Path) -> dict:
             peak_rss(work, tokenizer_path, gb, args.procs) for gb in (args.rss_gb / 10, args.rss_gb)
         ]
     return res
+
+
+def uncompiled(modules: tuple[str, ...]) -> list[str]:
+    """Those of `modules` whose source has no .pyc beside it."""
+    import importlib.util
+
+    missing = []
+    for name in modules:
+        origin = importlib.util.find_spec(name).origin
+        if not os.path.exists(importlib.util.cache_from_source(origin)):
+            missing.append(name)
+    return missing
 
 
 def peak_rss(work: Path, tokenizer_path: Path, gb: float, procs: int) -> dict:
@@ -537,12 +557,22 @@ def report(res: dict) -> None:
         "modalities index+pack wall": "the same, incl. interpreter start and imports",
     }
     for backend in ("hf", "fast"):
-        ratio = tps[f"pack {backend}"] / tps[f"ceiling {backend}"]
+        # each round runs the ceiling and pack back to back: the ratio within a round is spared
+        # the drifts of a shared machine's speed that a ratio of medians would carry
+        rounds = [
+            p / c
+            for p, c in zip(
+                runs[f"pack {backend}"]["rounds"], runs[f"ceiling {backend}"]["rounds"], strict=True
+            )
+        ]
+        ratio = statistics.median(rounds)
         res[f"pack_over_ceiling_{backend}"] = ratio
+        res[f"pack_over_ceiling_{backend}_rounds"] = rounds
         encoder = runs[f"pack {backend}"]["encoder"]
         notes[f"pack {backend}"] = (
             f"{ratio:.3f} of ceiling {backend} (goal >= {GOAL_CEILING} "
-            f"{verdict(ratio >= GOAL_CEILING)}); encoder={encoder}"
+            f"{verdict(ratio >= GOAL_CEILING)}; rounds {min(rounds):.3f}-{max(rounds):.3f}); "
+            f"encoder={encoder}"
         )
     for name, r in runs.items():
         print(
