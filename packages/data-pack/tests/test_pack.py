@@ -722,3 +722,21 @@ def test_a_worker_imports_neither_zarr_nor_the_plugins(tokenizer_json):
         [sys.executable, "-c", code], input=tokenizer, capture_output=True, timeout=300, check=True
     )
     assert done.stdout.decode().strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ([("a.jsonl", 3 << 20, None, "jsonl")], 3),  # cut by size: three tasks, three workers
+        ([("a.jsonl", 10, None, "jsonl"), ("b.txt", 10, None, "text-lines")], 2),
+        ([("a.jsonl", 10, None, "jsonl")], 1),  # one task runs in the pack's own process
+        ([("a.jsonl.gz", 10, "gzip", "jsonl")], 4),  # may hold any amount of text
+        ([("a.parquet", 10, None, "parquet")], 4),
+    ],
+)
+def test_no_more_workers_than_tasks(files, expected):
+    from llmtrain.data_pack.pack import _workers_for
+    from llmtrain.data_pack.sources import Source
+
+    sources = [Source(url, size, compression, kind) for url, size, compression, kind in files]
+    assert _workers_for(sources, 1 << 20, 4) == expected

@@ -42,6 +42,7 @@ from llmtrain.data_pack.pack_worker import (
     warm_up,
 )
 from llmtrain.data_pack.sources import (
+    LINE_FORMATS,
     InputError,
     LineNumbers,
     Source,
@@ -337,9 +338,8 @@ def pack(
             f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
         )
     compressors(compression)  # a bad spelling is an error before any work
-    tasks = sum(max(1, -(-s.size // split_bytes)) for s in sources)
     # the workers start now: they import while the tokenizer is built and checked here
-    with _Workers(min(workers, tasks), storage_options) as pool:
+    with _Workers(_workers_for(sources, split_bytes, workers), storage_options) as pool:
         plugins = plugins or PluginManager().load_entry_points()
         raw = dict(tokenizer)
         if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
@@ -466,6 +466,18 @@ def _portable(tokenizer: Any, raw: dict) -> bytes | dict:
         return pickle.dumps(tokenizer)
     except (pickle.PicklingError, TypeError, AttributeError):  # a plugin's need not pickle
         return raw
+
+
+def _workers_for(sources: Sequence[Source], split_bytes: int, workers: int) -> int:
+    """No more workers than tasks. Plain line files are cut by size, so their tasks are known;
+    a compressed or columnar file may hold more than its size says, and counts as enough work
+    for every worker."""
+    tasks = 0
+    for source in sources:
+        if source.compression is not None or source.format not in LINE_FORMATS:
+            return workers
+        tasks += -(-source.size // split_bytes) or 1
+    return min(workers, tasks)
 
 
 def _check_template(chat: ChatSettings, tok: Any) -> None:
