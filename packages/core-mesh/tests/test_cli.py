@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import time
 
 import pytest
 
+from llmtrain.core_mesh import cli
 from llmtrain.core_mesh.cli import Command, main
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.plugins import PluginManager, hookimpl
+from llmtrain.core_mesh.plugins import Origin, PluginManager, hookimpl
 
 
 def _fail_user(args, ctx):
@@ -105,3 +108,166 @@ def test_console_script_version():
         ["llmtrain", "--version"], capture_output=True, text=True, check=True
     ).stdout
     assert out.startswith("llmtrain ")
+
+
+# --- one consistent CLI ---
+
+
+class Subcommands:
+    """Commands with arguments: `train CONFIG [KEY=VALUE ...]` and `nested inner NAME`."""
+
+    @hookimpl
+    def llmtrain_commands(self, register):
+        def configure_train(parser):
+            parser.add_argument("config")
+            parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+
+        def configure_nested(parser):
+            actions = parser.add_subparsers(dest="action", required=True)
+            actions.add_parser("inner").add_argument("name")
+
+        def record(args, ctx):
+            print(f"debug={ctx.debug} {args}")
+            if getattr(args, "config", None) == "bug":
+                raise ZeroDivisionError("division by zero")
+            return 0
+
+        register("train", Command("trains", configure_train, record))
+        register("nested", Command("has actions", configure_nested, record))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--debug", "train", "bug"],
+        ["train", "--debug", "bug"],
+        ["train", "bug", "--debug"],
+        ["train", "bug", "a=1", "--debug", "b=2"],
+    ],
+)
+def test_global_flags_work_before_or_after_the_command(argv, capsys):
+    assert main(argv, plugins=manager(Subcommands())) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("debug=True ") and "debug=True" in out
+    assert "Traceback (most recent call last)" in err and "ZeroDivisionError" in err
+    if "a=1" in argv:
+        assert "overrides=['a=1', 'b=2']" in out
+
+
+def test_global_flags_reach_nested_actions_and_default_off(capsys):
+    pm = manager(Subcommands())
+    assert main(["nested", "inner", "x", "--debug"], plugins=pm) == 0
+    assert "debug=True" in capsys.readouterr().out
+    assert main(["nested", "inner", "x"], plugins=pm) == 0
+    out = capsys.readouterr().out
+    assert "debug=False" in out and "debug=True" not in out
+
+
+def test_command_help_lists_the_global_flags(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"], plugins=manager(Subcommands()))
+    assert info.value.code == 0
+    assert "--debug" in capsys.readouterr().out
+
+
+def test_overrides_are_optional_the_config_is_what_is_missing(capsys):
+    pm = manager(Subcommands())
+    with pytest.raises(SystemExit) as info:
+        main(["train"], plugins=pm)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: config\n" in err
+    assert "KEY=VALUE" not in err.splitlines()[-1]
+    assert main(["train", "cfg.yaml"], plugins=pm) == 0
+    assert "overrides=[]" in capsys.readouterr().out
+
+
+def test_every_known_command_names_its_distribution():
+    """The table behind the install hint agrees with the commands installed here."""
+    from llmtrain.core_mesh.cli import COMMAND_DISTRIBUTIONS
+
+    pm = PluginManager(blocked=()).load_entry_points()
+    ours = [
+        entry
+        for entry in pm.registry("command").values()
+        if (entry.origin.distribution or "").startswith("llmtrain-")
+    ]
+    assert "plugins" in [entry.name for entry in ours]
+    for entry in ours:
+        assert COMMAND_DISTRIBUTIONS.get(entry.name) == entry.origin.distribution, entry
+
+
+def test_a_command_of_a_package_not_installed_says_what_to_install(capsys):
+    # a data-only install: no train-loop plugin, so no `run`
+    pm = PluginManager(blocked=("train_loop",)).load_entry_points()
+    assert "run" not in pm.registry("command")
+    assert main(["run", "cfg.yaml", "model.n_layers=2", "--resume"], plugins=pm) == 2
+    assert capsys.readouterr().err == (
+        "error: `run` is provided by llmtrain-train-loop: pip install llmtrain-train-loop\n"
+    )
+    assert main(["--debug", "run"], plugins=pm) == 2
+    assert "pip install llmtrain-train-loop" in capsys.readouterr().err
+    assert main(["config", "validate", "cfg.yaml"], plugins=pm) == 2
+    assert "`config` is provided by llmtrain-train-loop" in capsys.readouterr().err
+    # the commands that are not installed are not offered in the help
+    assert main([], plugins=pm) == 2
+    assert "    run " not in capsys.readouterr().out
+
+
+def test_a_command_whose_package_failed_to_load_says_so(capsys):
+    class BrokenTrainLoop:
+        @hookimpl
+        def llmtrain_commands(self, register):
+            raise ImportError("libtorch.so: cannot open shared object file")
+
+    pm = PluginManager(blocked=("train_loop",)).load_entry_points()
+    pm.register(
+        BrokenTrainLoop(),
+        "train_loop_broken",
+        origin=Origin("train_loop_broken", "llmtrain-train-loop", "0.0"),
+    )
+    assert main(["run", "cfg.yaml"], plugins=pm) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "error: `run` is provided by llmtrain-train-loop, which is installed but failed to "
+        "load; see `llmtrain plugins`\n"
+    )
+
+
+def test_the_missing_command_hint_from_the_console_script(tmp_path):
+    env = {**os.environ, "LLMTRAIN_DISABLE_PLUGINS": "train_loop"}
+    proc = subprocess.run(
+        ["llmtrain", "run", "cfg.yaml"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: `run` is provided by llmtrain-train-loop: pip install llmtrain-train-loop\n"
+    )
+
+
+@pytest.mark.parametrize("rank", ["0", "1", "3"])
+def test_a_user_error_is_printed_by_rank_0_and_late_by_the_others(rank, monkeypatch, capsys):
+    """Rank 0 prints at once. Another rank waits, so that the launcher stops it when rank 0
+    exits with the same error (the torchrun test in train-loop shows it); a rank still alive
+    after the wait met an error of its own, and prints it with its rank."""
+    waits = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    monkeypatch.setenv("RANK", rank)
+    assert main(["user-error"], plugins=manager()) == 2
+    message = "data/train.jsonl:3: missing field 'text'"
+    if rank == "0":
+        assert (capsys.readouterr().err, waits) == (f"error: {message}\n", [])
+    else:
+        assert (capsys.readouterr().err, waits) == (
+            f"error: rank {rank}: {message}\n",
+            [cli.RANK_ERROR_GRACE_S],
+        )
+    # --debug: every rank at once
+    waits.clear()
+    assert main(["--debug", "user-error"], plugins=manager()) == 2
+    assert message in capsys.readouterr().err and waits == []

@@ -1,16 +1,22 @@
 """The `llmtrain` command. Its subcommands are plugins of kind `command`, so each package adds its
 own (`data ...` from data-pack, `run` and `config ...` from train-loop) and third parties can too.
 
-Errors a person can fix (`UserError`) print as one message and exit 2; anything else is a bug:
-one line and exit 1, the traceback only with `--debug`. Startup imports no torch.
+Global options (`--debug`) work before or after the subcommand. A command of one of llmtrain's
+own packages that is not installed names the package to install. Errors a person can fix
+(`UserError`) print as one message and exit 2, once per launch: under torchrun or srun rank 0
+prints it, and the other ranks only if they outlive it (`_report_user_error`); anything else is
+a bug: one line and exit 1, the traceback only with `--debug`. Startup imports no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import importlib_metadata
@@ -20,6 +26,9 @@ from llmtrain.core_mesh.plugins import PluginManager
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
+# how long a rank other than 0 waits before printing a user error (rank 0 prints it; see
+# `_report_user_error`)
+RANK_ERROR_GRACE_S = 20.0
 
 
 @attrs.frozen
@@ -41,19 +50,85 @@ def version() -> str:
     return importlib_metadata.version("llmtrain-core-mesh")
 
 
+# the commands of llmtrain's own distributions, so that a command whose package is not installed
+# is answered with the package to install (core-mesh cannot import the others to ask them)
+COMMAND_DISTRIBUTIONS: dict[str, str] = {
+    "plugins": "llmtrain-core-mesh",
+    "data": "llmtrain-data-pack",
+    **dict.fromkeys(
+        (
+            "run",
+            "config",
+            "eval",
+            "eval-tasks",
+            "generate",
+            "quickstart",
+            "sweep",
+            "estimate",
+            "which",
+        ),
+        "llmtrain-train-loop",
+    ),
+    **dict.fromkeys(("export", "checkpoints"), "llmtrain-checkpoint"),
+    **dict.fromkeys(("compare", "plot", "profile", "ranks", "fit", "report"), "llmtrain-ablate"),
+    "hf": "llmtrain-hf",
+    "lm-eval": "llmtrain-lmeval",
+}
+
+
+def _add_global_options(parser: argparse.ArgumentParser, default: object) -> None:
+    """The options every command takes, before or after its name. A subcommand's parser gives
+    them `argparse.SUPPRESS` as default, so it keeps what an earlier position set."""
+    parser.add_argument(
+        "--debug", action="store_true", default=default, help="show tracebacks for errors"
+    )
+
+
+class _CommandParser(argparse.ArgumentParser):
+    """The parser of a subcommand (and of its own subcommands: argparse makes those of the same
+    class). It also takes the global options, and a positional list (`KEY=VALUE ...`) may be
+    left out: argparse would name it among the missing arguments of `llmtrain run`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _add_global_options(self, default=argparse.SUPPRESS)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        if not action.option_strings and action.nargs == argparse.ZERO_OR_MORE:
+            action.required = False
+        return action
+
+
 def build_parser(plugins: PluginManager) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llmtrain",
         description="LLM pretraining: pack data, train, checkpoint, compare runs.",
     )
     parser.add_argument("--version", action="version", version=f"llmtrain {version()}")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for entry in plugins.registry("command").values():
+    _add_global_options(parser, default=False)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
+    commands = plugins.registry("command")
+    for entry in commands.values():
         command: Command = entry.target
         sub_parser = sub.add_parser(entry.name, help=command.help, description=command.help)
         command.configure(sub_parser)
+    for name in COMMAND_DISTRIBUTIONS.keys() - commands.names():
+        # not offered in the help; taken with any arguments, so `main` can say what to install
+        stand_in = sub.add_parser(name, description=_not_installed(name, plugins))
+        stand_in.add_argument("arguments", nargs=argparse.REMAINDER)
     return parser
+
+
+def _not_installed(name: str, plugins: PluginManager) -> str:
+    """What to do about a command of llmtrain's own packages that is not here."""
+    distribution = COMMAND_DISTRIBUTIONS[name]
+    if any(p.origin.distribution == distribution for p in plugins.problems):
+        return (
+            f"`{name}` is provided by {distribution}, which is installed but failed to load; "
+            "see `llmtrain plugins`"
+        )
+    return f"`{name}` is provided by {distribution}: pip install {distribution}"
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -85,12 +160,14 @@ def main(argv: Sequence[str] | None = None, *, plugins: PluginManager | None = N
                 f"warning: {n} plugin problem{'s' if n > 1 else ''}; see `llmtrain plugins`",
                 file=sys.stderr,
             )
+        if args.command not in plugins.registry("command"):
+            raise UserError(_not_installed(args.command, plugins))
         command: Command = plugins.registry("command").get(args.command).target
         return int(command.run(args, Context(plugins, debug)) or 0)
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
+        _report_user_error(exc, debug=debug)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -105,3 +182,23 @@ def main(argv: Sequence[str] | None = None, *, plugins: PluginManager | None = N
                 file=sys.stderr,
             )
         return EXIT_BUG
+
+
+def _report_user_error(exc: UserError, *, debug: bool) -> None:
+    """Print the error once per launch: rank 0 prints it. Every rank usually meets the same
+    error (one config, the same files), and rank 0's exit ends the launch (torchrun stops the
+    other ranks) while they wait here; a rank still alive after the wait met an error of its
+    own, and says it. `--debug`: every rank at once."""
+    rank = _launch_rank()
+    if rank != 0 and not debug:
+        time.sleep(RANK_ERROR_GRACE_S)
+    print(f"error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
+
+
+def _launch_rank() -> int:
+    """This process's rank from its launcher (torchrun's RANK, srun's SLURM_PROCID); 0 without."""
+    text = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    try:
+        return int(text)
+    except ValueError:
+        return 0
