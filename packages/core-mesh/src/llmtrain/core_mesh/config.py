@@ -192,6 +192,11 @@ def _line_of(raw: Any, path: PathParts) -> int | None:
 # -- overrides ---------------------------------------------------------------------------------
 
 
+def key_path(key: str) -> PathParts:
+    """`a.b.0.c` -> ("a", "b", 0, "c"): a dotted key as a config path (digits index lists)."""
+    return tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
+
+
 def parse_override(text: str) -> tuple[PathParts, Any]:
     """`a.b.0.c=value` -> (("a", "b", 0, "c"), parsed value)."""
     key, sep, value = text.partition("=")
@@ -199,7 +204,7 @@ def parse_override(text: str) -> tuple[PathParts, Any]:
         raise ConfigError(
             [Problem((), "an override looks like key.path=value", f"override {text!r}")]
         )
-    path = tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
+    path = key_path(key)
     if any(p == "" for p in path):
         raise ConfigError([Problem((), "empty key in the dotted path", f"override {text!r}")])
     parsed = parse_yaml(value, f"override {text!r}") if value.strip() else None

@@ -1,12 +1,13 @@
 """`llmtrain sweep`: an ablation as one command.
 
-A base config and axes (`--grid KEY=V1,V2` crossed with each other, `--zip KEY=V1,V2` stepped
-together, `--seeds N`, and `--ladder`: model sizes and steps from compute budgets, see
-`ladder.py`) expand into runs. Every run gets its own resolved config in
-`<dir>/<sweep>/<run-id>/config.yaml` (reproducible alone: `llmtrain run` on it resumes or repeats
-it) and the sweep a `manifest.json`. All configs are checked before anything runs. Then the runs
-go one after another here, or their torchrun commands are printed, or a SLURM job-array script
-is written. A run whose `summary.json` says finished is skipped; one with checkpoints resumes.
+A base config, with `KEY=VALUE` overrides applied as `llmtrain run` applies them, and axes
+(`--grid KEY=V1,V2` crossed with each other, `--zip KEY=V1,V2` stepped together, `--seeds N`,
+and `--ladder`: model sizes and steps from compute budgets, see `ladder.py`) expand into runs.
+Every run gets its own resolved config in `<dir>/<sweep>/<run-id>/config.yaml` (reproducible
+alone: `llmtrain run` on it resumes or repeats it) and the sweep a `manifest.json`. All
+configs are checked before anything runs. Then the runs go one after another here, or their
+torchrun commands are printed, or a SLURM job-array script is written. A run whose
+`summary.json` says finished is skipped; one with checkpoints resumes.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ from llmtrain.core_mesh.config import (
     ConfigError,
     ConfigValueError,
     Problem,
+    apply_overrides,
     dump_config,
+    key_path,
     load_config,
     make_converter,
+    parse_override,
     parse_yaml,
     set_value,
     structure,
@@ -51,6 +55,12 @@ from llmtrain.train_loop.run_config import RunConfig, resolved
 
 WEIGHTS = "data.weights"  # one list per run: the weight of each dataset in data.train, in order
 MAX_ID = 100
+# the CPU cores a SLURM task asks for per process: its own thread, data prefetch, checkpoint writes
+CPUS_PER_PROCESS = 4
+# the #SBATCH options that ask for GPUs or CPUs another way: given with --slurm, they replace
+# what the script would ask for
+GPU_OPTIONS = frozenset({"gpus-per-node", "gpus", "gpus-per-task", "gpus-per-socket", "gres"})
+CPU_OPTIONS = frozenset({"cpus-per-task", "cpus-per-gpu", "mincpus"})
 
 
 @attrs.frozen
@@ -193,8 +203,10 @@ def plan(
     sweep_dir: Path,
     plugins: Any,
     world_size: int,
+    overrides: Sequence[str] = (),
 ) -> list[PlannedRun]:
-    """Every run's resolved config, all checked; one ConfigError lists every problem."""
+    """Every run's resolved config, all checked; one ConfigError lists every problem.
+    `overrides` (`KEY=VALUE`, as `llmtrain run` takes them) change the base before the axes."""
     try:
         text = Path(base).read_text(encoding="utf-8")
     except OSError as exc:
@@ -203,6 +215,8 @@ def plan(
     if not isinstance(base_raw, dict):
         raise ConfigError([Problem((), "a run config is a mapping")], base)
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
+    _check_not_swept(overrides, flags)
+    base_raw, base_overridden = apply_overrides(base_raw, overrides)
     all_settings = expand(axes)
     ids = run_ids(expand(axes, labelled=True))
     converter = make_converter(plugins)
@@ -210,7 +224,7 @@ def plan(
     planned = []
     for run_id, settings in zip(ids, all_settings, strict=True):
         raw = copy.deepcopy(base_raw)
-        overridden: dict[tuple, str] = {}
+        overridden: dict[tuple, str] = dict(base_overridden)
         try:
             for key, value in settings.items():
                 for path, item in _assignments(raw, key, value, flags[key]):
@@ -232,10 +246,21 @@ def plan(
     return planned
 
 
+def _check_not_swept(overrides: Sequence[str], flags: dict[str, str]) -> None:
+    """An override of a key that an axis sets would be replaced in every run: refused."""
+    swept = {key_path(key): flag for key, flag in flags.items()}
+    for text in overrides:
+        path, _ = parse_override(text)
+        if path in swept:
+            raise UserError(
+                f"{text!r} sets a key that {swept[path]} sweeps: drop the override or the axis"
+            )
+
+
 def _assignments(raw: dict, key: str, value: Any, flag: str) -> list[tuple[tuple, Any]]:
     """(path, value) pairs a swept key sets; `data.weights` sets each dataset's weight."""
     if key != WEIGHTS:
-        return [(tuple(int(p) if p.isdigit() else p for p in key.split(".")), value)]
+        return [(key_path(key), value)]
     train = raw.get("data", {}).get("train") if isinstance(raw.get("data"), dict) else None
     if not isinstance(train, list) or not train:
         raise ConfigError([Problem(("data", "train"), "no dataset list to weight", flag)])
@@ -332,13 +357,22 @@ def slurm_script(
     *,
     nodes: int,
     nproc: int,
+    gpus_per_node: int,
     options: Sequence[str],
     max_parallel: int | None,
     sweep_dir: Path,
 ) -> str:
-    """A job array: task i runs configs[i] with torchrun on `nodes` nodes; preempted or
-    requeued tasks resume from their checkpoints."""
+    """A job array: task i runs configs[i] with torchrun on `nodes` nodes, one task per node
+    with `gpus_per_node` GPUs (0: none) and CPUS_PER_PROCESS cores per process; `--slurm`
+    options that ask for GPUs or CPUs themselves replace those. Preempted or requeued tasks
+    resume from their checkpoints."""
     throttle = f"%{max_parallel}" if max_parallel else ""
+    given = {option.partition("=")[0].lstrip("-") for option in options}
+    resources = []
+    if gpus_per_node and not given & GPU_OPTIONS:
+        resources.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    if not given & CPU_OPTIONS:
+        resources.append(f"#SBATCH --cpus-per-task={nproc * CPUS_PER_PROCESS}")
     lines = [
         "#!/bin/bash",
         f"# llmtrain sweep {name}: {len(configs)} runs, one array task each",
@@ -346,6 +380,7 @@ def slurm_script(
         f"#SBATCH --array=0-{len(configs) - 1}{throttle}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
+        *resources,
         f"#SBATCH --output={sweep_dir}/slurm-%A_%a.out",
         "#SBATCH --signal=B:USR1@300",
         "#SBATCH --requeue",
@@ -369,7 +404,10 @@ def slurm_script(
         '    scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
         "}",
         "trap on_usr1 USR1",
-        "srun --kill-on-bad-exit=1 torchrun \\",
+        "# srun (Slurm 22.05 and later) does not pass the job's cpus-per-task on to its task",
+        "srun --kill-on-bad-exit=1 "
+        '${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \\',
+        "    torchrun \\",
         f'    --nnodes="$SLURM_NNODES" --nproc-per-node={nproc} \\',
         '    --rdzv-backend=c10d --rdzv-endpoint="$head:29500" \\',
         '    --rdzv-id="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" \\',
@@ -490,6 +528,13 @@ def _result(path: Path) -> str:
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="the base run config (YAML)")
     parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="set in the base config before the axes, as `llmtrain run` takes them, e.g. "
+        "data.global_batch=64",
+    )
+    parser.add_argument(
         "--grid",
         action="append",
         default=[],
@@ -540,6 +585,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes per run (slurm)")
     parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="slurm: GPUs each node asks for (#SBATCH --gpus-per-node; default: --nproc-per-node; "
+        f"0: a CPU job); each run also asks for {CPUS_PER_PROCESS} CPU cores per process "
+        "(#SBATCH --cpus-per-task). A --slurm option for GPUs or CPUs (gres=gpu:a100:4, "
+        "cpus-per-task=32, ...) replaces these",
+    )
+    parser.add_argument(
         "--slurm",
         action="append",
         default=[],
@@ -561,8 +616,12 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError("--nproc-per-node and --nodes must be at least 1")
     if args.nodes > 1 and args.launch != "slurm":
         raise UserError("--nodes > 1 needs --launch slurm (a run here or printed is one node)")
+    if args.gpus_per_node is not None and args.launch != "slurm":
+        raise UserError("--gpus-per-node is for --launch slurm (what the job script asks for)")
+    if args.gpus_per_node is not None and args.gpus_per_node < 0:
+        raise UserError(f"--gpus-per-node must be 0 (a CPU job) or more, got {args.gpus_per_node}")
     axes = axes_from(args.grid, args.zip, args.seeds)
-    name = args.name or _base_name(args.config)
+    name = args.name or _base_name(args.config, args.overrides)
     if not name or "/" in name:
         raise UserError(f"--name must be a name without '/', got {name!r}")
     sweep_dir = (Path(args.dir) / name).resolve()
@@ -571,7 +630,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if rungs:
         axes = [_ladder_axis(rungs), *axes]
     planned = plan(
-        args.config, axes, name=name, sweep_dir=sweep_dir, plugins=ctx.plugins, world_size=world
+        args.config,
+        axes,
+        name=name,
+        sweep_dir=sweep_dir,
+        plugins=ctx.plugins,
+        world_size=world,
+        overrides=args.overrides,
     )
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
@@ -586,6 +651,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     meta = {
         "name": name,
         "base": str(Path(args.config).resolve()),
+        "overrides": list(args.overrides),
         "command": shlex.join(_command_of(args)),
         "axes": [{"keys": list(a.keys), "values": [list(r) for r in a.rows]} for a in axes],
     }
@@ -614,6 +680,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                 [r.path(sweep_dir) / "config.yaml" for r in pending],
                 nodes=args.nodes,
                 nproc=args.nproc_per_node,
+                gpus_per_node=(
+                    args.nproc_per_node if args.gpus_per_node is None else args.gpus_per_node
+                ),
                 options=args.slurm,
                 max_parallel=args.max_parallel,
                 sweep_dir=sweep_dir,
@@ -652,7 +721,7 @@ def _ladder_rungs(
     ratios = ladder.parse_positive_list(args.tokens_per_param, "--tokens-per-param", "10,20,40")
     aspect = ladder.parse_aspect(args.aspect_ratio)
     ladder.check_other_axes([key for axis in axes for key in axis.keys])
-    base = ladder_base(args.config, ctx.plugins)
+    base = ladder_base(args.config, ctx.plugins, args.overrides)
     return ladder.ladder(
         base,
         ctx.plugins,
@@ -664,9 +733,11 @@ def _ladder_rungs(
     )
 
 
-def ladder_base(path: str, plugins: Any) -> RunConfig:
-    """The base config as a run reads it (the model's options with their defaults)."""
-    return resolved(load_config(path, RunConfig, plugins=plugins), plugins)
+def ladder_base(path: str, plugins: Any, overrides: Sequence[str] = ()) -> RunConfig:
+    """The base config as a run reads it (overrides applied, the model's options with their
+    defaults)."""
+    config = load_config(path, RunConfig, plugins=plugins, overrides=overrides)
+    return resolved(config, plugins)
 
 
 def _ladder_axis(rungs: Sequence[ladder.Rung]) -> Axis:
@@ -682,7 +753,7 @@ def _rung_of(run: PlannedRun, rungs: Sequence[ladder.Rung]) -> ladder.Rung:
 
 def _command_of(args: argparse.Namespace) -> list[str]:
     """The sweep's own command line, from its parsed arguments (for the manifest)."""
-    words = ["llmtrain", "sweep", args.config]
+    words = ["llmtrain", "sweep", args.config, *args.overrides]
     for flag in ("grid", "zip"):
         for text in getattr(args, flag):
             words += [f"--{flag}", text]
@@ -708,10 +779,14 @@ def _finished(path: Path) -> bool:
     return summary is not None and summary.get("status") == "finished"
 
 
-def _base_name(config: str) -> str:
+def _base_name(config: str, overrides: Sequence[str]) -> str:
+    """The base config's `name` (a `name=...` override included), else the file's stem."""
     try:
         raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
         raw = None
     name = raw.get("name") if isinstance(raw, dict) else None
+    for text in overrides:
+        path, value = parse_override(text)
+        name = value if path == ("name",) else name
     return str(name) if name else Path(config).stem
