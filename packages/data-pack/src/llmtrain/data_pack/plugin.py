@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.errors import UserError
@@ -64,7 +63,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-dir",
         default=None,
-        help="where the JSON log file goes (default: logs/data-<action>-<time>)",
+        help="a local folder for the JSON log file (rank0.jsonl); default: none, the log lines "
+        "go to stderr only",
     )
 
 
@@ -243,8 +243,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.core_mesh.logs import configure_logging
 
-    log_dir = args.log_dir or f"logs/data-{args.action}-{time.strftime('%Y%m%d-%H%M%S')}"
-    configure_logging(log_dir=log_dir, level="INFO")
+    if args.log_dir is not None and "://" in args.log_dir:
+        raise UserError(
+            f"--log-dir {args.log_dir}: the JSON log is written to a local folder; "
+            "give a local path"
+        )
+    configure_logging(log_dir=args.log_dir, level="INFO")
     storage_options = _storage_options(args.storage_option)
     if args.action in ("pack", "pack-chat"):
         return _pack(args, ctx, storage_options)
