@@ -1,21 +1,36 @@
 """The `tensorboard` logger, installed as a plugin package: real `llmtrain run` processes write
-event files that TensorBoard's own reader (the EventAccumulator its Python data loader uses) reads
-back equal to metrics.jsonl, step by step, with the resolved config as text; a run SIGKILLed past
-its checkpoint and resumed shows every step once."""
+event files that TensorBoard's own readers show equal to metrics.jsonl, step by step, with the
+resolved config as text: the Python loader (`--load_fast=false`), the classic `EventAccumulator`
+and a real `tensorboard --logdir` serving the web view from its data server. A run SIGKILLed
+past its checkpoint and resumed shows every step once in each of them."""
 
 from __future__ import annotations
 
+import contextlib
+import html
+import json
 import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import train_support as ts
 import yaml
 from llmtrain_tensorboard.plugin import TensorBoardOptions, TensorBoardSink, tag_of
 
 from llmtrain.core_mesh.interfaces import RunInfo
+
+TEXT_TAG = "config/text_summary"  # TensorBoard's tag for the text logged as `config`
+RUN = "run/tensorboard"  # the TensorBoard run of the llmtrain run `run`, under `--logdir runs`
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +47,63 @@ def config(data, tmp_path) -> dict:
     return config
 
 
+@pytest.fixture(scope="module")
+def finished_run(data, tmp_path_factory):
+    """A 30-step run's directory."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    path = ts.write_config(tmp_path / "run.yaml", config(data, tmp_path))
+    ts.run(ts.llmtrain("run", path), timeout=600)
+    return tmp_path / "runs" / "run"
+
+
+@pytest.fixture(scope="module")
+def resumed_run(data, tmp_path_factory):
+    """A run SIGKILLed between its checkpoint at step 10 and step 20, then resumed to step 30."""
+    tmp_path = tmp_path_factory.mktemp("resumed")
+    path = ts.write_config(tmp_path / "run.yaml", config(data, tmp_path))
+    run_dir = tmp_path / "runs" / "run"
+    proc = ts.start(ts.llmtrain("run", path))
+    try:
+        ts.wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        ts.stop_group(proc)
+    killed_at = ts.last_logged_step(run_dir / "metrics.jsonl")
+    resumed_from = ts.committed_steps(run_dir / "checkpoints")[-1]
+    assert resumed_from < killed_at < 30, "the kill did not land between a checkpoint and the end"
+    resumed = ts.run(ts.llmtrain("run", path), timeout=600)
+    assert "run.resumed" in resumed.stderr
+    return SimpleNamespace(dir=run_dir, killed_at=killed_at, resumed_from=resumed_from)
+
+
+def as_stored(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of metrics.jsonl as TensorBoard holds it: each value is the
+    logged number rounded to float32 (what a `simple_value` holds)."""
+    want = {}
+    for line in metrics:
+        for name, value in line.items():
+            if name != "step":
+                want.setdefault(tag_of(name), []).append((line["step"], float(np.float32(value))))
+    return want
+
+
+def config_texts(texts: list[tuple[int, str]]) -> list[tuple[int, dict]]:
+    """(step, markdown) of the config text -> (step, the YAML in its fenced block, parsed)."""
+    out = []
+    for step, text in texts:
+        assert text.startswith("```yaml\n") and text.endswith("```\n"), text[:80]
+        out.append((step, yaml.safe_load(text.removeprefix("```yaml\n").removesuffix("```\n"))))
+    return out
+
+
+# --- TensorBoard's readers
+
+
 def read_events(log_dir, *, purge: bool = True):
-    """{tag: [(step, value), ...]} in file order, as TensorBoard's Python loader sees them
-    (`purge=False`: everything in the files, also what a restart hid)."""
+    """{tag: [(step, value), ...]} in file order, as TensorBoard's Python loader (the
+    `plugin_event_accumulator` behind `--load_fast=false`) sees them (`purge=False`: everything
+    in the files, also what a restart hid)."""
     from tensorboard.backend.event_processing import plugin_event_accumulator as pea
     from tensorboard.util import tensor_util
 
@@ -49,28 +118,123 @@ def read_events(log_dir, *, purge: bool = True):
     return out
 
 
-def config_texts(events) -> list[tuple[int, dict]]:
-    """The config text summaries: (step, the YAML in the fenced block, parsed)."""
+def python_loader_texts(events) -> list[tuple[int, str]]:
+    return [(step, array[0].decode()) for step, array in events[TEXT_TAG]]
+
+
+def read_classic(log_dir) -> tuple[dict, list[tuple[int, str]]]:
+    """({tag: [(step, value), ...]}, [(step, config text), ...]) as the classic
+    `event_accumulator.EventAccumulator` sees them: its `Scalars(tag)` and `Tensors(tag)`."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+    from tensorboard.util import tensor_util
+
+    acc = ea.EventAccumulator(str(log_dir), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    acc.Reload()
+    tags = acc.Tags()
+    assert tags["tensors"] == [TEXT_TAG], tags
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in tags["scalars"]}
+    texts = [
+        (e.step, tensor_util.make_ndarray(e.tensor_proto)[0].decode())
+        for e in acc.Tensors(TEXT_TAG)
+    ]
+    return scalars, texts
+
+
+LOCAL_FREE_PORT = ["--host", "127.0.0.1", "--port", "0"]
+
+
+@contextlib.contextmanager
+def tensorboard(logdir, timeout: float = 120):
+    """`tensorboard --logdir LOGDIR` as a user starts it (its default loader), on a free port of
+    127.0.0.1: yields its URL once it serves. Killed, with its data server, on the way out."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), *LOCAL_FREE_PORT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = queue.Queue()
+
+    def read():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        printed = []
+        deadline = time.monotonic() + timeout
+        while (address := re.search(r" at (http://127\.0\.0\.1:\d+)/", "".join(printed))) is None:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"tensorboard printed no address in {timeout} s:\n{''.join(printed)}"
+                ) from None
+            if line is None:
+                raise AssertionError(
+                    f"tensorboard exited ({proc.wait()}) before serving:\n{''.join(printed)}"
+                )
+            printed.append(line)
+        # the web view's default: the Rust data server, announced with this note
+        assert "fast data loading" in "".join(printed), (
+            "tensorboard did not start its data server (it fell back to the Python loader):\n"
+            + "".join(printed)
+        )
+        yield address.group(1)
+    finally:
+        ts.stop_group(proc)
+        proc.wait()
+        reader.join(timeout=30)
+        proc.stdout.close()
+
+
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def get(url: str, path: str, form: dict | None = None):
+    """The JSON answer to GET `path` (or POST, with `form`)."""
+    body = None if form is None else urllib.parse.urlencode(form).encode()
+    with OPENER.open(url + path, data=body, timeout=60) as response:
+        return json.load(response)
+
+
+def served_scalars(url: str, run: str) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value), ...]} of `run`, asked for the way the web view's Time Series
+    dashboard asks: the tags, then every scalar series."""
+    tags = get(url, "/data/plugin/timeseries/tags", {})["scalars"]["runTagInfo"].get(run, [])
+    if not tags:
+        return {}
+    requests = json.dumps([{"plugin": "scalars", "tag": tag} for tag in tags])
+    series = get(url, "/data/plugin/timeseries/timeSeries", {"requests": requests})
+    return {
+        one["tag"]: [(point["step"], point["value"]) for point in one["runToSeries"][run]]
+        for one in series
+    }
+
+
+def served_texts(url: str, run: str) -> list[tuple[int, str]]:
+    """(step, the config text) of `run` from the text dashboard's answer: the markdown rendered
+    as HTML, the YAML block read back out of its <code> element."""
+    query = urllib.parse.urlencode({"run": run, "tag": TEXT_TAG})
     out = []
-    for step, array in events["config/text_summary"]:
-        text = array[0].decode()
-        assert text.startswith("```yaml\n") and text.endswith("```\n"), text[:80]
-        out.append((step, yaml.safe_load(text.removeprefix("```yaml\n").removesuffix("```\n"))))
+    for point in get(url, "/data/plugin/text/text?" + query):
+        (code,) = re.findall(r"<pre><code[^>]*>(.*?)</code></pre>", point["text"], re.S)
+        out.append((point["step"], f"```yaml\n{html.unescape(code)}```\n"))
     return out
 
 
-def assert_equal_to_jsonl(events, metrics: list[dict]) -> None:
-    """Every metric of every metrics.jsonl line is in TensorBoard at its step, exactly (float64),
-    and TensorBoard holds nothing else."""
-    want = {}
-    for line in metrics:
-        for name, value in line.items():
-            if name != "step":
-                want.setdefault(tag_of(name), []).append((line["step"], value))
-    got = {tag: values for tag, values in events.items() if tag != "config/text_summary"}
-    assert sorted(got) == sorted(want)
-    for tag in want:
-        assert got[tag] == want[tag], tag
+def poll(fetch, want, timeout: float = 120):
+    """`fetch()` until it answers `want`, or its last answer after `timeout` s: the data server
+    reads the event files in the background after TensorBoard starts serving."""
+    deadline = time.monotonic() + timeout
+    while (got := fetch()) != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return got
+
+
+# --- tests
 
 
 def test_entry_point_loads_without_torch_or_tensorboard():
@@ -108,58 +272,76 @@ def test_options_are_validated_with_the_config_path(data, tmp_path, run_cli):
     assert "bad.yaml:36: loggers[1].dir: expected str, got int" in err, err
 
 
-def test_run_writes_every_logged_metric_and_the_config(data, tmp_path):
-    path = ts.write_config(tmp_path / "run.yaml", config(data, tmp_path))
-    ts.run(ts.llmtrain("run", path), timeout=600)
-    run_dir = tmp_path / "runs" / "run"
-
-    metrics = ts.read_metrics(run_dir)
+def test_python_loader_reads_every_logged_metric_and_the_config(finished_run):
+    metrics = ts.read_metrics(finished_run)
     assert [m["step"] for m in metrics] == list(range(1, 31))
-    events = read_events(run_dir / "tensorboard")
-    assert_equal_to_jsonl(events, metrics)
+    events = read_events(finished_run / "tensorboard")
+    texts = config_texts(python_loader_texts(events))
+    del events[TEXT_TAG]
+    assert events == as_stored(metrics)
     assert [step for step, _ in events["eval/loss"]] == [10, 20, 30]
-    # float64 on disk: the token count and the loss are the numbers metrics.jsonl has
     assert events["train/tokens"][-1] == (30, 30 * 8 * 32)
 
-    ((step, text),) = config_texts(events)
+    ((step, text),) = texts
     assert step == 1
-    assert text == yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert text == yaml.safe_load((finished_run / "config.yaml").read_text())
     assert text["model"]["kind"] == "tiny" and text["model"]["d_model"] == 32
     assert text["loggers"][1] == {"kind": "tensorboard", "dir": "tensorboard"}
 
 
-def test_sigkill_past_a_checkpoint_then_resume_shows_each_step_once(data, tmp_path):
-    path = ts.write_config(tmp_path / "run.yaml", config(data, tmp_path))
-    run_dir = tmp_path / "runs" / "run"
-    proc = ts.start(ts.llmtrain("run", path))
-    try:
-        ts.wait_for_step(run_dir / "metrics.jsonl", 15, proc)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=30)
-    finally:
-        ts.stop_group(proc)
-    killed_at = ts.last_logged_step(run_dir / "metrics.jsonl")
-    resumed_from = ts.committed_steps(run_dir / "checkpoints")[-1]
-    assert resumed_from < killed_at < 30, "the kill did not land between a checkpoint and the end"
+def test_classic_accumulator_reads_every_logged_metric_and_the_config(finished_run):
+    scalars, texts = read_classic(finished_run / "tensorboard")
+    assert scalars == as_stored(ts.read_metrics(finished_run))
+    assert scalars["train/tokens"][-1] == (30, 30 * 8 * 32)
+    assert config_texts(texts) == [(1, yaml.safe_load((finished_run / "config.yaml").read_text()))]
 
-    resumed = ts.run(ts.llmtrain("run", path), timeout=600)
-    assert "run.resumed" in resumed.stderr
 
+def test_the_web_view_serves_every_logged_metric_and_the_config(finished_run):
+    want = as_stored(ts.read_metrics(finished_run))
+    with tensorboard(finished_run.parent) as url:
+        scalars = poll(lambda: served_scalars(url, RUN), want)
+        assert scalars == want
+        assert sorted(get(url, "/data/plugin/scalars/tags")[RUN]) == sorted(want)
+        texts = config_texts(served_texts(url, RUN))
+    assert texts == [(1, yaml.safe_load((finished_run / "config.yaml").read_text()))]
+
+
+def test_sigkill_past_a_checkpoint_then_resume_shows_each_step_once(resumed_run):
+    run_dir, resumed_from = resumed_run.dir, resumed_run.resumed_from
     # the files hold the killed process's steps past the checkpoint and the resumed ones
     raw = [step for step, _ in read_events(run_dir / "tensorboard", purge=False)["train/loss"]]
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
     first = raw[: raw.index(resumed_from + 1, resumed_from + 1)]
     assert first == list(range(1, len(first) + 1))
     assert raw == first + list(range(resumed_from + 1, 31))
+    killed_at = resumed_run.killed_at
     assert first[-1] in (killed_at - 1, killed_at)  # flushed per logged step (jsonl logs first)
     # ... and TensorBoard shows one uninterrupted run, equal to metrics.jsonl
     metrics = ts.read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 31))
     events = read_events(run_dir / "tensorboard")
-    assert_equal_to_jsonl(events, metrics)
-    texts = config_texts(events)
+    texts = config_texts(python_loader_texts(events))
+    del events[TEXT_TAG]
+    assert events == as_stored(metrics)
     assert [step for step, _ in texts] == [1, resumed_from + 1]
     assert texts[0][1] == texts[1][1] == yaml.safe_load((run_dir / "config.yaml").read_text())
+
+
+def test_a_resumed_run_reads_once_in_the_classic_accumulator(resumed_run):
+    scalars, texts = read_classic(resumed_run.dir / "tensorboard")
+    assert scalars == as_stored(ts.read_metrics(resumed_run.dir))
+    config = yaml.safe_load((resumed_run.dir / "config.yaml").read_text())
+    assert config_texts(texts) == [(1, config), (resumed_run.resumed_from + 1, config)]
+
+
+def test_a_resumed_run_is_served_once_by_the_web_view(resumed_run):
+    want = as_stored(ts.read_metrics(resumed_run.dir))
+    assert [step for step, _ in want["train/loss"]] == list(range(1, 31))
+    with tensorboard(resumed_run.dir.parent) as url:
+        assert poll(lambda: served_scalars(url, RUN), want) == want
+        texts = config_texts(served_texts(url, RUN))
+    config = yaml.safe_load((resumed_run.dir / "config.yaml").read_text())
+    assert texts == [(1, config), (resumed_run.resumed_from + 1, config)]
 
 
 def run_info(tmp_path, start_step: int) -> RunInfo:
@@ -188,4 +370,33 @@ def test_a_fresh_start_hides_what_an_earlier_start_wrote(tmp_path):
     events = read_events(tmp_path / "tensorboard")
     assert events["train/loss"] == [(1, 1.0), (2, 0.5)]
     assert events["eval/loss"] == [(1, 2.0)]
-    assert [step for step, _ in config_texts(events)] == [1]
+    assert [step for step, _ in config_texts(python_loader_texts(events))] == [1]
+    want = {"train/loss": [(1, 1.0), (2, 0.5)], "eval/loss": [(1, 2.0)]}
+    scalars, texts = read_classic(tmp_path / "tensorboard")
+    assert scalars == want
+    # the classic accumulator purges only its own kinds (scalars, histograms, images, audio),
+    # not tensors such as text: it keeps the earlier start's config text as well
+    assert [step for step, _ in texts] == [1, 1]
+    with tensorboard(tmp_path) as url:
+        assert poll(lambda: served_scalars(url, "tensorboard"), want) == want
+        assert [step for step, _ in served_texts(url, "tensorboard")] == [1]
+
+
+def test_values_are_the_logged_numbers_rounded_to_float32(tmp_path):
+    """`simple_value` is a float32: a token count past 2**24 and a loss lose their low bits in
+    TensorBoard (metrics.jsonl keeps the exact numbers)."""
+    sink = TensorBoardSink(TensorBoardOptions(), run_info(tmp_path, 0))
+    sink.log(1, {"tokens": 2**24 + 1, "loss": 0.1, "lr": 3e-3})
+    sink.close()
+    want = {
+        "train/tokens": [(1, 2.0**24)],
+        "train/loss": [(1, 0.10000000149011612)],
+        "train/lr": [(1, 0.003000000026077032)],
+    }
+    scalars, _ = read_classic(tmp_path / "tensorboard")
+    assert scalars == want
+    events = read_events(tmp_path / "tensorboard")
+    del events[TEXT_TAG]
+    assert events == want
+    with tensorboard(tmp_path) as url:
+        assert poll(lambda: served_scalars(url, "tensorboard"), want) == want

@@ -39,8 +39,12 @@ def config_markdown(config: Mapping) -> str:
 
 
 class TensorBoardSink:
-    """Scalars in float64 (a float32 cannot hold a token count past 2**24 exactly), on disk
-    when `log` returns: a SIGKILLed run keeps every point its checkpoint covers.
+    """Scalars in TensorBoard's classic form (`simple_value`, a float32), on disk when `log`
+    returns: a SIGKILLed run keeps every point its checkpoint covers. It is the one scalar form
+    that all of TensorBoard's readers show: the data server behind the web view ignores float64
+    tensors and the classic `EventAccumulator.Scalars` reads only this form. A float32 holds a
+    token count exactly up to 2**24 and a loss to about 7 digits; metrics.jsonl keeps the exact
+    numbers.
 
     A resumed run starts its event file with a purge at `start_step + 1`: TensorBoard then hides
     what an earlier, killed process wrote past the checkpoint this one resumes from, so the
@@ -60,9 +64,7 @@ class TensorBoardSink:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for name, value in metrics.items():
-            self.writer.add_scalar(
-                tag_of(name), value, global_step=step, new_style=True, double_precision=True
-            )
+            self.writer.add_scalar(tag_of(name), value, global_step=step)
         self.writer.flush()  # waits for the writer thread: cheap next to a training step
 
     def close(self) -> None:

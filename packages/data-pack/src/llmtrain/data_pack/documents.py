@@ -262,18 +262,22 @@ def _records(batch: Any, where: Where) -> list[dict[str, Any]]:
     return [dict(zip(names, row, strict=True)) for row in zip(*values, strict=True)]
 
 
-def iter_texts(
-    sources: Sequence[Source], field: str, storage_options: dict | None = None
-) -> Iterator[str]:
-    """Every non-empty document of the inputs in order (one process; for training tokenizers).
-    A bad record stops with where it is, as `pack` does by default."""
+def text_batches(
+    sources: Sequence[Source],
+    field: str,
+    storage_options: dict | None = None,
+    split_bytes: int = 16 << 20,
+) -> Iterator[tuple[list[str], int]]:
+    """Every non-empty document of the inputs in order, a task's at a time with the input bytes
+    the task read (one process; for training tokenizers). A bad record stops with where it is,
+    as `pack` does by default."""
     selection = Selection(field)
     numbers = LineNumbers()
-    for task in plan_tasks(sources, 16 << 20, storage_options):
+    for task in plan_tasks(sources, split_bytes, storage_options):
         docs = read_documents(task, selection, storage_options)
         first = numbers.first(task, docs.n_lines)
         if docs.bad:
             relative, why = docs.bad[0]
             unit = sources[task.source].unit
             raise InputError(f"{location(task.url, unit, first + relative)}: {why}")
-        yield from docs.texts
+        yield docs.texts, task.input_bytes

@@ -41,6 +41,7 @@ from llmtrain.data_pack.pack_worker import (
     tokenize_task,
     warm_up,
 )
+from llmtrain.data_pack.progress import Progress, ProgressSettings
 from llmtrain.data_pack.sources import (
     LINE_FORMATS,
     InputError,
@@ -311,7 +312,7 @@ def pack(
     batch_docs: int = 512,
     storage_options: Mapping[str, Any] | None = None,
     plugins: PluginManager | None = None,
-    progress: bool = False,
+    progress: ProgressSettings = ProgressSettings(),
     chat: ChatSettings | None = None,
     where: Sequence[str] = (),
     id_field: str = "id",
@@ -370,7 +371,7 @@ def pack(
             encoder=encoder.name,
             output=output,
         )
-        bar = _progress_bar(total_bytes, progress)
+        meter = Progress(progress, total_bytes, event="pack.progress", desc="packing")
         try:
             writer = DatasetWriter(
                 out,
@@ -383,16 +384,16 @@ def pack(
             )
             try:
                 counts = _write(
-                    sources, settings, pool, encoder, storage_options, writer, split_bytes, bar
+                    sources, settings, pool, encoder, storage_options, writer, split_bytes, meter
                 )
             except _FastDiffers as differs:
                 log.warning(
                     "pack.fast_encoder_differs", document=differs.args[0], using="reference"
                 )
                 encoder = _reference_encoder(tok, raw)
-                bar.reset()
+                meter.reset()
                 counts = _write(
-                    sources, settings, pool, encoder, storage_options, writer, split_bytes, bar
+                    sources, settings, pool, encoder, storage_options, writer, split_bytes, meter
                 )
             extra = {}
             if chat is not None:
@@ -431,7 +432,7 @@ def pack(
             out.abort()
             raise
         finally:
-            bar.close()
+            meter.close()
     c = counts["counts"]
     summary = PackSummary(
         output,
@@ -509,20 +510,6 @@ def _check_formats(sources: Sequence[Source], chat: ChatSettings | None, filters
             )
 
 
-def _progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        unit="B",
-        unit_scale=True,
-        unit_divisor=1024,
-        disable=not enabled,
-        desc="packing",
-        dynamic_ncols=True,
-    )
-
-
 def _write(
     sources: Sequence[Source],
     settings: PackSettings,
@@ -531,20 +518,19 @@ def _write(
     storage_options: dict,
     writer: DatasetWriter,
     split_bytes: int,
-    bar: Any,
+    meter: Progress,
 ) -> dict[str, Any]:
     """Run the tasks and append their documents in task order; returns counts, bad records and
     what each input file gave (kept, dropped by the filter, bad)."""
     tasks_by_index: dict[int, Task] = {}
     numbers = LineNumbers()
-    empty = blank = done_bytes = too_long = 0
+    empty = blank = too_long = 0
     chat = settings.chat
     skip = settings.on_bad_line == "skip"
     sink = writer if chat is None else BlockPacker(writer, chat.seq_len, settings.eod_id)
     bad_lines: list[dict[str, Any]] = []
     per_file = [{"kept": 0, "dropped": 0, "bad": 0} for _ in sources]
     bad_files: list[tuple[int, str]] = []
-    last_log = time.monotonic()
 
     def bad(source: int, number: int | None, why: str) -> None:
         source_ = sources[source]
@@ -595,17 +581,7 @@ def _write(
         too_long += result.too_long
         empty += result.empty_documents
         blank += result.blank_lines
-        bar.update(result.input_bytes)
-        done_bytes += result.input_bytes
-        bar.set_postfix(docs=writer.n_documents, tokens=writer.n_tokens, refresh=False)
-        if time.monotonic() - last_log > 30:
-            last_log = time.monotonic()
-            log.info(
-                "pack.progress",
-                documents=writer.n_documents,
-                tokens=writer.n_tokens,
-                bytes_done=done_bytes,
-            )
+        meter.update(result.input_bytes, documents=writer.n_documents, tokens=writer.n_tokens)
     encoder.settle()
     for source, why in bad_files:  # unreadable files after the last task
         per_file[source]["bad"] += 1

@@ -5,11 +5,11 @@ the commands import their machinery when they run."""
 from __future__ import annotations
 
 import argparse
-import sys
 
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.data_pack.progress import LOG_EVERY_SECONDS, ProgressSettings
 from llmtrain.data_pack.tokenizer import (
     BytesOptions,
     BytesTokenizer,
@@ -65,6 +65,22 @@ def _common(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a local folder for the JSON log file (rank0.jsonl); default: none, the log lines "
         "go to stderr only",
+    )
+
+
+def _progress_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar or progress log lines",
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=LOG_EVERY_SECONDS,
+        metavar="SECONDS",
+        help="when stderr is not a terminal, log progress every SECONDS (default "
+        f"{LOG_EVERY_SECONDS:g}); on a terminal a bar shows it",
     )
 
 
@@ -147,7 +163,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="input MB per worker task (default: enough tasks to keep every worker busy, <= 16)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _progress_args(p)
     _common(p)
 
     c = actions.add_parser(
@@ -200,7 +216,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
     c.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
     c.add_argument("--compression", default="none", help="none, zstd or zstd:LEVEL")
-    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _progress_args(c)
     _common(c)
 
     t = actions.add_parser(
@@ -220,6 +236,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     )
     t.add_argument("--max-documents", type=int, default=None, help="train on the first N documents")
     t.add_argument("--overwrite", action="store_true")
+    _progress_args(t)
     _common(t)
 
     i = actions.add_parser(
@@ -283,6 +300,12 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def _progress(args: argparse.Namespace) -> ProgressSettings:
+    if args.progress_every < 0:
+        raise UserError(f"--progress-every {args.progress_every:g}: give 0 or more seconds")
+    return ProgressSettings.for_stderr(not args.no_progress, args.progress_every)
+
+
 def _tokenizer_raw(args: argparse.Namespace, ctx: Context) -> dict:
     from llmtrain.data_pack.tokenizer import choice_to_raw, tokenizer_choice
 
@@ -338,7 +361,7 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
         ),
         storage_options=storage_options,
         plugins=ctx.plugins,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=_progress(args),
     )
     unit = "lines" if chat is not None else "records"
     skipped = f", {summary.bad_lines} bad {unit} skipped" if summary.bad_lines else ""
@@ -376,6 +399,7 @@ def _train(args: argparse.Namespace, storage_options: dict) -> int:
         max_documents=args.max_documents,
         overwrite=args.overwrite,
         storage_options=storage_options,
+        progress=_progress(args),
     )
     print(f"{args.output}: byte-level BPE, {vocab} tokens")
     return 0

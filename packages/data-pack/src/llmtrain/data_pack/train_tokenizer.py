@@ -1,10 +1,14 @@
 """`llmtrain data train-tokenizer`: a byte-level BPE trained on your own JSONL, for machines that
-cannot download one. The result is a tokenizer.json the `hf` tokenizer (and its fast path) reads."""
+cannot download one. The result is a tokenizer.json the `hf` tokenizer (and its fast path) reads.
+
+Two phases: reading the corpus (the tokenizers library splits it into words as it comes), with
+the progress of the bytes and documents read; then training on the word counts, where that
+library shows its own bars on a terminal."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import fsspec
@@ -12,11 +16,14 @@ import structlog
 from fsspec.core import url_to_fs
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.data_pack.documents import iter_texts
-from llmtrain.data_pack.sources import expand_inputs
+from llmtrain.data_pack.documents import text_batches
+from llmtrain.data_pack.progress import Progress, ProgressSettings
+from llmtrain.data_pack.sources import Source, expand_inputs
 from llmtrain.data_pack.tokenizer import ENDOFTEXT, train_bpe
 
 log = structlog.get_logger("llmtrain.data_pack")
+
+READ_SPLIT_BYTES = 1 << 20  # the input is read (and its progress reported) a MB at a time
 
 
 def train_tokenizer(
@@ -30,31 +37,27 @@ def train_tokenizer(
     max_documents: int | None = None,
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    progress: ProgressSettings = ProgressSettings(),
 ) -> int:
     """Train on the inputs' documents and write tokenizer.json; returns the vocab size reached."""
-    import json
-
     storage_options = dict(storage_options or {})
     fs, path = url_to_fs(output, **storage_options)
     if fs.exists(path) and not overwrite:
         raise UserError(f"{output} already exists; pass --overwrite to replace it")
-    sources = expand_inputs(inputs, storage_options)
-    texts = iter_texts(sources, field, storage_options)
-    if max_documents is not None:
-        texts = itertools.islice(texts, max_documents)
-    counted = _Counter(texts)
+    corpus = _Corpus(expand_inputs(inputs, storage_options), field, storage_options)
     text = train_bpe(
-        counted,
+        corpus.read(max_documents, progress, vocab_size),
         vocab_size,
         special_tokens=tuple(special_tokens or (ENDOFTEXT,)),
         min_frequency=min_frequency,
+        show_progress=progress.bar,
     )
-    if counted.n == 0:
+    if corpus.documents == 0:
         raise UserError(f"no documents with field {field!r} in {', '.join(inputs)}")
     with fsspec.open(output, "w", encoding="utf-8", **storage_options) as f:
         f.write(text)
     reached = len(json.loads(text)["model"]["vocab"])
-    log.info("tokenizer.trained", output=output, documents=counted.n, vocab_size=reached)
+    log.info("tokenizer.trained", output=output, documents=corpus.documents, vocab_size=reached)
     if reached < vocab_size:
         log.warning(
             "tokenizer.vocab_smaller",
@@ -65,11 +68,33 @@ def train_tokenizer(
     return reached
 
 
-class _Counter:
-    def __init__(self, texts):
-        self.texts, self.n = texts, 0
+class _Corpus:
+    """The documents of the inputs, counted as the trainer reads them."""
 
-    def __iter__(self):
-        for text in self.texts:
-            self.n += 1
-            yield text
+    def __init__(self, sources: Sequence[Source], field: str, storage_options: dict):
+        self.sources, self.field, self.storage_options = sources, field, storage_options
+        self.documents = self.bytes = 0
+
+    def read(
+        self, max_documents: int | None, progress: ProgressSettings, vocab_size: int
+    ) -> Iterator[str]:
+        """The documents (the first `max_documents`), reporting the bytes and documents read;
+        logs the start of the training phase when they are all read."""
+        total = sum(s.size for s in self.sources)
+        meter = Progress(progress, total, event="tokenizer.reading", desc="reading")
+        try:
+            batches = text_batches(self.sources, self.field, self.storage_options, READ_SPLIT_BYTES)
+            for texts, n_bytes in batches:
+                if max_documents is not None:
+                    texts = texts[: max_documents - self.documents]
+                yield from texts
+                self.documents += len(texts)
+                self.bytes += n_bytes
+                meter.update(n_bytes, documents=self.documents)
+                if self.documents == max_documents:
+                    break
+        finally:
+            meter.close()
+        log.info(
+            "tokenizer.training", documents=self.documents, bytes=self.bytes, vocab_size=vocab_size
+        )
