@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import types
 
+import attrs
 import pytest
 import torch
 
@@ -104,6 +105,17 @@ def test_tp_must_divide_both_head_counts(describe):
     assert check_layout(
         ParallelOptions(), MeshSpec(tp=4), 4, model, seq_len=16, device_type="cpu"
     ) == MeshSpec(tp=4, dp_shard=1)
+
+
+def test_a_model_without_a_tp_plan_refuses_tensor_parallelism(describe):
+    # what a model says when its options cannot be split across tensor-parallel ranks
+    model = attrs.evolve(describe(), tp_plan={})
+    [problem] = problems_of(describe, mesh=MeshSpec(tp=2), world_size=2, model=model)
+    assert problem.startswith("mesh.tp=2: the model has no tensor-parallel plan")
+    assert problem.endswith("use mesh.tp: 1 and shard with FSDP instead")
+    # the same model shards with FSDP
+    got = check_layout(ParallelOptions(), MeshSpec(), 2, model, seq_len=16, device_type="cpu")
+    assert got == MeshSpec(dp_shard=2)
 
 
 def test_more_pipeline_stages_than_blocks(describe):

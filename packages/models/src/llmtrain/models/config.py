@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 import attrs
 
-from llmtrain.core_mesh.config import ConfigValueError
+from llmtrain.core_mesh.config import YAML_KEY, ConfigValueError
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -22,6 +22,42 @@ def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> Non
 
 def _round_up(value: int, multiple: int) -> int:
     return math.ceil(value / multiple) * multiple
+
+
+def _positive_float(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"must be a positive number, got {value}")
+
+
+def _follows_bias(name: str) -> attrs.Attribute:
+    """A per-projection bias switch: `null` (the default) follows `bias`. The attribute is
+    private and its YAML key public, so `cfg.<name>` reads the resolved value."""
+    return attrs.field(default=None, metadata={YAML_KEY: name})
+
+
+@attrs.frozen(kw_only=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in transformers): frequencies whose
+    wavelength exceeds `original_max_seq_len / low_freq_factor` are divided by `factor`, those
+    shorter than `original_max_seq_len / high_freq_factor` are kept, and the band between is
+    interpolated smoothly. It stretches a model trained at `original_max_seq_len` to longer
+    contexts."""
+
+    kind: Literal["llama3"] = attrs.field(
+        default="llama3", validator=attrs.validators.in_(("llama3",))
+    )
+    factor: float = attrs.field(validator=_positive_float)
+    low_freq_factor: float = attrs.field(default=1.0, validator=_positive_float)
+    high_freq_factor: float = attrs.field(default=4.0, validator=_positive_float)
+    original_max_seq_len: int = attrs.field(validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigValueError(
+                "high_freq_factor",
+                f"must be larger than low_freq_factor ({self.low_freq_factor}), "
+                f"got {self.high_freq_factor}",
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -43,6 +79,7 @@ class TransformerConfig:
         default="learned", validator=attrs.validators.in_(("learned", "rope"))
     )
     rope_base: float = 10000.0
+    rope_scaling: RopeScaling | None = None
     norm: Literal["layernorm", "rmsnorm"] = attrs.field(
         default="layernorm", validator=attrs.validators.in_(("layernorm", "rmsnorm"))
     )
@@ -52,18 +89,32 @@ class TransformerConfig:
     )
     mlp_hidden: int | None = attrs.field(default=None, validator=_positive)
     mlp_multiple_of: int = attrs.field(default=256, validator=_positive)
+    norm_placement: Literal["pre", "after_sublayer"] = attrs.field(
+        default="pre", validator=attrs.validators.in_(("pre", "after_sublayer"))
+    )
     qk_norm: bool = False
+    qk_norm_scope: Literal["head", "all_heads"] = attrs.field(
+        default="head", validator=attrs.validators.in_(("head", "all_heads"))
+    )
+    # null: d_model / n_heads; set it when the attention width n_heads x head_dim is not d_model
+    _head_dim: int | None = attrs.field(
+        default=None, validator=_positive, metadata={YAML_KEY: "head_dim"}
+    )
     tied_embeddings: bool = True
     bias: bool = True
+    _qkv_bias: bool | None = _follows_bias("qkv_bias")
+    _out_bias: bool | None = _follows_bias("out_bias")
+    _mlp_bias: bool | None = _follows_bias("mlp_bias")
     dropout: float = attrs.field(default=0.0, validator=_fraction)
     init_std: float = 0.02
     scale_residual_init: bool = True
     doc_masking: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.d_model % self.n_heads:
+        if self._head_dim is None and self.d_model % self.n_heads:
             raise ConfigValueError(
-                "n_heads", f"must divide d_model={self.d_model}, got {self.n_heads}"
+                "n_heads",
+                f"must divide d_model={self.d_model}, got {self.n_heads} (or set head_dim)",
             )
         if self.n_heads % self.kv_heads:
             raise ConfigValueError(
@@ -72,8 +123,10 @@ class TransformerConfig:
         if self.positions == "rope" and self.head_dim % 2:
             raise ConfigValueError(
                 "d_model",
-                f"RoPE needs an even head size; d_model/n_heads = {self.head_dim}",
+                f"RoPE needs an even head size; head_dim (d_model / n_heads unless set) = {self.head_dim}",
             )
+        if self.rope_scaling is not None and self.positions != "rope":
+            raise ConfigValueError("rope_scaling", "scales RoPE; set positions: rope or remove it")
 
     @property
     def kv_heads(self) -> int:
@@ -81,7 +134,19 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self._head_dim if self._head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.bias if self._qkv_bias is None else self._qkv_bias
+
+    @property
+    def out_bias(self) -> bool:
+        return self.bias if self._out_bias is None else self._out_bias
+
+    @property
+    def mlp_bias(self) -> bool:
+        return self.bias if self._mlp_bias is None else self._mlp_bias
 
     @property
     def padded_vocab_size(self) -> int:

@@ -1,4 +1,5 @@
-"""A decoder-only transformer whose options cover the GPT-2 and Llama families.
+"""A decoder-only transformer whose options cover the GPT-2, Llama, Mistral, Qwen2/3 and OLMo-2
+families.
 
 Read top to bottom: norms and rotary positions, attention, MLP, block, the model. Attention goes
 through torch's scaled_dot_product_attention (the flash kernel on GPU). Shapes are written with
@@ -25,12 +26,32 @@ def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
+def rope_frequencies(cfg: TransformerConfig, device: torch.device | None = None) -> torch.Tensor:
+    """The angle per position of each rotated pair, (head_dim / 2,): base^(-2i/head_dim), then
+    Llama 3's scaling when `rope_scaling` is set (see `RopeScaling`)."""
+    half = cfg.head_dim // 2
+    freqs = cfg.rope_base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return freqs
+    wavelength = 2 * math.pi / freqs
+    long_wave = scaling.original_max_seq_len / scaling.low_freq_factor
+    short_wave = scaling.original_max_seq_len / scaling.high_freq_factor
+    # 0 at the long-wavelength edge of the band, 1 at its short edge
+    smooth = (scaling.original_max_seq_len / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = torch.where(wavelength > long_wave, freqs / scaling.factor, freqs)
+    in_band = (wavelength >= short_wave) & (wavelength <= long_wave)
+    return torch.where(in_band, blended, scaled)
+
+
 def rope_tables(
     cfg: TransformerConfig, device: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (max_seq_len, head_dim / 2)."""
-    half = cfg.head_dim // 2
-    freqs = cfg.rope_base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    freqs = rope_frequencies(cfg, device)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -59,24 +80,36 @@ class LayerCache:
 
 
 class Attention(nn.Module):
+    """Multi-head attention with grouped key/value heads. `qk_norm` normalises queries and keys
+    before RoPE: each head on its own (`qk_norm_scope: head`, Qwen3), or all heads of the
+    projection together (`all_heads`, OLMo-2)."""
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
-        self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        q_width, kv_width = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, q_width, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, kv_width, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, kv_width, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_width, cfg.d_model, bias=cfg.out_bias)
+        self.norm_per_head = cfg.qk_norm_scope == "head"
+        q_norm_dim, k_norm_dim = (
+            (cfg.head_dim, cfg.head_dim) if self.norm_per_head else (q_width, kv_width)
+        )
+        self.q_norm = nn.RMSNorm(q_norm_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(k_norm_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x, rope, mask, cache: LayerCache | None, start_pos: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if self.q_norm is not None and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, -1, self.head_dim)
+        k = k.view(B, T, -1, self.head_dim)
+        v = v.view(B, T, -1, self.head_dim)
+        if self.q_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -102,9 +135,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         hidden = cfg.hidden_size
-        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
-        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if cfg.mlp == "swiglu" else None
-        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.mlp_bias) if cfg.mlp == "swiglu" else None
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,16 +149,24 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """Attention then MLP, each in a residual branch. `norm_placement: pre` normalises each
+    branch's input (GPT-2, Llama); `after_sublayer` normalises each branch's output before it
+    joins the residual stream (OLMo-2)."""
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.d_model)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
+        self.norm_before = cfg.norm_placement == "pre"
 
     def forward(self, x, rope=None, mask=None, cache=None, start_pos=0) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache, start_pos)
-        return x + self.mlp(self.mlp_norm(x))
+        if self.norm_before:
+            x = x + self.attn(self.attn_norm(x), rope, mask, cache, start_pos)
+            return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attn_norm(self.attn(x, rope, mask, cache, start_pos))
+        return x + self.mlp_norm(self.mlp(x))
 
 
 class Transformer(nn.Module):
@@ -306,6 +347,14 @@ class Transformer(nn.Module):
             self.head = None
 
     def tp_plan(self) -> dict[str, str]:
+        """Module path -> tensor-parallel style; empty for a model that cannot be split so (the
+        parallel package then refuses mesh.tp > 1)."""
+        if self.cfg.qk_norm and self.cfg.qk_norm_scope == "all_heads":
+            # the norm of a whole projection would need the heads of every tensor-parallel rank
+            return {}
+        if self.cfg.norm_placement != "pre":
+            # the plan places the sequence-parallel norms on the branches' inputs
+            return {}
         plan = {
             "tok_emb": "embedding",
             "norm": "sequence_parallel",

@@ -47,6 +47,13 @@ def _tensor_parallel(
     options: ParallelOptions, mesh: MeshSpec, model: ModelDescription, seq_len: int
 ) -> list[str]:
     problems = []
+    if mesh.tp > 1 and not model.tp_plan:
+        problems.append(
+            f"mesh.tp={mesh.tp}: the model has no tensor-parallel plan (its options, e.g. a "
+            "query/key norm over all heads or norms after each sublayer, cannot be split across "
+            "ranks); use mesh.tp: 1 and shard with FSDP instead"
+        )
+        return problems
     local = seq_len // mesh.cp
     if options.sequence_parallel and mesh.tp > 1 and local % mesh.tp:
         problems.append(
