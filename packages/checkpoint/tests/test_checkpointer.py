@@ -633,12 +633,13 @@ def test_export_writes_the_model_weights_and_config_and_they_load_back(tmp_path,
     code, stdout, err = run_cli("export", root, "-o", out, "--step", 2)
     assert code == 0, err
     assert "step-2" in stdout
+    # model_options.json, not config.json: this is no transformers directory
     assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
         "llmtrain.json",
         "model.safetensors",
+        "model_options.json",
     ]
-    assert json.loads((out / "config.json").read_text()) == config
+    assert json.loads((out / "model_options.json").read_text()) == config
     assert json.loads((out / "llmtrain.json").read_text())["step"] == 2
     weights = load_file(out / "model.safetensors")
     # the model's tensors only: no optimizer moments, no counters
@@ -660,6 +661,13 @@ def test_export_writes_the_model_weights_and_config_and_they_load_back(tmp_path,
     with torch.no_grad():
         assert torch.equal(newest(tokens), model(tokens))
 
+    code, _, err = run_cli("export", root, "--out", out, "--overwrite", "--dtype", "bfloat16")
+    assert code == 0, err
+    halved = load_file(out / "model.safetensors")
+    assert {v.dtype for v in halved.values()} == {torch.bfloat16}
+    for key, value in model.state_dict().items():
+        assert torch.equal(halved[key], value.to(torch.bfloat16)), key
+
 
 def test_export_from_object_storage(moto_s3, tmp_path, tiny, run_cli):
     from safetensors.torch import load_file
@@ -674,7 +682,7 @@ def test_export_from_object_storage(moto_s3, tmp_path, tiny, run_cli):
     assert sorted(weights) == sorted(model.state_dict())
     for key, value in model.state_dict().items():
         assert torch.equal(weights[key], value), key
-    assert json.loads((tmp_path / "export" / "config.json").read_text()) == {"dim": 16}
+    assert json.loads((tmp_path / "export" / "model_options.json").read_text()) == {"dim": 16}
 
 
 def test_checkpoints_command_lists_committed_and_unfinished_steps(tmp_path, run_cli):

@@ -13,7 +13,7 @@ from shared_fixtures import run_cli  # noqa: F401
 from llmtrain.core_mesh.plugins import PluginManager
 
 # float32 logits of the same weights computed by two implementations; seen: ~2e-7
-TOL = 1e-4
+TOL = 1e-5
 
 
 def pytest_configure(config):
@@ -59,6 +59,54 @@ def llama_config(**overrides):
         eos_token_id=None,
     )
     return LlamaConfig(**{**values, **overrides})
+
+
+# each supported RoPE-family architecture as tests build it: its config class and what sets it
+# apart from a plain Llama (explicit head sizes, biases, RoPE scaling, norms)
+ROPE_FAMILY_CASES = {
+    "llama3-rope-scaling": (
+        "LlamaConfig",
+        dict(
+            head_dim=32,  # attention width 128 on d_model 64
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+            tie_word_embeddings=True,
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(head_dim=24, sliding_window=None)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, attention_bias=False)),
+    "qwen3-bias": ("Qwen3Config", dict(head_dim=8, attention_bias=True, num_key_value_heads=4)),
+    "olmo2": ("Olmo2Config", dict(rope_theta=500000.0, attention_bias=False)),
+}
+
+
+def rope_family_config(case: str, **overrides):
+    """A small config of one of ROPE_FAMILY_CASES, on the same base shape as `llama_config`."""
+    import transformers
+
+    class_name, specific = ROPE_FAMILY_CASES[case]
+    values = dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    return getattr(transformers, class_name)(**{**values, **specific, **overrides})
 
 
 def gpt2_config(**overrides):
@@ -137,6 +185,8 @@ def hf() -> SimpleNamespace:
     return SimpleNamespace(
         llama_config=llama_config,
         gpt2_config=gpt2_config,
+        rope_family_config=rope_family_config,
+        rope_family_cases=tuple(ROPE_FAMILY_CASES),
         random_model=random_hf_model,
         save_dir=save_hf_dir,
         sentences=sentences,

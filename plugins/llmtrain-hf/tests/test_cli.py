@@ -33,7 +33,7 @@ def test_llama_dir_imports_generates_and_exports_back(
     hf_dir = hf.save_dir(original, tmp_path / "hf", tokenizer_json)
     ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
 
-    code, out, err = run_cli("hf", "import", hf_dir, "--out", ckpt)
+    code, out, err = run_cli("hf", "import", hf_dir, "-o", ckpt)
     assert code == 0, err
     assert "LlamaForCausalLM" in out and "tokenizer.json" in out
     record = json.loads((ckpt / "step-0" / "llmtrain.json").read_text())["info"]
@@ -69,7 +69,7 @@ def test_llama_dir_imports_generates_and_exports_back(
     new = [t for t in greedy[0, prompt.size(1) :].tolist() if t != theirs.eos_token_id]
     assert out.rstrip("\n") == "The cat" + theirs.decode(new)
 
-    code, out, err = run_cli("hf", "export", "--checkpoint", ckpt, "--out", exported)
+    code, out, err = run_cli("hf", "export", ckpt, "-o", exported)
     assert code == 0, err
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
         p.name for p in exported.iterdir()
@@ -89,22 +89,22 @@ def test_gpt2_dir_without_tokenizer_round_trips(tmp_path, run_cli, hf, tokens):
     original = hf.random_model(hf.gpt2_config(tie_word_embeddings=False))
     hf_dir = hf.save_dir(original, tmp_path / "hf")
     ckpt, exported = tmp_path / "ckpt", tmp_path / "exported"
-    code, out, err = run_cli("hf", "import", hf_dir, "--out", ckpt)
+    code, out, err = run_cli("hf", "import", hf_dir, "-o", ckpt)
     assert code == 0, err
     assert "no tokenizer.json" in err
     code, out, err = run_cli("generate", "--checkpoint", ckpt, "--prompt", "x")
     assert code == 2 and "pass --tokenizer" in err
 
-    code, out, err = run_cli("hf", "export", "--checkpoint", ckpt, "--out", exported)
+    code, out, err = run_cli("hf", "export", ckpt, "-o", exported)
     assert code == 0, err
     assert "GPT2LMHeadModel" in out and "records no tokenizer" in err
     back = AutoModelForCausalLM.from_pretrained(exported)
     assert hf.max_diff(hf_logits(back, tokens), hf_logits(original, tokens)) < hf.TOL
 
-    code, _, err = run_cli("hf", "export", "--checkpoint", ckpt, "--out", exported)
+    code, _, err = run_cli("hf", "export", ckpt, "-o", exported)
     assert code == 2 and "already holds a model (config.json); pass --overwrite" in err
     code, _, err = run_cli(
-        "hf", "export", "--checkpoint", ckpt, "--out", exported, "--overwrite", "--dtype",
+        "hf", "export", ckpt, "-o", exported, "--overwrite", "--dtype",
         "bfloat16",
     )  # fmt: skip
     assert code == 0, err
@@ -123,35 +123,44 @@ def save_checkpoint(path, cfg, kind="tiny", data=None) -> str:
 
 
 def test_export_refuses_what_transformers_cannot_hold(tmp_path, run_cli):
-    ckpt = save_checkpoint(tmp_path / "qk", preset_config("tiny", qk_norm=True))
-    code, _, err = run_cli("hf", "export", "--checkpoint", ckpt, "--out", tmp_path / "out")
-    assert code == 2 and "model.qk_norm: true has no equivalent" in err
+    cfg = preset_config("tiny", qk_norm=True, qk_norm_scope="all_heads")
+    ckpt = save_checkpoint(tmp_path / "qk", cfg)
+    code, _, err = run_cli("hf", "export", ckpt, "-o", tmp_path / "out")
+    assert code == 2 and "no transformers architecture computes this model" in err
+    assert "Qwen3ForCausalLM: query/key norm: all_heads (needs head)" in err
     assert not (tmp_path / "out" / "config.json").exists()
 
     ckpt = save_checkpoint(tmp_path / "mix", preset_config("tiny", norm="layernorm"))
-    code, _, err = run_cli("hf", "export", "--checkpoint", ckpt, "--out", tmp_path / "out")
-    assert code == 2 and "model.norm: layernorm has no equivalent in LlamaForCausalLM" in err
+    code, _, err = run_cli("hf", "export", ckpt, "-o", tmp_path / "out")
+    assert code == 2 and "LlamaForCausalLM: model.norm: layernorm (needs rmsnorm)" in err
+
+    ckpt = save_checkpoint(tmp_path / "tiny", preset_config("tiny"))
+    code, _, err = run_cli(
+        "hf", "export", ckpt, "-o", tmp_path / "out",
+        "--architecture", "Qwen2ForCausalLM",
+    )  # fmt: skip
+    assert code == 2 and "Qwen2ForCausalLM: biases q/k/v False" in err
 
 
 def test_import_refuses_other_architectures_and_used_directories(tmp_path, run_cli, hf):
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM
 
-    mistral = MistralForCausalLM(
-        MistralConfig(
+    gemma = GemmaForCausalLM(
+        GemmaConfig(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=64,
+            num_key_value_heads=2, head_dim=8, vocab_size=64,
         )
     )  # fmt: skip
-    hf_dir = hf.save_dir(mistral, tmp_path / "mistral")
-    code, _, err = run_cli("hf", "import", hf_dir, "--out", tmp_path / "c1")
-    assert code == 2 and "model_type 'mistral' (MistralForCausalLM) is not supported" in err
+    hf_dir = hf.save_dir(gemma, tmp_path / "gemma")
+    code, _, err = run_cli("hf", "import", hf_dir, "-o", tmp_path / "c1")
+    assert code == 2 and "model_type 'gemma' (GemmaForCausalLM) is not supported" in err
 
-    code, _, err = run_cli("hf", "import", tmp_path / "nothing", "--out", tmp_path / "c1")
+    code, _, err = run_cli("hf", "import", tmp_path / "nothing", "-o", tmp_path / "c1")
     assert code == 2 and "no config.json" in err
 
     gpt2_dir = hf.save_dir(hf.random_model(hf.gpt2_config(n_layer=1)), tmp_path / "gpt2")
-    assert run_cli("hf", "import", gpt2_dir, "--out", tmp_path / "c2")[0] == 0
-    code, _, err = run_cli("hf", "import", gpt2_dir, "--out", tmp_path / "c2")
+    assert run_cli("hf", "import", gpt2_dir, "-o", tmp_path / "c2")[0] == 0
+    code, _, err = run_cli("hf", "import", gpt2_dir, "-o", tmp_path / "c2")
     assert code == 2 and "already holds checkpoints (steps 0)" in err
 
 

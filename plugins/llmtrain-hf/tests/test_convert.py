@@ -189,14 +189,27 @@ def test_greedy_generation_agrees(hf, name):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(qk_norm=True), r"model\.qk_norm: true has no equivalent"),
-        (dict(norm="layernorm"), r"model\.norm: layernorm has no equivalent in LlamaForCausalLM"),
-        (dict(mlp="gelu"), r"model\.mlp: gelu has no equivalent in LlamaForCausalLM"),
+        (
+            dict(qk_norm=True, qk_norm_scope="all_heads"),  # OLMo-2's norm, Llama's placement
+            r"no transformers architecture computes this model \(LlamaForCausalLM: query/key "
+            r"norm: all_heads \(needs none\);.*Olmo2ForCausalLM: model\.norm_placement: pre "
+            r"\(needs after_sublayer\)",
+        ),
+        (dict(norm="layernorm"), r"LlamaForCausalLM: model\.norm: layernorm \(needs rmsnorm\)"),
+        (dict(mlp="gelu"), r"Qwen2ForCausalLM: model\.mlp: gelu \(needs swiglu\)"),
+        (
+            dict(qkv_bias=True, mlp_bias=True),  # q/k/v and MLP biases, no output bias
+            r"LlamaForCausalLM: biases q/k/v True, output False, MLP True \(it has one switch "
+            r"for q/k/v/o biases and one for the MLP's\); Qwen2ForCausalLM: biases q/k/v True, "
+            r"output False, MLP True \(it has q/k/v biases only\)",
+        ),
         (
             dict(positions="learned"),
-            r"model\.norm: rmsnorm; model\.mlp: swiglu has no equivalent in GPT2LMHeadModel",
+            r"model\.norm: rmsnorm; model\.mlp: swiglu; model\.n_kv_heads: 2 \(grouped-query "
+            r"attention\): no equivalent in GPT2LMHeadModel",
         ),
     ],
+    ids=["qk-norm-all-heads-pre", "layernorm-rope", "gelu-rope", "qkv-and-mlp-bias", "gpt2-mix"],
 )
 def test_llmtrain_options_without_equivalent_are_refused(options, message):
     cfg = preset_config("tiny", **options)
@@ -206,19 +219,32 @@ def test_llmtrain_options_without_equivalent_are_refused(options, message):
         to_hf_model(build_model(cfg))
 
 
+def test_an_export_takes_the_first_architecture_that_fits_or_the_one_asked_for():
+    assert architecture_of(preset_config("tiny")) == "LlamaForCausalLM"
+    assert architecture_of(preset_config("tiny"), "MistralForCausalLM") == "MistralForCausalLM"
+    assert architecture_of(preset_config("tiny", qkv_bias=True)) == "Qwen2ForCausalLM"
+    assert architecture_of(preset_config("tiny", qk_norm=True)) == "Qwen3ForCausalLM"
+    olmo = preset_config(
+        "tiny", qk_norm=True, qk_norm_scope="all_heads", norm_placement="after_sublayer"
+    )
+    assert architecture_of(olmo) == "Olmo2ForCausalLM"
+    with pytest.raises(UnsupportedModelError, match=r"MistralForCausalLM: biases q/k/v True"):
+        architecture_of(preset_config("tiny", bias=True), "MistralForCausalLM")
+    with pytest.raises(UnsupportedModelError, match=r"--architecture Phi3ForCausalLM: choose one"):
+        architecture_of(preset_config("tiny"), "Phi3ForCausalLM")
+
+
 def test_gpt2_with_grouped_query_attention_is_refused():
     cfg = preset_config("gpt2-124m", d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)
     with pytest.raises(UnsupportedModelError, match=r"model\.n_kv_heads: 2"):
         architecture_of(cfg)
 
 
-def _llama3_rope(config):
+def _yarn_rope(config):
     scaling = {
-        "rope_type": "llama3",
+        "rope_type": "yarn",
         "rope_theta": 500000.0,
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
+        "factor": 4.0,
         "original_max_position_embeddings": 64,
     }
     if hasattr(config, "rope_parameters"):
@@ -234,9 +260,24 @@ def _llama3_rope(config):
         (lambda hf: hf.gpt2_config(activation_function="gelu"), "activation_function 'gelu'"),
         (lambda hf: hf.gpt2_config(scale_attn_by_inverse_layer_idx=True), "inverse_layer_idx"),
         (lambda hf: hf.llama_config(hidden_act="gelu"), "hidden_act 'gelu'"),
-        (lambda hf: hf.llama_config(attention_bias=True), "attention_bias True with mlp_bias"),
-        (lambda hf: hf.llama_config(head_dim=32), "head_dim 32"),
-        (lambda hf: _llama3_rope(hf.llama_config()), "rope_type 'llama3'"),
+        (lambda hf: _yarn_rope(hf.llama_config()), "rope_type 'yarn'"),
+        (
+            lambda hf: hf.rope_family_config("mistral", sliding_window=16),
+            "sliding_window 16 \\(shorter than max_position_embeddings 128\\): llmtrain has no "
+            "sliding-window attention",
+        ),
+        (
+            lambda hf: hf.rope_family_config("qwen2", use_sliding_window=True, sliding_window=32),
+            "sliding_window 32",
+        ),
+    ],
+    ids=[
+        "gpt2-gelu",
+        "gpt2-layer-idx",
+        "llama-gelu",
+        "llama-yarn",
+        "mistral-window",
+        "qwen2-window",
     ],
 )
 def test_hf_configs_without_equivalent_are_refused(hf, make, message):
@@ -245,8 +286,13 @@ def test_hf_configs_without_equivalent_are_refused(hf, make, message):
 
 
 def test_other_architectures_are_refused():
-    from transformers import MistralConfig
+    from transformers import GemmaConfig
 
-    config = MistralConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
-    with pytest.raises(UnsupportedModelError, match=r"model_type 'mistral'.*LlamaForCausalLM"):
+    config = GemmaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, head_dim=16)
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"model_type 'gemma' is not supported; llmtrain-hf reads LlamaForCausalLM \(llama\), "
+        r"MistralForCausalLM \(mistral\), Qwen2ForCausalLM \(qwen2\), Qwen3ForCausalLM "
+        r"\(qwen3\), Olmo2ForCausalLM \(olmo2\), GPT2LMHeadModel \(gpt2\)",
+    ):
         options_from_hf(config)

@@ -54,7 +54,7 @@ def check_export(run_cli, plugins, tmp_path, ckpt: str, architecture: str) -> di
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "hf"
-    code, stdout, err = run_cli("hf", "export", "--checkpoint", ckpt, "--out", out)
+    code, stdout, err = run_cli("hf", "export", ckpt, "-o", out)
     assert code == 0, err
     assert architecture in stdout and "step-4" in stdout
     ours, info, step = load_model(ckpt, None, plugins)

@@ -1,81 +1,188 @@
-"""llmtrain's transformer <-> transformers' LlamaForCausalLM and GPT2LMHeadModel: configs and weights.
+"""llmtrain's transformer <-> transformers' causal LMs: configs and weights.
 
-Which architecture a `TransformerConfig` becomes is decided by its layout: RoPE + RMSNorm + SwiGLU
-is Llama, learned positions + LayerNorm + GELU is GPT-2; anything else has no exact equivalent and
-is refused, naming the option. The weight layouts differ in these ways, all handled here:
+Supported: GPT2LMHeadModel, and the RoPE + RMSNorm + SwiGLU family LlamaForCausalLM (Llama 3
+RoPE scaling included), MistralForCausalLM (without sliding-window attention), Qwen2ForCausalLM,
+Qwen3ForCausalLM and Olmo2ForCausalLM. What an architecture can express is a row of
+`ROPE_FAMILY`; a config it cannot express is refused naming the option. An export picks the
+first architecture of `EXPORT_ORDER` that expresses the model (or the one asked for). The
+weight layouts differ in these ways, all handled here:
 
 - RoPE: llmtrain rotates the pairs (x[i], x[i + head_dim/2]) with frequencies
-  base^(-2i/head_dim), which is exactly HF Llama's `rotate_half`: q/k rows need no permutation
+  base^(-2i/head_dim), which is exactly HF's `rotate_half`: q/k rows need no permutation
   (the Meta -> HF conversion permutes because Meta's code rotates interleaved pairs).
+- OLMo-2 normalises each branch's output (`post_attention_layernorm`,
+  `post_feedforward_layernorm`): llmtrain's `attn_norm` / `mlp_norm` with
+  `norm_placement: after_sublayer`; its q/k norms span all heads (`qk_norm_scope: all_heads`),
+  Qwen3's one head (`head`).
 - GPT-2 fuses q, k, v into one `c_attn` and stores every projection as a `Conv1D`, whose weight
   is (in, out): the transpose of an `nn.Linear` weight.
 - GPT-2's MLP uses the tanh approximation of GELU (`gelu_new`), as llmtrain's does.
 - GPT-2 always has biases: a llmtrain model without them exports zeros (the same function).
 - Padded vocabularies export their padded size: HF's `vocab_size` is the embedding's row count;
   the generation config suppresses the padding ids, which llmtrain never samples either.
+- transformers 5 keeps RoPE settings in `rope_parameters`, 4.x in `rope_theta` and
+  `rope_scaling`: both are read, and an export's config.json carries both (`portable_config`).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from typing import Any
+from typing import Any, Literal
 
+import attrs
 import torch
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.models.config import TransformerConfig
+from llmtrain.models.config import RopeScaling, TransformerConfig
 from llmtrain.models.transformer import Transformer, build_model
+from llmtrain_hf.architectures import ARCHITECTURES, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3
 
-LLAMA = "LlamaForCausalLM"
-GPT2 = "GPT2LMHeadModel"
-ARCHITECTURES = (LLAMA, GPT2)
-# the layout (positions, norm, mlp) of each architecture
-LAYOUTS = {
-    LLAMA: {"positions": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
-    GPT2: {"positions": "learned", "norm": "layernorm", "mlp": "gelu"},
-}
+# the layout (positions, norm, mlp) of GPT-2 and of the RoPE family
+GPT2_LAYOUT = {"positions": "learned", "norm": "layernorm", "mlp": "gelu"}
+ROPE_LAYOUT = {"positions": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
 # HF activations that are llmtrain's GELU (torch's tanh approximation) up to float rounding
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+LLAMA3_ROPE = "llama3"
+
+
+@attrs.frozen
+class RopeArchitecture:
+    """What one architecture of the RoPE + RMSNorm + SwiGLU family can express.
+
+    `biases`: which projections carry biases and which config fields switch them —
+    "attention+mlp" (Llama: `attention_bias` for q/k/v/o, `mlp_bias`), "attention" (q/k/v/o by
+    `attention_bias`, no MLP bias), "qkv" (Qwen2: q/k/v always, o and MLP never), "none".
+    `export_fields`: config values an export sets (sliding windows off)."""
+
+    name: str
+    model_type: str
+    config_class: str
+    biases: Literal["attention+mlp", "attention", "qkv", "none"]
+    qk_norm: Literal["none", "head", "all_heads"]
+    norm_placement: Literal["pre", "after_sublayer"]
+    rope_scaling: bool
+    export_fields: dict[str, Any] = attrs.field(factory=dict)
+
+
+ROPE_FAMILY = {
+    a.name: a
+    for a in (
+        RopeArchitecture(LLAMA, "llama", "LlamaConfig", "attention+mlp", "none", "pre", True),
+        RopeArchitecture(
+            MISTRAL, "mistral", "MistralConfig", "none", "none", "pre", True,
+            {"sliding_window": None},
+        ),
+        RopeArchitecture(
+            QWEN2, "qwen2", "Qwen2Config", "qkv", "none", "pre", True,
+            {"use_sliding_window": False},
+        ),
+        RopeArchitecture(
+            QWEN3, "qwen3", "Qwen3Config", "attention", "head", "pre", True,
+            {"use_sliding_window": False},
+        ),
+        # transformers 4.x's Olmo2Config accepts no llama3 RoPE scaling
+        RopeArchitecture(OLMO2, "olmo2", "Olmo2Config", "attention", "all_heads", "after_sublayer", False),
+    )
+}  # fmt: skip
+MODEL_TYPES = {**{a.model_type: a.name for a in ROPE_FAMILY.values()}, "gpt2": GPT2}
+# an export takes the first that fits: Mistral computes what Llama does, so only when asked
+EXPORT_ORDER = (LLAMA, QWEN2, QWEN3, OLMO2, MISTRAL)
 
 
 class UnsupportedModelError(UserError):
     """A model with no exact counterpart on the other side, naming the option that prevents it."""
 
 
-# --- configs ---------------------------------------------------------------------------------------
+# --- which architecture ----------------------------------------------------------------------------
 
 
-def architecture_of(cfg: TransformerConfig) -> str:
-    """LLAMA or GPT2 for a config that has an exact transformers equivalent; else a UserError."""
+# the biases each kind of `RopeArchitecture.biases` has, said in an error
+BIAS_KINDS = {
+    "attention+mlp": "one switch for q/k/v/o biases and one for the MLP's",
+    "attention": "one switch for q/k/v/o biases and no MLP biases",
+    "qkv": "q/k/v biases only",
+    "none": "no biases",
+}
+
+
+def _bias_mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
+    qkv, out, mlp = cfg.qkv_bias, cfg.out_bias, cfg.mlp_bias
+    expressible = {
+        "attention+mlp": qkv == out,
+        "attention": qkv == out and not mlp,
+        "qkv": qkv and not out and not mlp,
+        "none": not (qkv or out or mlp),
+    }[arch.biases]
+    if expressible:
+        return []
+    return [f"biases q/k/v {qkv}, output {out}, MLP {mlp} (it has {BIAS_KINDS[arch.biases]})"]
+
+
+def mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
+    """Why `arch` cannot compute the model of `cfg` (empty: it can)."""
+    problems = [
+        f"model.{key}: {getattr(cfg, key)} (needs {value})"
+        for key, value in ROPE_LAYOUT.items()
+        if getattr(cfg, key) != value
+    ]
+    problems += _bias_mismatches(arch, cfg)
+    scope = cfg.qk_norm_scope if cfg.qk_norm else "none"
+    if scope != arch.qk_norm:
+        problems.append(f"query/key norm: {scope} (needs {arch.qk_norm})")
+    if cfg.norm_placement != arch.norm_placement:
+        problems.append(f"model.norm_placement: {cfg.norm_placement} (needs {arch.norm_placement})")
+    if cfg.rope_scaling is not None and not arch.rope_scaling:
+        problems.append("model.rope_scaling is not supported")
+    return problems
+
+
+def architecture_of(cfg: TransformerConfig, prefer: str | None = None) -> str:
+    """The transformers architecture an export of `cfg` writes: `prefer` when given (it must
+    fit), else the first of EXPORT_ORDER that fits (GPT2 for learned positions); else a
+    UserError naming what each candidate lacks."""
     if type(cfg) is not TransformerConfig:
         raise UnsupportedModelError(
             f"model options of type {type(cfg).__name__} are not llmtrain's TransformerConfig; "
             "hf export handles the built-in transformer kinds (tiny, gpt2-*, llama-*, transformer)"
         )
-    if cfg.qk_norm:
+    if prefer is not None and prefer not in ARCHITECTURES:
         raise UnsupportedModelError(
-            "model.qk_norm: true has no equivalent in LlamaForCausalLM or GPT2LMHeadModel (they "
-            "do not normalise queries and keys per head); only models trained with qk_norm: false "
-            "can be exported"
+            f"--architecture {prefer}: choose one of {', '.join(ARCHITECTURES)}"
         )
-    target = LLAMA if cfg.positions == "rope" else GPT2
-    wrong = [
+    if prefer == GPT2 or (prefer is None and cfg.positions == "learned"):
+        problems = _gpt2_mismatches(cfg)
+        if problems:
+            raise UnsupportedModelError(f"{'; '.join(problems)}: no equivalent in {GPT2}")
+        return GPT2
+    candidates = [prefer] if prefer is not None else list(EXPORT_ORDER)
+    reasons = {name: mismatches(ROPE_FAMILY[name], cfg) for name in candidates}
+    for name in candidates:
+        if not reasons[name]:
+            return name
+    detail = "; ".join(f"{name}: {', '.join(why)}" for name, why in reasons.items())
+    raise UnsupportedModelError(f"no transformers architecture computes this model ({detail})")
+
+
+def _gpt2_mismatches(cfg: TransformerConfig) -> list[str]:
+    problems = [
         f"model.{key}: {getattr(cfg, key)}"
-        for key, value in LAYOUTS[target].items()
+        for key, value in GPT2_LAYOUT.items()
         if getattr(cfg, key) != value
     ]
-    if wrong:
-        need = ", ".join(f"{k}: {v}" for k, v in LAYOUTS[target].items())
-        raise UnsupportedModelError(
-            f"{'; '.join(wrong)} has no equivalent in {target} (positions: {cfg.positions} "
-            f"exports as {target}, which needs {need})"
-        )
-    if target == GPT2 and cfg.kv_heads != cfg.n_heads:
-        raise UnsupportedModelError(
-            f"model.n_kv_heads: {cfg.n_kv_heads} (grouped-query attention) has no equivalent in "
-            f"GPT2LMHeadModel, which has n_heads ({cfg.n_heads}) key/value heads"
-        )
-    return target
+    if cfg.qk_norm:
+        problems.append("model.qk_norm: true")
+    if cfg.norm_placement != "pre":
+        problems.append(f"model.norm_placement: {cfg.norm_placement}")
+    if cfg.kv_heads != cfg.n_heads:
+        problems.append(f"model.n_kv_heads: {cfg.n_kv_heads} (grouped-query attention)")
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        problems.append(f"model.head_dim: {cfg.head_dim} (n_heads x head_dim != d_model)")
+    return problems
+
+
+# --- configs ---------------------------------------------------------------------------------------
 
 
 def hf_config(
@@ -83,10 +190,12 @@ def hf_config(
     *,
     eos_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
+    architecture: str | None = None,
 ) -> Any:
-    """The transformers config (LlamaConfig or GPT2Config) of an llmtrain model config."""
-    from transformers import GPT2Config, LlamaConfig
+    """The transformers config of an llmtrain model config (see `architecture_of`)."""
+    import transformers
 
+    arch = architecture_of(cfg, architecture)
     common = dict(
         vocab_size=cfg.padded_vocab_size,
         tie_word_embeddings=cfg.tied_embeddings,
@@ -94,27 +203,10 @@ def hf_config(
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=None,
-        architectures=[architecture_of(cfg)],
+        architectures=[arch],
     )
-    if architecture_of(cfg) == LLAMA:
-        config = LlamaConfig(
-            hidden_size=cfg.d_model,
-            intermediate_size=cfg.hidden_size,
-            num_hidden_layers=cfg.n_layers,
-            num_attention_heads=cfg.n_heads,
-            num_key_value_heads=cfg.kv_heads,
-            head_dim=cfg.head_dim,
-            hidden_act="silu",
-            max_position_embeddings=cfg.max_seq_len,
-            rms_norm_eps=cfg.norm_eps,
-            rope_theta=cfg.rope_base,
-            attention_bias=cfg.bias,
-            mlp_bias=cfg.bias,
-            attention_dropout=cfg.dropout,
-            **common,
-        )
-    else:
-        config = GPT2Config(
+    if arch == GPT2:
+        config = transformers.GPT2Config(
             n_positions=cfg.max_seq_len,
             n_embd=cfg.d_model,
             n_layer=cfg.n_layers,
@@ -130,85 +222,190 @@ def hf_config(
             reorder_and_upcast_attn=False,
             **common,
         )
+    else:
+        spec = ROPE_FAMILY[arch]
+        config = getattr(transformers, spec.config_class)(
+            hidden_size=cfg.d_model,
+            intermediate_size=cfg.hidden_size,
+            num_hidden_layers=cfg.n_layers,
+            num_attention_heads=cfg.n_heads,
+            num_key_value_heads=cfg.kv_heads,
+            head_dim=cfg.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=cfg.max_seq_len,
+            rms_norm_eps=cfg.norm_eps,
+            rope_theta=cfg.rope_base,
+            rope_scaling=_hf_rope_scaling(cfg.rope_scaling),
+            attention_dropout=cfg.dropout,
+            **_bias_fields(spec, cfg),
+            **spec.export_fields,
+            **common,
+        )
     config.dtype = dtype
     return config
 
 
-def _rope(config: Any) -> tuple[float, str]:
-    """(theta, rope type) of a LlamaConfig: transformers 5 keeps them in `rope_parameters`,
-    4.x in `rope_theta` and `rope_scaling`."""
+def _bias_fields(spec: RopeArchitecture, cfg: TransformerConfig) -> dict[str, bool]:
+    if spec.biases == "attention+mlp":
+        return {"attention_bias": cfg.qkv_bias, "mlp_bias": cfg.mlp_bias}
+    if spec.biases == "attention":
+        return {"attention_bias": cfg.qkv_bias}
+    return {}
+
+
+def _hf_rope_scaling(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    if scaling is None:
+        return None
+    return {
+        "rope_type": LLAMA3_ROPE,
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_seq_len,
+    }
+
+
+def portable_config(directory: str, cfg: TransformerConfig) -> None:
+    """Make the config.json that save_pretrained wrote readable by transformers 4.x and 5.x:
+    5.x writes RoPE settings only as `rope_parameters`, which 4.x ignores (it would fall back to
+    rope_theta 10000), so the 4.x keys are added; 4.x's file already reads in 5.x."""
+    if cfg.positions != "rope":
+        return
+    path = os.path.join(directory, "config.json")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    data["rope_theta"] = cfg.rope_base
+    data["rope_scaling"] = _hf_rope_scaling(cfg.rope_scaling)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _rope(config: Any) -> tuple[float, dict[str, Any]]:
+    """(theta, scaling parameters with `rope_type`) of an HF config: transformers 5 keeps them
+    in `rope_parameters`, 4.x in `rope_theta` and `rope_scaling`."""
     params = dict(getattr(config, "rope_parameters", None) or {})
-    scaling = getattr(config, "rope_scaling", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return float(theta), kind
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    merged = {**scaling, **params}
+    merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
+    return float(theta if theta is not None else 10000.0), merged
 
 
 def _refuse(where: str, what: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"{where}: {what}")
 
 
-def options_from_hf(config: Any, where: str = "config.json") -> TransformerConfig:
-    """The llmtrain model options equivalent to a LlamaConfig or GPT2Config; refuses the rest."""
+def source_architecture(config: Any, where: str = "config.json") -> str:
+    """The supported architecture of an HF config (by its model_type), or a UserError."""
     model_type = getattr(config, "model_type", None)
     archs = list(getattr(config, "architectures", None) or [])
-    other = [a for a in archs if a not in ARCHITECTURES]
-    if model_type not in ("llama", "gpt2") or other:
+    arch = MODEL_TYPES.get(model_type)
+    if arch is None or any(a != arch for a in archs):
         named = f"{model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
-        raise _refuse(
-            where,
-            f"model_type {named} is not supported; hf import reads {LLAMA} (model_type llama) "
-            f"and {GPT2} (model_type gpt2)",
-        )
+        supported = ", ".join(f"{name} ({t})" for t, name in MODEL_TYPES.items())
+        raise _refuse(where, f"model_type {named} is not supported; llmtrain-hf reads {supported}")
+    return arch
+
+
+def options_from_hf(config: Any, where: str = "config.json") -> TransformerConfig:
+    """The llmtrain model options equivalent to a supported transformers config; refuses what
+    has no llmtrain equivalent, naming the field."""
+    arch = source_architecture(config, where)
     common = dict(
         vocab_size=config.vocab_size,
         pad_vocab_to=1,  # the table is as large as HF's: pad nothing further
         tied_embeddings=bool(config.tie_word_embeddings),
         init_std=float(config.initializer_range),
         dropout=0.0,
-        qk_norm=False,
         doc_masking=False,
     )
-    if model_type == "llama":
-        if config.hidden_act != "silu":
-            raise _refuse(where, f"hidden_act {config.hidden_act!r}: llmtrain's SwiGLU uses silu")
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if arch == GPT2:
+        return _gpt2_options(config, where, common)
+    return _rope_family_options(ROPE_FAMILY[arch], config, where, common)
+
+
+def _rope_family_options(
+    spec: RopeArchitecture, config: Any, where: str, common: dict[str, Any]
+) -> TransformerConfig:
+    if config.hidden_act != "silu":
+        raise _refuse(where, f"hidden_act {config.hidden_act!r}: llmtrain's SwiGLU uses silu")
+    _refuse_sliding_window(config, where)
+    theta, rope = _rope(config)
+    if rope["rope_type"] not in ("default", LLAMA3_ROPE) or (
+        rope["rope_type"] == LLAMA3_ROPE and not spec.rope_scaling
+    ):
+        raise _refuse(
+            where,
+            f"rope_type {rope['rope_type']!r} (RoPE frequency scaling) has no llmtrain "
+            f"equivalent; llmtrain reads the default RoPE and {LLAMA3_ROPE!r} scaling",
         )
-        if head_dim * config.num_attention_heads != config.hidden_size:
-            raise _refuse(
-                where,
-                f"head_dim {head_dim} x num_attention_heads {config.num_attention_heads} != "
-                f"hidden_size {config.hidden_size}; llmtrain's head size is d_model / n_heads",
-            )
-        theta, rope_type = _rope(config)
-        if rope_type != "default":
-            raise _refuse(
-                where,
-                f"rope_type {rope_type!r} (RoPE frequency scaling) has no llmtrain equivalent; "
-                "llmtrain's RoPE is the default one (rope_theta only)",
-            )
-        if bool(config.attention_bias) != bool(getattr(config, "mlp_bias", False)):
-            raise _refuse(
-                where,
-                f"attention_bias {config.attention_bias} with mlp_bias {config.mlp_bias}: "
-                "llmtrain's `bias` option covers attention and MLP together",
-            )
-        return TransformerConfig(
-            max_seq_len=config.max_position_embeddings,
-            d_model=config.hidden_size,
-            n_layers=config.num_hidden_layers,
-            n_heads=config.num_attention_heads,
-            n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            positions="rope",
-            rope_base=theta,
-            norm="rmsnorm",
-            norm_eps=float(config.rms_norm_eps),
-            mlp="swiglu",
-            mlp_hidden=config.intermediate_size,
-            bias=bool(config.attention_bias),
-            **common,
+    scaling = None
+    if rope["rope_type"] == LLAMA3_ROPE:
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
         )
+    qkv, out, mlp = _biases(spec, config)
+    bias = qkv if qkv == out == mlp else False
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return TransformerConfig(
+        max_seq_len=config.max_position_embeddings,
+        d_model=config.hidden_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=None if head_dim * config.num_attention_heads == config.hidden_size else head_dim,
+        positions="rope",
+        rope_base=theta,
+        rope_scaling=scaling,
+        norm="rmsnorm",
+        norm_eps=float(config.rms_norm_eps),
+        norm_placement=spec.norm_placement,
+        mlp="swiglu",
+        mlp_hidden=config.intermediate_size,
+        qk_norm=spec.qk_norm != "none",
+        qk_norm_scope="all_heads" if spec.qk_norm == "all_heads" else "head",
+        bias=bias,
+        qkv_bias=None if qkv == bias else qkv,
+        out_bias=None if out == bias else out,
+        mlp_bias=None if mlp == bias else mlp,
+        **common,
+    )
+
+
+def _biases(spec: RopeArchitecture, config: Any) -> tuple[bool, bool, bool]:
+    """(q/k/v, output projection, MLP) biases of a RoPE-family config."""
+    attention = bool(getattr(config, "attention_bias", False))
+    return {
+        "attention+mlp": (attention, attention, bool(getattr(config, "mlp_bias", False))),
+        "attention": (attention, attention, False),
+        "qkv": (True, False, False),
+        "none": (False, False, False),
+    }[spec.biases]
+
+
+def _refuse_sliding_window(config: Any, where: str) -> None:
+    """llmtrain attends over the whole context: a window shorter than the model's context
+    would compute another function."""
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True) and window is not None
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} and window is not None:
+        uses_window = True
+    if uses_window and window < config.max_position_embeddings:
+        raise _refuse(
+            where,
+            f"sliding_window {window} (shorter than max_position_embeddings "
+            f"{config.max_position_embeddings}): llmtrain has no sliding-window attention; "
+            "use a model without one, or set sliding_window to null if it was never trained "
+            "with one",
+        )
+
+
+def _gpt2_options(config: Any, where: str, common: dict[str, Any]) -> TransformerConfig:
     if config.activation_function not in GPT2_GELUS:
         raise _refuse(
             where,
@@ -233,6 +430,7 @@ def options_from_hf(config: Any, where: str = "config.json") -> TransformerConfi
         mlp="gelu",
         mlp_hidden=config.n_inner or 4 * config.n_embd,
         bias=True,
+        qk_norm=False,
         **common,
     )
 
@@ -241,12 +439,12 @@ def options_from_hf(config: Any, where: str = "config.json") -> TransformerConfi
 
 # llmtrain name -> HF name; `{i}` is the layer index. GPT-2's attention and Conv1D layers are
 # not renames and are handled in `_gpt2_block_to_hf` / `_gpt2_block_from_hf`.
-LLAMA_NAMES = {
+ROPE_FAMILY_NAMES = {
     "tok_emb.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "head.weight": "lm_head.weight",
-    "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blocks.{i}.attn.q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
+    "blocks.{i}.attn.k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
     **{
         f"blocks.{{i}}.attn.{ours}.{p}": f"model.layers.{{i}}.self_attn.{theirs}.{p}"
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"))
@@ -256,6 +454,17 @@ LLAMA_NAMES = {
         f"blocks.{{i}}.mlp.{ours}.{p}": f"model.layers.{{i}}.mlp.{theirs}.{p}"
         for ours, theirs in (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
         for p in ("weight", "bias")
+    },
+}
+# the block norms by `norm_placement`: on each branch's input, or on its output (OLMo-2)
+BLOCK_NORM_NAMES = {
+    "pre": {
+        "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    },
+    "after_sublayer": {
+        "blocks.{i}.attn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     },
 }
 GPT2_NAMES = {
@@ -273,6 +482,13 @@ GPT2_NAMES = {
 GPT2_CONV1D = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.w1", "mlp.c_proj": "mlp.w2"}
 # buffers some transformers versions keep in a GPT-2 state dict (the causal mask), not weights
 GPT2_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")
+
+
+def _names(cfg: TransformerConfig) -> dict[str, str]:
+    """llmtrain name -> HF name of every tensor a model of `cfg` may have (its layout's)."""
+    if cfg.positions == "learned":
+        return _layered(GPT2_NAMES, cfg.n_layers)
+    return _layered({**ROPE_FAMILY_NAMES, **BLOCK_NORM_NAMES[cfg.norm_placement]}, cfg.n_layers)
 
 
 def _layered(names: dict[str, str], n_layers: int) -> dict[str, str]:
@@ -304,10 +520,11 @@ def _check_names(got: set[str], expected: set[str], what: str) -> None:
 def to_hf_state_dict(
     weights: dict[str, torch.Tensor], cfg: TransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """llmtrain weights (module names) -> the HF state dict of `architecture_of(cfg)`."""
+    """llmtrain weights (module names) -> the HF state dict of `architecture_of(cfg)` (every
+    architecture of the RoPE family names the tensors of a given config alike)."""
     weights = {k: v for k, v in weights.items() if not k.endswith(("rope_cos", "rope_sin"))}
     arch = architecture_of(cfg)
-    names = _layered(LLAMA_NAMES if arch == LLAMA else GPT2_NAMES, cfg.n_layers)
+    names = _names(cfg)
     out = {names[k]: v for k, v in weights.items() if k in names}
     used = set(names)
     if arch == GPT2:
@@ -356,16 +573,15 @@ def _gpt2_block_to_hf(weights, i: int) -> tuple[dict[str, torch.Tensor], set[str
 def from_hf_state_dict(
     state: dict[str, torch.Tensor], cfg: TransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """An HF Llama/GPT-2 state dict -> llmtrain weights for `cfg` (see `options_from_hf`)."""
-    arch = architecture_of(cfg)
-    state = {k: v for k, v in state.items() if not (arch == GPT2 and GPT2_BUFFERS.search(k))}
+    """An HF state dict -> llmtrain weights for `cfg` (see `options_from_hf`)."""
+    gpt2 = cfg.positions == "learned"
+    state = {k: v for k, v in state.items() if not (gpt2 and GPT2_BUFFERS.search(k))}
     if cfg.tied_embeddings:  # HF lists the tied head too: the same tensor as the embedding
         state.pop("lm_head.weight", None)
-    names = _layered(LLAMA_NAMES if arch == LLAMA else GPT2_NAMES, cfg.n_layers)
-    back = {theirs: ours for ours, theirs in names.items()}
+    back = {theirs: ours for ours, theirs in _names(cfg).items()}
     out = {back[k]: v for k, v in state.items() if k in back}
     used = set(back)
-    if arch == GPT2:
+    if gpt2:
         for i in range(cfg.n_layers):
             block, read = _gpt2_block_from_hf(state, cfg, i)
             out.update(block)
@@ -401,10 +617,11 @@ def to_hf_model(
     *,
     eos_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
+    architecture: str | None = None,
 ) -> Any:
-    """A transformers LlamaForCausalLM / GPT2LMHeadModel with the weights of an llmtrain model
-    (a `Transformer`, or its state dict with `options`)."""
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+    """A transformers model (`architecture`, or the one `architecture_of` picks) with the weights
+    of an llmtrain model (a `Transformer`, or its state dict with `options`)."""
+    import transformers
 
     if isinstance(model, Transformer):
         options = options or model.cfg
@@ -413,10 +630,11 @@ def to_hf_model(
         weights = dict(model)
     if options is None:
         raise TypeError("to_hf_model needs `options` (the TransformerConfig) for a state dict")
-    config = hf_config(options, eos_token_id=eos_token_id, dtype=dtype)
+    arch = architecture_of(options, architecture)
+    config = hf_config(options, eos_token_id=eos_token_id, dtype=dtype, architecture=arch)
     state = to_hf_state_dict(weights, options)
-    hf = (LlamaForCausalLM if architecture_of(options) == LLAMA else GPT2LMHeadModel)(config)
-    _check_names(set(state), set(hf.state_dict()), architecture_of(options))
+    hf = getattr(transformers, arch)(config)
+    _check_names(set(state), set(hf.state_dict()), arch)
     hf.load_state_dict(state, strict=True)
     if options.padded_vocab_size > options.vocab_size:
         # llmtrain never samples the padding ids; neither does transformers' generate then
@@ -428,12 +646,13 @@ def to_hf_model(
 
 def from_hf_model(hf_model: Any) -> Transformer:
     """An llmtrain `Transformer` (float32, eval mode; its options are `.cfg`) with the weights of
-    a transformers LlamaForCausalLM or GPT2LMHeadModel."""
+    a transformers model of a supported architecture (`ARCHITECTURES`)."""
     cfg = options_from_hf(hf_model.config, where=type(hf_model).__name__)
-    arch = architecture_of(cfg)
+    arch = source_architecture(hf_model.config)
     if type(hf_model).__name__ != arch:
         raise UnsupportedModelError(
-            f"{type(hf_model).__name__} is not supported; hf import reads {LLAMA} and {GPT2}"
+            f"{type(hf_model).__name__} is not supported; llmtrain-hf reads the causal-LM heads "
+            f"{', '.join(ARCHITECTURES)}"
         )
     weights = from_hf_state_dict(hf_model.state_dict(), cfg)
     model = build_model(cfg)

@@ -10,21 +10,24 @@ from __future__ import annotations
 import argparse
 import sys
 
+from llmtrain.checkpoint.plugin import export_arguments
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain_hf.architectures import ARCHITECTURES
 from llmtrain_hf.weights import HFWeights
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
-    text = "write a checkpoint as a transformers model directory (Llama or GPT-2)"
+    text = "write a checkpoint as a transformers model directory (the flags of `llmtrain export`)"
     export = actions.add_parser("export", help=text, description=text)
+    export_arguments(export)
     export.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory (runs/<name>/checkpoints)"
+        "--architecture",
+        default=None,
+        choices=ARCHITECTURES,
+        help="the transformers class to write (default: the first that computes the model)",
     )
-    export.add_argument("--step", type=int, default=None, help="default: the newest committed")
-    export.add_argument("--out", required=True, help="the directory to write")
-    export.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     tokenizer = export.add_mutually_exclusive_group()
     tokenizer.add_argument(
         "--tokenizer",
@@ -35,12 +38,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     tokenizer.add_argument(
         "--no-tokenizer", action="store_true", help="write the model without tokenizer files"
     )
-    export.add_argument("--overwrite", action="store_true")
 
-    text = "read a transformers Llama or GPT-2 directory into an llmtrain checkpoint (step 0)"
+    text = "read a transformers model directory into an llmtrain checkpoint (step 0)"
     imp = actions.add_parser("import", help=text, description=text)
     imp.add_argument("hf_dir", metavar="HF_DIR", help="a directory with config.json and weights")
-    imp.add_argument("--out", required=True, help="the checkpoint directory to create")
+    imp.add_argument(
+        "-o", "--output", "--out", dest="output", required=True,
+        help="the checkpoint directory to create",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -51,17 +56,18 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     hf_logging.disable_progress_bar()
     if args.action == "export":
         report = export_checkpoint(
-            args.checkpoint,
-            args.out,
+            args.checkpoints,
+            args.output,
             step=args.step,
-            dtype=args.dtype,
+            dtype=args.dtype or "float32",
+            architecture=args.architecture,
             tokenizer=args.tokenizer,
             with_tokenizer=not args.no_tokenizer,
             overwrite=args.overwrite,
             plugins=ctx.plugins,
         )
     else:
-        report = import_hf(args.hf_dir, args.out, plugins=ctx.plugins)
+        report = import_hf(args.hf_dir, args.output, plugins=ctx.plugins)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
     print(
@@ -88,5 +94,6 @@ def llmtrain_weight_formats(register):
     register(
         "hf",
         HFWeights(),
-        help="a transformers Llama or GPT-2 directory (config.json + safetensors)",
+        help="a transformers model directory (config.json + safetensors): Llama, Mistral, Qwen2, "
+        "Qwen3, OLMo-2 or GPT-2",
     )

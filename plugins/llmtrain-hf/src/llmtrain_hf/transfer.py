@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 import torch
 
+from llmtrain.checkpoint.export import DTYPES
 from llmtrain.checkpoint.manager import Checkpointer
 from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
@@ -20,10 +21,11 @@ from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models.transformer import Transformer
 from llmtrain_hf.convert import (
     GPT2,
-    LLAMA,
     architecture_of,
     from_hf_model,
     options_from_hf,
+    portable_config,
+    source_architecture,
     to_hf_model,
 )
 from llmtrain_hf.tokenizer import (
@@ -33,7 +35,6 @@ from llmtrain_hf.tokenizer import (
     save_tokenizer,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # the model kind an imported checkpoint names: every option explicit, no preset defaults
 IMPORT_KIND = "transformer"
 # the part name the Trainer saves its model under (`train.model.*` in the checkpoint)
@@ -73,13 +74,15 @@ def export_checkpoint(
     tokenizer: str | None = None,
     with_tokenizer: bool = True,
     overwrite: bool = False,
+    architecture: str | None = None,
     plugins: PluginManager | None = None,
 ) -> Report:
     """Write a committed llmtrain checkpoint (newest step, or `step`) as a transformers model
     directory: config.json, model.safetensors, generation_config.json and the tokenizer files.
 
     `tokenizer` is a tokenizer.json to use instead of the recorded path (it must be the same
-    tokenizer); `with_tokenizer=False` writes the model only."""
+    tokenizer); `with_tokenizer=False` writes the model only; `architecture` picks one of
+    those that compute the model (MistralForCausalLM for a Llama-shaped model, say)."""
     from llmtrain.train_loop.saved_model import load_model
 
     if dtype not in DTYPES:
@@ -98,17 +101,18 @@ def export_checkpoint(
             "Transformer; hf export handles the built-in transformer kinds"
         )
     cfg = model.cfg
-    arch = architecture_of(cfg)
-    notes = _export_notes(cfg)
+    arch = architecture_of(cfg, architecture)
+    notes = _export_notes(cfg, arch)
     record = info.get("data", {}).get("tokenizer")
     if with_tokenizer:
         tok = hf_tokenizer(record, plugins, max_len=cfg.max_seq_len, path=tokenizer)
     else:
         tok = TokenizerExport(None, "--no-tokenizer: no tokenizer files written")
     notes.append(tok.note)
-    hf = to_hf_model(model, eos_token_id=tok.eos_token_id, dtype=DTYPES[dtype])
+    hf = to_hf_model(model, eos_token_id=tok.eos_token_id, dtype=DTYPES[dtype], architecture=arch)
     os.makedirs(out, exist_ok=True)
     hf.save_pretrained(out)
+    portable_config(out, cfg)
     save_tokenizer(tok, out)
     source = f"{checkpoint.rstrip('/')}/step-{step}"
     with open(os.path.join(out, "llmtrain.json"), "w", encoding="utf-8") as f:
@@ -123,7 +127,7 @@ def export_checkpoint(
     )
 
 
-def _export_notes(cfg: Any) -> list[str]:
+def _export_notes(cfg: Any, arch: str) -> list[str]:
     notes = []
     if cfg.padded_vocab_size != cfg.vocab_size:
         notes.append(
@@ -135,12 +139,12 @@ def _export_notes(cfg: Any) -> list[str]:
             "model.doc_masking is a training-time mask over packed documents: the exported "
             "model attends over its whole input, as llmtrain does at generation time"
         )
-    if cfg.dropout and architecture_of(cfg) == LLAMA:
+    if cfg.dropout and arch != GPT2:
         notes.append(
-            f"model.dropout {cfg.dropout}: Llama has attention dropout only (attention_dropout); "
-            "llmtrain's residual dropout has no field (no effect at inference)"
+            f"model.dropout {cfg.dropout}: {arch} has attention dropout only "
+            "(attention_dropout); llmtrain's residual dropout has no field (no effect at inference)"
         )
-    if architecture_of(cfg) == GPT2 and not cfg.bias:
+    if arch == GPT2 and not cfg.bias:
         notes.append("model.bias: false exports as GPT-2's biases set to zero (the same function)")
     return notes
 
@@ -151,17 +155,19 @@ def import_hf(
     *,
     plugins: PluginManager | None = None,
 ) -> Report:
-    """Read a transformers LlamaForCausalLM / GPT2LMHeadModel directory and save it as a
-    committed llmtrain checkpoint at step 0 in `out` (a path or fsspec URL), with the model
-    options (kind `transformer`, every option explicit) and, when HF_DIR has tokenizer.json,
-    the tokenizer: `llmtrain generate --checkpoint OUT` and `llmtrain eval` then work on it."""
+    """Read a transformers model directory (an architecture of `convert.ARCHITECTURES`) and save
+    it as a committed llmtrain checkpoint at step 0 in `out` (a path or fsspec URL), with the
+    model options (kind `transformer`, every option explicit) and, when HF_DIR has
+    tokenizer.json, the tokenizer: `llmtrain generate --checkpoint OUT` and `llmtrain eval` then work on it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise UserError(f"{hf_dir}: no config.json; give a transformers model directory")
     plugins = _plugins(plugins)
     config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    options_from_hf(config, where=os.path.join(hf_dir, "config.json"))  # refuse before loading
+    where = os.path.join(hf_dir, "config.json")
+    options_from_hf(config, where=where)  # refuse before loading
+    arch = source_architecture(config, where)
     checkpoints = Checkpointer(out)
     existing = checkpoints.committed_steps()
     if existing:
@@ -196,7 +202,7 @@ def import_hf(
     return Report(
         output=out,
         source=hf_dir,
-        architecture=architecture_of(model.cfg),
+        architecture=arch,
         parameters=sum(p.numel() for p in model.parameters()),
         files=["step-0", *(["tokenizer.json"] if record is not None else [])],
         notes=[note],

@@ -1,8 +1,10 @@
 """`llmtrain export`: consolidated model weights (safetensors) from any committed checkpoint.
 
 Runs in one process whatever layout saved the checkpoint (DCP reassembles the shards), reads only
-the model's tensors (never the optimizer), and writes `model.safetensors` plus `config.json` (the
-model config the run stored with the step) and `llmtrain.json` (where the weights came from).
+the model's tensors (never the optimizer), and writes `model.safetensors` plus `model_options.json`
+(the model options the run stored with the step) and `llmtrain.json` (where the weights came
+from). The options file is not named config.json on purpose: the directory is not a transformers
+model directory, and must not look like one (llmtrain-hf's `hf export` writes those).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
 from llmtrain.checkpoint.safe_io import SafeFsspecReader, SafeLoadPlanner
 
 MODEL_KEY = re.compile(r"^([^.]+)\.model\.")
+OPTIONS_FILE = "model_options.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def model_prefix(keys: list[str], given: str | None = None) -> str:
@@ -73,11 +77,14 @@ def export(
     *,
     step: int | None = None,
     prefix: str | None = None,
+    dtype: str = "float32",
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     from safetensors.torch import save as save_safetensors
 
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     weights, info, step = load_model_weights(
         url, step=step, prefix=prefix, storage_options=storage_options
     )
@@ -87,13 +94,16 @@ def export(
     fs.makedirs(path, exist_ok=True)
     # tied weights share storage; safetensors wants each tensor on its own
     data = save_safetensors(
-        {k: v.contiguous().clone() for k, v in weights.items()},
+        {
+            k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous().clone()
+            for k, v in weights.items()
+        },
         metadata={"format": "pt", "source": f"{url.rstrip('/')}/step-{step}"},
     )
     with fs.open(f"{path}/model.safetensors", "wb") as f:
         f.write(data)
     config = (info.get("info") or {}).get("model") or {}
-    with fs.open(f"{path}/config.json", "w") as f:
+    with fs.open(f"{path}/{OPTIONS_FILE}", "w") as f:
         json.dump(config, f, indent=2)
     summary = {
         "source": f"{url.rstrip('/')}/step-{step}",

@@ -9,24 +9,48 @@ import json
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.plugins import hookimpl
 
+# what --dtype accepts, for `export` and `hf export` alike
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def export_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags `llmtrain export` and `llmtrain hf export` (llmtrain-hf) share: the same
+    source, output, step, precision and overwrite options for both."""
+    parser.add_argument(
+        "checkpoints", metavar="CHECKPOINTS", help="checkpoint directory, path or URL "
+        "(runs/<name>/checkpoints)",
+    )  # fmt: skip
+    parser.add_argument(
+        "-o", "--output", "--out", dest="output", required=True, help="the directory to write"
+    )
+    parser.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    parser.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="floating-point weights in this precision "
+        "(default: float32)",
+    )  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export")
+
 
 def _export_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoints", help="the checkpoint directory (path or URL)")
-    parser.add_argument("-o", "--output", required=True, help="the directory to write")
-    parser.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    export_arguments(parser)
     parser.add_argument("--prefix", default=None, help="key prefix of the model tensors")
-    parser.add_argument("--overwrite", action="store_true")
 
 
 def _export(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.checkpoint.export import export
 
     done = export(
-        args.checkpoints, args.output, step=args.step, prefix=args.prefix, overwrite=args.overwrite
+        args.checkpoints,
+        args.output,
+        step=args.step,
+        prefix=args.prefix,
+        dtype=args.dtype or "float32",
+        overwrite=args.overwrite,
     )
     print(
         f"{done['output']}: {done['tensors']} tensors, {done['parameters']:,} parameters from "
-        f"{done['source']}"
+        f"{done['source']} (llmtrain's format; `llmtrain hf export` of llmtrain-hf writes a "
+        "transformers directory)"
     )
     return 0
 
@@ -55,7 +79,8 @@ def llmtrain_commands(register):
     register(
         "export",
         Command(
-            help="write a committed checkpoint's model weights as safetensors + config.json",
+            help="write a committed checkpoint's model weights as safetensors + the model options "
+            "(llmtrain's format; a transformers directory: `llmtrain hf export`)",
             configure=_export_args,
             run=_export,
         ),
