@@ -122,7 +122,7 @@ class TransformerConfig:
             )
         if self.positions == "rope" and self.head_dim % 2:
             raise ConfigValueError(
-                "d_model",
+                "d_model" if self._head_dim is None else "head_dim",
                 f"RoPE needs an even head size; head_dim (d_model / n_heads unless set) = {self.head_dim}",
             )
         if self.rope_scaling is not None and self.positions != "rope":
