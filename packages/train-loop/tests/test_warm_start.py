@@ -9,9 +9,11 @@ import torch
 
 from llmtrain.checkpoint.manager import Checkpointer
 from llmtrain.checkpoint.state import ModelState
+from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import WeightFormat
 from llmtrain.core_mesh.plugins import PluginManager, hookimpl
 from llmtrain.train_loop import warm_start
+from llmtrain.train_loop.model_source import load_run_config, with_model_source
 from llmtrain.train_loop.run_config import InitConfig
 from llmtrain.train_loop.saved_model import model_info
 
@@ -31,6 +33,9 @@ class MarkerFormat:
 
     def load(self, path, storage_options):
         raise AssertionError("not loaded by these tests")
+
+    def model(self, path, storage_options):
+        return dict(TINY)
 
 
 class MarkerPlugin:
@@ -166,3 +171,78 @@ def test_another_tokenizer_names_both_and_the_way_out():
     assert message.startswith("init.from: ckpt was trained on data tokenized by bytes (aaaaaaaa)")
     assert "packed with hf:tokenizer.json (bbbbbbbb)" in message
     assert "init.check_tokenizer: false" in message
+
+
+# --- model: {from: ...} ---------------------------------------------------------------------------
+
+
+def test_the_model_section_comes_from_a_checkpoint_or_a_weight_format(plugins, tmp_path):
+    plugins.register(MarkerPlugin(), "marker")
+    source = str(tmp_path / "ckpt")
+    checkpoints = Checkpointer(source)
+    for step, layers in ((2, 3), (4, 5)):
+        recorded = {**TINY, "n_layers": layers}
+        checkpoints.save(
+            step, {"train": ModelState(torch.nn.Linear(2, 2))}, info={"model": recorded}
+        )
+    at_step_4 = {**TINY, "n_layers": 5}
+
+    # the newest step's options, with the section's other keys on top
+    raw = {"name": "x", "model": {"from": source, "dropout": 0.1}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"] == {**at_step_4, "dropout": 0.1}
+    # init.from alone gives the model; init.step picks the step whose options are read
+    raw = {"name": "x", "init": {"from": source}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"] == at_step_4
+    raw = {"name": "x", "model": {"doc_masking": True}, "init": {"from": source}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"] == {
+        **at_step_4,
+        "doc_masking": True,
+    }
+    raw = {"name": "x", "model": {"from": source}, "init": {"from": source, "step": 2}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"] == {**TINY, "n_layers": 3}
+    # a model section of its own stays as written
+    raw = {"name": "x", "model": {"kind": "tiny"}, "init": {"from": source}}
+    assert with_model_source(raw, plugins, "run.yaml") is raw
+    # a weight format says its model without reading the weights
+    marker = tmp_path / "marker"
+    marker.mkdir()
+    (marker / "WEIGHTS").write_text("")
+    raw = {"model": {"from": str(marker), "n_layers": 1}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"] == {**TINY, "n_layers": 1}
+
+
+def test_a_model_source_that_cannot_be_read_is_refused_naming_the_file(plugins, tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(UserError) as info:
+        with_model_source({"model": {"from": str(missing)}}, plugins, "run.yaml")
+    assert str(info.value) == f"run.yaml: model.from: {missing} does not exist"
+    with pytest.raises(UserError) as info:
+        with_model_source({"model": {"from": 3}}, plugins, "run.yaml")
+    assert str(info.value) == "run.yaml: model.from: expected a path or URL, got 3"
+    Checkpointer(str(tmp_path / "bare")).save(1, {"train": ModelState(torch.nn.Linear(2, 2))})
+    with pytest.raises(UserError, match=r"run\.yaml: model\.from: .* does not record its model"):
+        with_model_source({"model": {"from": str(tmp_path / "bare")}}, plugins, "run.yaml")
+
+
+def test_a_run_config_file_reads_its_model_from_the_source(plugins, tmp_path):
+    source = str(tmp_path / "ckpt")
+    recorded = {**TINY, "n_layers": 3, "qkv_bias": True}
+    Checkpointer(source).save(
+        1, {"train": ModelState(torch.nn.Linear(2, 2))}, info={"model": recorded}
+    )
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"name: ft\nmodel: {{from: {source}}}\ninit: {{from: {source}}}\n"
+        "data: {train: [{path: d.zarr}], seq_len: 16, micro_batch: 2}\n"
+        "optimizer: {kind: adamw}\ntraining: {steps: 1}\n"
+    )
+    run = load_run_config(str(config), plugins, ["model.doc_masking=true"])
+    options = run.model.options
+    assert run.model.kind == "tiny"
+    assert (options.n_layers, options.d_model, options.qkv_bias, options.out_bias) == (
+        3,
+        32,
+        True,
+        False,
+    )
+    assert options.doc_masking  # an override on top of the source's options

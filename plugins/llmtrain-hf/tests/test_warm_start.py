@@ -122,3 +122,45 @@ def test_a_directory_without_safetensors_is_not_recognised(run_cli, hf, data, tm
     assert "hf: config.json and *.safetensors" in err
     code, _, err = run_cli("run", path, "init.format=hf")
     assert code == 2 and f"{hf_dir} is not in format 'hf'" in err
+
+
+@pytest.mark.parametrize("case", ["llama3-rope-scaling", "mistral", "qwen2", "qwen3", "olmo2"])
+def test_a_run_takes_its_model_from_the_directory(
+    run_cli, plugins, hf, data, tokenizer_json, tmp_path, tokens, case
+):
+    """No shape copied by hand: `model: {from: HF_DIR}` (here with an override of an option
+    that only shapes training), or no model section beside `init.from`."""
+    theirs = hf.random_model(hf.rope_family_config(case))
+    hf_dir = hf.save_dir(theirs, tmp_path / "hf", tokenizer_json)
+    path = fine_tune(tmp_path, data, hf_dir, {"from": hf_dir, "dropout": 0.1})
+    code, _, err = run_cli("run", path)
+    assert code == 0, err
+    checkpoints = tmp_path / "runs" / "ft" / "checkpoints"
+    ours, info, _ = load_model(str(checkpoints), None, plugins)
+    assert info["model"] == {
+        **options_of(plugins, options_from_hf(theirs.config)),
+        "dropout": 0.1,
+    }
+    weights, _, _ = load_model_weights(str(checkpoints))
+    expected = from_hf_state_dict(theirs.state_dict(), options_from_hf(theirs.config))
+    assert [k for k in expected if not torch.equal(weights[k], expected[k])] == []
+    with torch.no_grad():
+        assert hf.max_diff(ours(tokens), theirs(tokens).logits) <= hf.TOL
+
+    config = yaml.safe_load(path.read_text())
+    del config["model"]
+    config["name"] = "bare"
+    path.write_text(yaml.safe_dump(config))
+    code, _, err = run_cli("run", path)
+    assert code == 0, err
+    ours, info, _ = load_model(str(tmp_path / "runs" / "bare" / "checkpoints"), None, plugins)
+    assert info["model"]["dropout"] == 0.0
+    with torch.no_grad():
+        assert hf.max_diff(ours(tokens), theirs(tokens).logits) <= hf.TOL
+
+
+def options_of(plugins, options) -> dict:
+    """The model info a run records for options read from a directory (kind `transformer`)."""
+    from llmtrain.core_mesh.config import unstructure
+
+    return {"kind": "transformer", **unstructure(options)}

@@ -1,5 +1,6 @@
-"""The `hf` weight format (plugin kind `weights`): a transformers Llama or GPT-2 directory
-(config.json + safetensors) as the starting weights of a run, `init: {from: DIR}`.
+"""The `hf` weight format (plugin kind `weights`): a transformers model directory (config.json +
+safetensors, an architecture of `llmtrain_hf.architectures`) as the starting weights of a run,
+`init: {from: DIR}`, and as the shape of its model, `model: {from: DIR}`.
 
 Read through fsspec (a local path or any URL), safetensors only (no pickle). Imported when the
 plugin registers, so torch, transformers and safetensors are imported inside `load` only.
@@ -18,10 +19,10 @@ KIND = "transformer"
 
 
 class HFWeights:
-    """`WeightFormat` of transformers model directories (LlamaForCausalLM, GPT2LMHeadModel)."""
+    """`WeightFormat` of transformers model directories."""
 
     def describe(self) -> str:
-        return f"{CONFIG} and *.safetensors (a transformers Llama or GPT-2 directory)"
+        return f"{CONFIG} and *.safetensors (a transformers model directory)"
 
     def recognizes(self, path: str, storage_options: Mapping[str, Any]) -> bool:
         try:
@@ -35,23 +36,41 @@ class HFWeights:
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(llmtrain weights on CPU, `{"kind": "transformer", **options}`) of the directory."""
         from fsspec.core import url_to_fs
-        from transformers import AutoConfig
 
         from llmtrain.core_mesh.config import unstructure
-        from llmtrain.core_mesh.errors import UserError
-        from llmtrain_hf.convert import from_hf_state_dict, options_from_hf
+        from llmtrain_hf.convert import from_hf_state_dict
 
         fs, root = url_to_fs(path, **storage_options)
-        where = f"{path.rstrip('/')}/{CONFIG}"
-        raw = json.loads(fs.cat_file(f"{root}/{CONFIG}"))
-        if "model_type" not in raw:
-            raise UserError(f"{where}: no model_type; is this a transformers model directory?")
-        options = options_from_hf(AutoConfig.for_model(**raw), where=where)
+        options = _options(fs, root, path)
         state = {}
         for name in _weight_files(fs, root):
             state.update(_read_safetensors(fs, f"{root}/{name}"))
         weights = from_hf_state_dict(state, options)
         return weights, {"kind": KIND, **unstructure(options)}
+
+    def model(self, path: str, storage_options: Mapping[str, Any]) -> dict[str, Any]:
+        """`{"kind": "transformer", **options}` of the directory, from its config.json alone."""
+        from fsspec.core import url_to_fs
+
+        from llmtrain.core_mesh.config import unstructure
+
+        fs, root = url_to_fs(path, **storage_options)
+        return {"kind": KIND, **unstructure(_options(fs, root, path))}
+
+
+def _options(fs: Any, root: str, path: str) -> Any:
+    """The llmtrain model options of the directory's config.json (refused by name when they
+    have no llmtrain equivalent)."""
+    from transformers import AutoConfig
+
+    from llmtrain.core_mesh.errors import UserError
+    from llmtrain_hf.convert import options_from_hf
+
+    where = f"{path.rstrip('/')}/{CONFIG}"
+    raw = json.loads(fs.cat_file(f"{root}/{CONFIG}"))
+    if "model_type" not in raw:
+        raise UserError(f"{where}: no model_type; is this a transformers model directory?")
+    return options_from_hf(AutoConfig.for_model(**raw), where=where)
 
 
 def _names(path: str, storage_options: Mapping[str, Any]) -> set[str]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import typing
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -545,8 +545,11 @@ def load_config(
     *,
     plugins: PluginManager | None = None,
     overrides: Sequence[str] = (),
+    prepare: Callable[[Any], Any] | None = None,
 ) -> T:
-    """Read a YAML file, apply overrides, and structure it strictly into `schema`."""
+    """Read a YAML file, apply overrides, and structure it strictly into `schema`. `prepare`
+    turns the parsed, overridden YAML into what is structured (a schema's own expansions, such
+    as a run's `model: {from: PATH}`)."""
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -556,6 +559,8 @@ def load_config(
         ) from None
     raw = parse_yaml(text, source)
     raw, overridden = apply_overrides(raw, overrides)
+    if prepare is not None:
+        raw = prepare(raw)
     return structure(raw, schema, plugins=plugins, source=source, overridden=overridden)
 
 

@@ -170,11 +170,15 @@ class WeightFormat(Protocol):
     - `load(path, storage_options)`: (the whole model's state dict on CPU, under llmtrain's
       parameter names; the model info `{"kind": KIND, **options}` of the model the weights
       belong to, as a run's `model:` section would give it).
+    - `model(path, storage_options)`: that model info alone, read without the weights (a run's
+      `model: {from: PATH}` takes its shape from it).
     """
 
     def recognizes(self, path: str, storage_options: Mapping[str, Any]) -> bool: ...
 
     def describe(self) -> str: ...
+
+    def model(self, path: str, storage_options: Mapping[str, Any]) -> dict[str, Any]: ...
 
     def load(
         self, path: str, storage_options: Mapping[str, Any]

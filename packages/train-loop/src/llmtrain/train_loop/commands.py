@@ -8,10 +8,9 @@ import sys
 from typing import Any
 
 from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.config import load_config
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions
-from llmtrain.train_loop.run_config import RunConfig
+from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
 
 
@@ -39,7 +38,7 @@ def configure_run(parser: argparse.ArgumentParser) -> None:
 def run_run(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.train_loop.trainer import Trainer
 
-    config = load_config(args.config, RunConfig, plugins=ctx.plugins, overrides=args.overrides)
+    config = load_run_config(args.config, ctx.plugins, args.overrides)
     trainer = Trainer(config, ctx.plugins, resume=args.resume)
     try:
         step = trainer.train()

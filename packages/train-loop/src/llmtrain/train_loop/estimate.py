@@ -25,11 +25,12 @@ from typing import Any
 import attrs
 
 from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, load_config
+from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.parallel.options import ParallelOptions
+from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -253,7 +254,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.world < 1:
         raise UserError(f"--world must be at least 1, got {args.world}")
-    config = load_config(args.config, RunConfig, plugins=ctx.plugins, overrides=args.overrides)
+    config = load_run_config(args.config, ctx.plugins, args.overrides)
     try:
         est = estimate(config, ctx.plugins, args.world)
     except MeshError as exc:

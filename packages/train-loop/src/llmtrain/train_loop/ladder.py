@@ -236,7 +236,7 @@ def shape_rule(options: Any, kind: str, aspect: tuple[float, float]) -> ShapeRul
     kv_heads = getattr(options, "n_kv_heads", None)
     mlp_hidden = getattr(options, "mlp_hidden", None)
     return ShapeRule(
-        head_dim=options.d_model // n_heads,
+        head_dim=getattr(options, "head_dim", options.d_model // n_heads),
         kv_group=n_heads // (kv_heads or n_heads),
         sets_kv_heads=kv_heads is not None,
         mlp_ratio=None if mlp_hidden is None else mlp_hidden / options.d_model,

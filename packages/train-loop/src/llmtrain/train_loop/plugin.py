@@ -13,7 +13,6 @@ from llmtrain.core_mesh.config import (
     ConfigValueError,
     Problem,
     dump_config,
-    load_config,
     make_converter,
 )
 from llmtrain.core_mesh.mesh import MeshError
@@ -31,7 +30,8 @@ from llmtrain.train_loop import (
     sweep,
     which,
 )
-from llmtrain.train_loop.run_config import RunConfig, resolved
+from llmtrain.train_loop.model_source import load_run_config
+from llmtrain.train_loop.run_config import resolved
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +54,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, ctx: Context) -> int:
-    config = load_config(args.file, RunConfig, plugins=ctx.plugins, overrides=args.overrides)
+    config = load_run_config(args.file, ctx.plugins, args.overrides)
     config = resolved(config, ctx.plugins)
     if args.world_size is not None:
         try:

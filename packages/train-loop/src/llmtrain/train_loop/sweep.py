@@ -41,7 +41,6 @@ from llmtrain.core_mesh.config import (
     apply_overrides,
     dump_config,
     key_path,
-    load_config,
     make_converter,
     parse_override,
     parse_yaml,
@@ -51,6 +50,7 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.train_loop import ladder
+from llmtrain.train_loop.model_source import load_run_config, with_model_source
 from llmtrain.train_loop.run_config import RunConfig, resolved
 
 WEIGHTS = "data.weights"  # one list per run: the weight of each dataset in data.train, in order
@@ -231,6 +231,7 @@ def plan(
                     set_value(raw, path, copy.deepcopy(item), where=flags[key])
                     overridden[path] = flags[key]
             _place(raw, run_id, sweep_dir)
+            raw = with_model_source(raw, plugins, base)
             config = structure(raw, RunConfig, plugins=plugins, source=base, overridden=overridden)
             config = resolved(config, plugins)
             _check_layout(config, world_size, base)
@@ -736,8 +737,7 @@ def _ladder_rungs(
 def ladder_base(path: str, plugins: Any, overrides: Sequence[str] = ()) -> RunConfig:
     """The base config as a run reads it (overrides applied, the model's options with their
     defaults)."""
-    config = load_config(path, RunConfig, plugins=plugins, overrides=overrides)
-    return resolved(config, plugins)
+    return resolved(load_run_config(path, plugins, overrides), plugins)
 
 
 def _ladder_axis(rungs: Sequence[ladder.Rung]) -> Axis:

@@ -6,7 +6,7 @@ fine-tune continues where it stopped), and `init.from` is not read.
 
 The source is an llmtrain checkpoint directory, read through DCP at this run's layout whatever
 layout wrote it (pipeline stages read their own tensors only), or a directory a `weights` plugin
-recognises (`hf` of llmtrain-hf: a transformers Llama or GPT-2), read as one state dict that every
+recognises (`hf` of llmtrain-hf: a transformers model directory), read as one state dict that every
 rank takes its shards of. Before a tensor moves the source is checked against this run: the model
 options that change what the weights compute, every tensor's name and shape, and (when the source
 records it) the tokenizer the source was trained with against the one of this run's data.
@@ -43,6 +43,11 @@ DERIVED = (
     ("padded_vocab_size", ("vocab_size", "pad_vocab_to"), "embedding rows"),
     ("hidden_size", ("mlp_hidden", "mlp_multiple_of"), "MLP hidden size"),
     ("kv_heads", ("n_kv_heads",), "key/value heads"),
+    # `null` follows d_model / n_heads, or `bias`
+    ("head_dim", ("head_dim",), "head size"),
+    ("qkv_bias", ("qkv_bias",), "q/k/v biases"),
+    ("out_bias", ("out_bias",), "output-projection bias"),
+    ("mlp_bias", ("mlp_bias",), "MLP biases"),
 )
 _DERIVED_BY_NAME = {name: (keys, what) for name, keys, what in DERIVED}
 SHOWN = 4  # differing tensors named in an error

@@ -1,0 +1,90 @@
+"""`model: {from: PATH, ...}`: a run's model options taken from where its weights are.
+
+PATH is an llmtrain checkpoint directory (the model options its step records) or a directory a
+`weights` plugin recognises (llmtrain-hf: a transformers directory's config.json), found as
+`init: {from: ...}` finds it. The other keys of the section override the source's options, so
+`model: {from: HF_DIR, doc_masking: true}` is that model trained with document masking. A run
+with `init.from` and a `model:` section without `kind` (or none) takes its model from
+`init.from`.
+
+The section is expanded before the config is structured: the run's written config.yaml holds
+every option explicitly, as if they had been typed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from llmtrain.core_mesh.config import load_config
+from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.train_loop.run_config import InitConfig, RunConfig
+
+FROM = "from"
+
+
+def load_run_config(path: str, plugins: PluginManager, overrides: Sequence[str] = ()) -> RunConfig:
+    """A run config file with its overrides applied and `model: {from: ...}` expanded."""
+    return load_config(
+        path,
+        RunConfig,
+        plugins=plugins,
+        overrides=overrides,
+        prepare=lambda raw: with_model_source(raw, plugins, path),
+    )
+
+
+def with_model_source(raw: Any, plugins: PluginManager, config_file: str) -> Any:
+    """`raw` (a parsed run config) with its `model:` section expanded from its source; the
+    same object when there is nothing to expand. Errors name `config_file`."""
+    try:
+        return _expanded(raw, plugins)
+    except UserError as exc:
+        raise UserError(f"{config_file}: {exc}") from None
+
+
+def _expanded(raw: Any, plugins: PluginManager) -> Any:
+    if not isinstance(raw, Mapping):
+        return raw
+    model = raw.get("model")
+    init = raw.get("init")
+    untyped = model is None or (isinstance(model, Mapping) and not {"kind", FROM} & set(model))
+    if untyped and isinstance(init, Mapping) and isinstance(init.get(FROM), str):
+        model = {FROM: init[FROM], **(model or {})}
+    if not isinstance(model, Mapping) or FROM not in model:
+        return raw
+    source = model[FROM]
+    if not isinstance(source, str) or not source.strip():
+        raise UserError(f"model.from: expected a path or URL, got {source!r}")
+    overrides = {k: v for k, v in model.items() if k != FROM}
+    return {**raw, "model": {**source_model(source, init, plugins), **overrides}}
+
+
+def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, Any]:
+    """The model info (`{"kind": ..., **options}`) recorded at `source`. Storage options and
+    format come from `init:` when it reads the same source."""
+    from llmtrain.checkpoint.manager import Checkpointer
+    from llmtrain.train_loop import warm_start
+
+    same = isinstance(init, Mapping) and init.get(FROM) == source
+    lookup = InitConfig(
+        from_=source,
+        step=init.get("step") if same else None,
+        format=init.get("format", "auto") if same else "auto",
+        storage_options=dict(init.get("storage_options") or {}) if same else {},
+    )
+    try:
+        fmt, url, step = warm_start.resolve(lookup, plugins)
+    except warm_start.WarmStartError as exc:
+        raise UserError(f"model.from: {str(exc).removeprefix('init.from: ')}") from None
+    if fmt == warm_start.LLMTRAIN:
+        checkpoints = Checkpointer(url, storage_options=lookup.storage_options)
+        recorded = checkpoints.info(step).get("info", {}).get("model")
+        if not recorded:
+            raise UserError(
+                f"model.from: {url} step {step} does not record its model options; write the "
+                "model section out in full"
+            )
+        return dict(recorded)
+    return dict(plugins.registry("weights").get(fmt).target.model(url, lookup.storage_options))
