@@ -162,9 +162,26 @@ def make_plugin_session(path: Path) -> str:
 
 
 PLUGIN_SESSIONS = [make_plugin_session(Path(p)) for p in plugin_paths()]
+# the major version of transformers other than the constraints' (5.x): llmtrain-hf reads and
+# writes model directories of both
+TRANSFORMERS_4 = "transformers>=4.57,<5"
 
 
-@nox.session(python=False, requires=["lint", *PACKAGES, *PLUGIN_SESSIONS, "integration"])
+@nox.session(name="plugin-hf-transformers4")
+def plugin_hf_transformers4(session: nox.Session) -> None:
+    """llmtrain-hf's tests (every architecture's parity with transformers among them) against
+    transformers 4.x; `plugin-hf` runs them against the 5.x of the constraints."""
+    path = ROOT / "plugins" / "llmtrain-hf"
+    session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *group("test"))
+    session.install(TRANSFORMERS_4)  # replaces the constrained 5.x (and its hub client)
+    session.run("python", "-c", "import transformers; assert transformers.__version__[0] == '4'")
+    pytest(session, str(path / "tests"))
+
+
+@nox.session(
+    python=False,
+    requires=["lint", *PACKAGES, *PLUGIN_SESSIONS, "plugin-hf-transformers4", "integration"],
+)
 def tests(session: nox.Session) -> None:
     """What CI runs: lint, each package alone, each plugin with its tests, then integration."""
     session.log("lint, every package and plugin session and integration passed")
