@@ -41,24 +41,28 @@ def plugins() -> PluginManager:
     return pm
 
 
+# the shape every RoPE-family test model shares (hidden 64, 2 layers, 4 heads / 2 kv heads)
+ROPE_FAMILY_BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=300,
+    max_position_embeddings=128,
+    rope_theta=50000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
 def llama_config(**overrides):
     from transformers import LlamaConfig
 
-    values = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=128,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return LlamaConfig(**{**values, **overrides})
+    return LlamaConfig(**{**ROPE_FAMILY_BASE, **overrides})
 
 
 # each supported RoPE-family architecture as tests build it: its config class and what sets it
@@ -91,22 +95,7 @@ def rope_family_config(case: str, **overrides):
     import transformers
 
     class_name, specific = ROPE_FAMILY_CASES[case]
-    values = dict(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=300,
-        max_position_embeddings=128,
-        rope_theta=50000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
-    return getattr(transformers, class_name)(**{**values, **specific, **overrides})
+    return getattr(transformers, class_name)(**{**ROPE_FAMILY_BASE, **specific, **overrides})
 
 
 def gpt2_config(**overrides):
