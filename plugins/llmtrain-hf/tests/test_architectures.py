@@ -167,3 +167,23 @@ def test_an_export_written_under_either_major_version_keeps_its_rope_settings(hf
     ours = from_hf_model(theirs)
     tokens = torch.randint(0, 300, (1, 120), generator=torch.Generator().manual_seed(2))
     assert hf.max_diff(logits(ours, tokens, hf=False), logits(theirs, tokens, hf=True)) <= hf.TOL
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_hf_import_then_hf_export_gives_back_the_same_directory(run_cli, hf, tmp_path, case):
+    """The commands end to end: `hf import` to a checkpoint, `hf export` of it to a directory
+    of the same architecture holding the same tensors."""
+    from transformers import AutoModelForCausalLM
+
+    theirs = hf.random_model(hf.rope_family_config(case), seed=4)
+    hf_dir = hf.save_dir(theirs, tmp_path / "hf")
+    code, out, err = run_cli("hf", "import", hf_dir, "-o", tmp_path / "ckpt")
+    assert code == 0, err
+    assert f": {ARCHITECTURE[case]}, " in out
+    flags = ["--architecture", ARCHITECTURE[case], "--no-tokenizer"]
+    code, out, err = run_cli("hf", "export", tmp_path / "ckpt", "-o", tmp_path / "out", *flags)
+    assert code == 0, err
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(back).__name__ == ARCHITECTURE[case]
+    for name, tensor in theirs.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
