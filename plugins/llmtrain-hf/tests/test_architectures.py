@@ -5,7 +5,7 @@ AutoModelForCausalLM as the same architecture, with the same bounds; and its con
 the RoPE settings in the keys of transformers 4.x and 5.x both.
 
 This module runs in the hf plugin's nox session against the transformers of the constraints and
-in a second session against the other major version (`tests-hf-transformers4`)."""
+in a second session against the other major version (`plugin-hf-transformers4`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from llmtrain_hf.convert import (
+    UnsupportedModelError,
     from_hf_model,
     options_from_hf,
     portable_config,
@@ -187,3 +188,47 @@ def test_hf_import_then_hf_export_gives_back_the_same_directory(run_cli, hf, tmp
     assert type(back).__name__ == ARCHITECTURE[case]
     for name, tensor in theirs.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
+
+
+def test_rope_matches_transformers_far_into_a_long_context(hf):
+    """RoPE's frequencies are computed as transformers computes them, to the bit: a differing
+    last bit grows with the position (5e-4 in the logits at 4096-8192 tokens)."""
+    config = hf.rope_family_config(
+        "llama3-rope-scaling",
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+    )
+    theirs = hf.random_model(config)
+    ours = from_hf_model(theirs)
+    tokens = torch.randint(0, 300, (1, 4096), generator=torch.Generator().manual_seed(5))
+    assert hf.max_diff(logits(ours, tokens, hf=False), logits(theirs, tokens, hf=True)) <= hf.TOL
+
+
+def test_qwen_layers_that_do_not_slide_import_and_those_that_do_are_refused(hf):
+    """Qwen slides only the layers at and past max_window_layers (its config's layer_types)."""
+    none_slide = hf.rope_family_config(
+        "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2
+    )
+    assert options_from_hf(none_slide).n_layers == 2
+    one_slides = hf.rope_family_config(
+        "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1
+    )
+    with pytest.raises(UnsupportedModelError, match="sliding_window 16"):
+        options_from_hf(one_slides)
+
+
+def test_rotary_buffers_saved_with_older_weights_are_not_weights(hf, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    theirs = hf.random_model(hf.rope_family_config("qwen2"))
+    hf_dir = hf.save_dir(theirs, tmp_path / "hf")
+    weights = load_file(f"{hf_dir}/model.safetensors")
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(weights, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(6))
+    expected = logits(theirs, tokens, hf=True)
+    assert hf.max_diff(logits(load_ours(hf_dir), tokens, hf=False), expected) <= hf.TOL

@@ -232,6 +232,12 @@ def test_an_export_takes_the_first_architecture_that_fits_or_the_one_asked_for()
         architecture_of(preset_config("tiny", bias=True), "MistralForCausalLM")
     with pytest.raises(UnsupportedModelError, match=r"--architecture Phi3ForCausalLM: choose one"):
         architecture_of(preset_config("tiny"), "Phi3ForCausalLM")
+    # a head_dim that n_heads x head_dim != d_model needs: Llama refuses n_heads not dividing
+    # d_model (transformers 5's LlamaConfig), Mistral computes it
+    odd = preset_config("tiny", d_model=64, n_heads=5, n_kv_heads=1, head_dim=16)
+    assert architecture_of(odd) == "MistralForCausalLM"
+    with pytest.raises(UnsupportedModelError, match=r"n_heads: 5 does not divide d_model 64"):
+        architecture_of(odd, "LlamaForCausalLM")
 
 
 def test_gpt2_with_grouped_query_attention_is_refused():
@@ -267,7 +273,9 @@ def _yarn_rope(config):
             "sliding-window attention",
         ),
         (
-            lambda hf: hf.rope_family_config("qwen2", use_sliding_window=True, sliding_window=32),
+            lambda hf: hf.rope_family_config(
+                "qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=0
+            ),
             "sliding_window 32",
         ),
     ],

@@ -241,3 +241,22 @@ def test_config_errors_name_the_option():
     text = str(info.value)
     for key in ("capacity_factor", "aux_loss_weight", "expert_matmul"):
         assert f"model.{key}" in text, text
+
+
+def test_dense_options_the_moe_block_does_not_have_are_refused():
+    plugins = PluginManager(blocked=()).load_entry_points()
+    for key, value, message in (
+        ("norm_placement", "after_sublayer", "the MoE block normalises each branch's input (pre)"),
+        ("mlp_bias", True, "the experts have no biases"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            structure({"model": {"kind": "moe-tiny", key: value}}, Schema, plugins=plugins)
+        assert f"model.{key}: {message}" in str(info.value)
+
+
+def test_a_query_key_norm_over_all_heads_leaves_no_tp_plan():
+    """The parallel package then refuses mesh.tp > 1 by name instead of normalising shards."""
+    assert build_model(preset_options("moe-tiny", qk_norm=True)).tp_plan() != {}
+    model = build_model(preset_options("moe-tiny", qk_norm=True, qk_norm_scope="all_heads"))
+    assert model.tp_plan() == {}
+    assert model.describe().tp_plan == {}

@@ -135,6 +135,9 @@ def mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
         problems.append(f"model.norm_placement: {cfg.norm_placement} (needs {arch.norm_placement})")
     if cfg.rope_scaling is not None and not arch.rope_scaling:
         problems.append("model.rope_scaling is not supported")
+    if arch.name == LLAMA and cfg.d_model % cfg.n_heads:
+        # transformers 5's LlamaConfig refuses it, whatever head_dim says
+        problems.append(f"model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
     return problems
 
 
@@ -332,13 +335,17 @@ def _rope_family_options(
         raise _refuse(where, f"hidden_act {config.hidden_act!r}: llmtrain's SwiGLU uses silu")
     _refuse_sliding_window(config, where)
     theta, rope = _rope(config)
-    if rope["rope_type"] not in ("default", LLAMA3_ROPE) or (
-        rope["rope_type"] == LLAMA3_ROPE and not spec.rope_scaling
-    ):
+    if rope["rope_type"] not in ("default", LLAMA3_ROPE):
         raise _refuse(
             where,
             f"rope_type {rope['rope_type']!r} (RoPE frequency scaling) has no llmtrain "
             f"equivalent; llmtrain reads the default RoPE and {LLAMA3_ROPE!r} scaling",
+        )
+    if rope["rope_type"] == LLAMA3_ROPE and not spec.rope_scaling:
+        raise _refuse(
+            where,
+            f"rope_type {LLAMA3_ROPE!r} with {spec.name}: transformers 4.x's {spec.config_class} "
+            "has no such scaling, so llmtrain-hf reads it for the other architectures only",
         )
     scaling = None
     if rope["rope_type"] == LLAMA3_ROPE:
@@ -391,11 +398,13 @@ def _refuse_sliding_window(config: Any, where: str) -> None:
     """llmtrain attends over the whole context: a window shorter than the model's context
     would compute another function."""
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True) and window is not None
-    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} and window is not None:
-        uses_window = True
-    if uses_window and window < config.max_position_embeddings:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:  # Qwen: the layers that slide (from use_sliding_window and
+        # max_window_layers, filled in by the config class)
+        slides = "sliding_attention" in layer_types
+    else:  # Mistral: a window, when set, on every layer
+        slides = getattr(config, "use_sliding_window", True)
+    if slides and window is not None and window < config.max_position_embeddings:
         raise _refuse(
             where,
             f"sliding_window {window} (shorter than max_position_embeddings "
@@ -482,6 +491,8 @@ GPT2_NAMES = {
 GPT2_CONV1D = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.w1", "mlp.c_proj": "mlp.w2"}
 # buffers some transformers versions keep in a GPT-2 state dict (the causal mask), not weights
 GPT2_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")
+# RoPE frequencies older transformers saved with the weights: derived from the config, not weights
+ROTARY_BUFFER = re.compile(r"rotary_emb\.inv_freq$")
 
 
 def _names(cfg: TransformerConfig) -> dict[str, str]:
@@ -575,7 +586,11 @@ def from_hf_state_dict(
 ) -> dict[str, torch.Tensor]:
     """An HF state dict -> llmtrain weights for `cfg` (see `options_from_hf`)."""
     gpt2 = cfg.positions == "learned"
-    state = {k: v for k, v in state.items() if not (gpt2 and GPT2_BUFFERS.search(k))}
+    state = {
+        k: v
+        for k, v in state.items()
+        if not (gpt2 and GPT2_BUFFERS.search(k)) and not ROTARY_BUFFER.search(k)
+    }
     if cfg.tied_embeddings:  # HF lists the tied head too: the same tensor as the embedding
         state.pop("lm_head.weight", None)
     back = {theirs: ours for ours, theirs in _names(cfg).items()}

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.models.transformer import Attention, Transformer, make_norm
+from llmtrain.models.transformer import Attention, Transformer, make_norm, splits_across_tp_ranks
 from llmtrain_moe.experts import Experts, local
 from llmtrain_moe.options import MoEOptions
 from llmtrain_moe.routing import (
@@ -216,6 +216,8 @@ class MoETransformer(Transformer):
     def tp_plan(self) -> dict[str, str]:
         """Tensor parallelism shards attention and the embeddings; the MoE layers (router,
         experts, shared expert) are replicated over tp and route whole sequences on every rank."""
+        if not splits_across_tp_ranks(self.cfg):
+            return {}
         plan = {
             "tok_emb": "embedding",
             "norm": "sequence_parallel",

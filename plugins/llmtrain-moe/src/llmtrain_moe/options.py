@@ -56,6 +56,15 @@ class MoEOptions(TransformerConfig):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        # the Mixture-of-Experts block normalises each branch's input and its experts have no
+        # biases: options that would ask otherwise are refused, not ignored
+        if self.norm_placement != "pre":
+            raise ConfigValueError(
+                "norm_placement",
+                f"the MoE block normalises each branch's input (pre); got {self.norm_placement}",
+            )
+        if self._mlp_bias:
+            raise ConfigValueError("mlp_bias", "the experts have no biases; remove it")
         if self.n_experts >= 1 and self.top_k > self.n_experts:
             raise ConfigValueError(
                 "top_k", f"must be at most n_experts={self.n_experts}, got {self.top_k}"

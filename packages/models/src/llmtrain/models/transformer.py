@@ -29,8 +29,11 @@ def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
 def rope_frequencies(cfg: TransformerConfig, device: torch.device | None = None) -> torch.Tensor:
     """The angle per position of each rotated pair, (head_dim / 2,): base^(-2i/head_dim), then
     Llama 3's scaling when `rope_scaling` is set (see `RopeScaling`)."""
-    half = cfg.head_dim // 2
-    freqs = cfg.rope_base ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    # 1 / base^(2i/head_dim), computed in this order in float32 as transformers does: the same
+    # bits, so logits agree at long positions too (base^(-i/half) differs by an ulp, which grows
+    # with the position)
+    even = torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.int64).float()
+    freqs = 1.0 / (cfg.rope_base ** (even / cfg.head_dim))
     scaling = cfg.rope_scaling
     if scaling is None:
         return freqs
@@ -349,11 +352,7 @@ class Transformer(nn.Module):
     def tp_plan(self) -> dict[str, str]:
         """Module path -> tensor-parallel style; empty for a model that cannot be split so (the
         parallel package then refuses mesh.tp > 1)."""
-        if self.cfg.qk_norm and self.cfg.qk_norm_scope == "all_heads":
-            # the norm of a whole projection would need the heads of every tensor-parallel rank
-            return {}
-        if self.cfg.norm_placement != "pre":
-            # the plan places the sequence-parallel norms on the branches' inputs
+        if not splits_across_tp_ranks(self.cfg):
             return {}
         plan = {
             "tok_emb": "embedding",
@@ -376,6 +375,14 @@ class Transformer(nn.Module):
         if self.head is not None:
             plan["head"] = "colwise_output"
         return plan
+
+
+def splits_across_tp_ranks(cfg: TransformerConfig) -> bool:
+    """Whether a tensor-parallel plan can split a model of `cfg` (a subclass's `tp_plan` asks
+    too): not with a query/key norm over a whole projection, which would need the heads of every
+    rank, nor with norms after each sublayer, since the plan places its sequence-parallel norms
+    on the branches' inputs."""
+    return not (cfg.qk_norm and cfg.qk_norm_scope == "all_heads") and cfg.norm_placement == "pre"
 
 
 def build_model(cfg: TransformerConfig) -> Transformer:
