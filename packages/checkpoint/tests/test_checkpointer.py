@@ -661,6 +661,13 @@ def test_export_writes_the_model_weights_and_config_and_they_load_back(tmp_path,
     with torch.no_grad():
         assert torch.equal(newest(tokens), model(tokens))
 
+    # a transformers directory is never overwritten with llmtrain's format
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    code, _, err = run_cli("export", root, "-o", tmp_path / "hf", "--overwrite")
+    assert code == 2 and "holds a transformers model (config.json)" in err
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json"]
+
     code, _, err = run_cli("export", root, "--out", out, "--overwrite", "--dtype", "bfloat16")
     assert code == 0, err
     halved = load_file(out / "model.safetensors")

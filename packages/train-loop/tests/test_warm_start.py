@@ -246,3 +246,54 @@ def test_a_run_config_file_reads_its_model_from_the_source(plugins, tmp_path):
         False,
     )
     assert options.doc_masking  # an override on top of the source's options
+
+
+def test_a_resumed_run_takes_the_model_its_own_checkpoint_recorded(plugins, tmp_path):
+    """The source is not read again: it may have moved since the run started."""
+    gone = str(tmp_path / "moved-away")
+    own = tmp_path / "runs" / "ft" / "checkpoints"
+    recorded = {**TINY, "n_layers": 3}
+    Checkpointer(str(own)).save(
+        5, {"train": ModelState(torch.nn.Linear(2, 2))}, info={"model": recorded}
+    )
+    raw = {"name": "ft", "run_dir": str(tmp_path / "runs"), "model": {"from": gone, "dropout": 0.1}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"] == {**recorded, "dropout": 0.1}
+    # a run that will not resume reads the source
+    never = {**raw, "checkpoint": {"resume": "never"}}
+    with pytest.raises(UserError, match=r"model\.from: .*moved-away does not exist"):
+        with_model_source(never, plugins, "run.yaml")
+
+
+def test_init_settings_apply_to_the_same_source_written_another_way(plugins, tmp_path):
+    source = str(tmp_path / "ckpt")
+    for step, layers in ((2, 3), (4, 5)):
+        Checkpointer(source).save(
+            step,
+            {"train": ModelState(torch.nn.Linear(2, 2))},
+            info={"model": {**TINY, "n_layers": layers}},
+        )
+    raw = {"model": {"from": source}, "init": {"from": source + "/", "step": 2}}
+    assert with_model_source(raw, plugins, "run.yaml")["model"]["n_layers"] == 3
+
+
+def test_options_that_compute_nothing_here_do_not_count_as_differences(plugins):
+    # Qwen2 as imported (bias false, q/k/v biases) and the same model written with bias true
+    imported = info_of(plugins, bias=False, qkv_bias=True)
+    written = info_of(plugins, bias=True, out_bias=False, mlp_bias=False)
+    assert warm_start.model_differences(imported, written, plugins) == []
+    # a q/k norm scope without a q/k norm
+    assert (
+        warm_start.model_differences(
+            info_of(plugins, qk_norm_scope="all_heads"), info_of(plugins), plugins
+        )
+        == []
+    )
+    # but the biases themselves, and the scope of a q/k norm, are compared
+    assert warm_start.model_differences(imported, info_of(plugins, bias=False), plugins) == [
+        "model.qkv_bias: q/k/v biases True in init.from (qkv_bias: True), False here "
+        "(qkv_bias: False)"
+    ]
+    scoped = info_of(plugins, qk_norm=True, qk_norm_scope="all_heads")
+    assert warm_start.model_differences(scoped, info_of(plugins, qk_norm=True), plugins) == [
+        "model.qk_norm_scope: 'all_heads' in init.from, 'head' here"
+    ]

@@ -89,6 +89,13 @@ def export(
         url, step=step, prefix=prefix, storage_options=storage_options
     )
     fs, path = fsspec.core.url_to_fs(output, **dict(storage_options or {}))
+    if fs.exists(f"{path}/config.json"):
+        # a transformers directory: its config.json beside llmtrain-named tensors would load as
+        # a randomly initialised model (with only a warning)
+        raise CheckpointError(
+            f"{output} holds a transformers model (config.json); export llmtrain's format to "
+            "another directory, or replace it with `llmtrain hf export ... --overwrite`"
+        )
     if fs.exists(f"{path}/model.safetensors") and not overwrite:
         raise CheckpointError(f"{output} already holds an export; pass --overwrite to replace it")
     fs.makedirs(path, exist_ok=True)

@@ -8,12 +8,15 @@ with `init.from` and a `model:` section without `kind` (or none) takes its model
 `init.from`.
 
 The section is expanded before the config is structured: the run's written config.yaml holds
-every option explicitly, as if they had been typed.
+every option explicitly, as if they had been typed. A run that resumes its own checkpoint takes
+the model that checkpoint recorded, so a resume does not need the source any more (it may have
+moved, or its credentials expired).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from llmtrain.core_mesh.config import load_config
@@ -58,7 +61,34 @@ def _expanded(raw: Any, plugins: PluginManager) -> Any:
     if not isinstance(source, str) or not source.strip():
         raise UserError(f"model.from: expected a path or URL, got {source!r}")
     overrides = {k: v for k, v in model.items() if k != FROM}
-    return {**raw, "model": {**source_model(source, init, plugins), **overrides}}
+    options = resumed_model(raw)
+    if options is None:
+        options = source_model(source, init, plugins)
+    return {**raw, "model": {**options, **overrides}}
+
+
+def resumed_model(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The model the run's own newest committed checkpoint recorded, when it will resume it."""
+    from llmtrain.checkpoint.manager import Checkpointer
+
+    checkpoint = raw.get("checkpoint") or {}
+    name = raw.get("name")
+    if not isinstance(checkpoint, Mapping) or checkpoint.get("resume") == "never":
+        return None
+    if not isinstance(name, str) or not name:
+        return None
+    url = checkpoint.get("dir") or str(Path(str(raw.get("run_dir", "runs"))) / name / "checkpoints")
+    try:
+        checkpoints = Checkpointer(
+            url, storage_options=dict(checkpoint.get("storage_options") or {})
+        )
+        step = checkpoints.latest_step()
+        if step is None:
+            return None
+        recorded = checkpoints.info(step).get("info", {}).get("model")
+    except (OSError, ValueError):  # the run's checkpoint storage is not there (yet)
+        return None
+    return dict(recorded) if recorded else None
 
 
 def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, Any]:
@@ -67,7 +97,7 @@ def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, An
     from llmtrain.checkpoint.manager import Checkpointer
     from llmtrain.train_loop import warm_start
 
-    same = isinstance(init, Mapping) and init.get(FROM) == source
+    same = isinstance(init, Mapping) and _same_place(init.get(FROM), source)
     lookup = InitConfig(
         from_=source,
         step=init.get("step") if same else None,
@@ -87,4 +117,15 @@ def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, An
                 "model section out in full"
             )
         return dict(recorded)
-    return dict(plugins.registry("weights").get(fmt).target.model(url, lookup.storage_options))
+    entry = plugins.registry("weights").get(fmt)
+    read = getattr(entry.target, "model", None)
+    if read is None:
+        raise UserError(
+            f"model.from: the weight format {fmt!r} ({entry.origin.describe()}) cannot say its "
+            "model's options (its plugin has no `model` method); write the model section out"
+        )
+    return dict(read(url, lookup.storage_options))
+
+
+def _same_place(a: Any, b: str) -> bool:
+    return isinstance(a, str) and a.rstrip("/") == b.rstrip("/")

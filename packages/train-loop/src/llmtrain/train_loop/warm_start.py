@@ -338,6 +338,12 @@ def _comparable(options: Any, raw: Mapping[str, Any]) -> dict[str, Any]:
             for key in keys:
                 values.pop(key, None)
             values[derived] = getattr(options, derived)
+    # options that compute nothing in this model: `bias` once every projection's bias is
+    # resolved, where no LayerNorm has one; the q/k norm's scope without a q/k norm
+    if values.get("norm") == "rmsnorm" and "mlp_bias" in values:
+        values.pop("bias", None)
+    if values.get("qk_norm") is False:
+        values.pop("qk_norm_scope", None)
     return values
 
 
