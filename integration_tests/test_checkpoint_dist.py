@@ -25,6 +25,7 @@ from support import torchrun
 
 from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
 from llmtrain.checkpoint.state import ModelState, Values
+from llmtrain.checkpoint.stream_storage import SUFFIX
 
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 TOLERANCE = 1e-5
@@ -83,7 +84,9 @@ def test_fsdp_training_matches_one_process_and_saves_one_shard_per_rank(reshard)
         assert torch.allclose(reshard.fsdp_params[name], value, atol=TOLERANCE, rtol=0), name
 
     step_dir = Path(reshard.a) / "step-2"
-    assert sorted(p.name for p in step_dir.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # each rank writes its shards into its own files (one per writer thread)
+    files = sorted(p.name for p in step_dir.glob(f"*{SUFFIX}"))
+    assert {name.split("_")[2] for name in files} == {"0", "1"}, files
     assert sorted(p.name for p in (step_dir / "rng").iterdir()) == ["rank0.json", "rank1.json"]
     checkpoints = Checkpointer(reshard.a)
     assert checkpoints.committed_steps() == [2]

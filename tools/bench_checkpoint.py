@@ -10,7 +10,13 @@ directory). In every repetition, in an order that rotates from one repetition to
   warm (the pages the writes just left in the page cache) and cold (each file dropped from the
   page cache first with posix_fadvise(DONTNEED); a VM's host may still cache the disk);
 - async: time spent inside an async `save()` (it returns once the state is staged in host
-  memory) vs the whole sync save, and the time until that async save is committed (`wait()`).
+  memory) vs the whole sync save, and the time until that async save is committed (`wait()`),
+  in a run's steady state (the third save of one checkpointer: its staging buffers exist);
+  beside it, the floor of any staging: one copy of the state's tensors into buffers allocated
+  before (torch's copy_, all threads).
+- object storage (`--s3-size-mb`, 0 to skip): a moto S3 server on 127.0.0.1 through s3fs; save and
+  load of a smaller state vs s3fs putting and getting the same number of bytes as plain objects,
+  one per writer thread, with the same concurrency (`--io-threads`).
 GB/s counts the state's tensor bytes (1 GB = 1e9 bytes); ratios use the faster reference.
 Medians over repetitions are reported.
 """
@@ -41,6 +47,7 @@ from torch import nn
 
 from llmtrain.checkpoint.manager import Checkpointer, KeepPolicy
 from llmtrain.checkpoint.state import ModelState, Values
+from llmtrain.checkpoint.stream_storage import DEFAULT_THREADS
 
 GOAL_THROUGHPUT = 0.7
 GOAL_BLOCKING = 0.1
@@ -129,8 +136,11 @@ def drop_from_page_cache(root: Path) -> None:
 
 
 # ---------------------------------------------------------------- ours
-def sync_save(root: Path, state: dict, step: int) -> float:
-    ckpt = Checkpointer(str(root), keep=KeepPolicy(last=100))
+IO_THREADS = DEFAULT_THREADS  # set from --io-threads
+
+
+def sync_save(root: Path | str, state: dict, step: int) -> float:
+    ckpt = Checkpointer(str(root), keep=KeepPolicy(last=100), io_threads=IO_THREADS)
     t0 = time.perf_counter()
     ckpt.save(step, state, blocking=True)
     elapsed = time.perf_counter() - t0
@@ -139,10 +149,16 @@ def sync_save(root: Path, state: dict, step: int) -> float:
 
 
 def async_save(root: Path, state: dict, step: int) -> tuple[float, float]:
-    """(seconds inside save(), seconds until committed)."""
-    ckpt = Checkpointer(str(root), keep=KeepPolicy(last=100), async_save=True)
+    """(seconds inside save(), seconds until committed) of an async save in the steady state of a
+    run: the checkpointer's staging buffers exist, from two saves before the timed one."""
+    ckpt = Checkpointer(
+        str(root), keep=KeepPolicy(last=100), async_save=True, io_threads=IO_THREADS
+    )
+    for earlier in range(2):
+        ckpt.save(3 * step + earlier, state)
+        ckpt.wait()
     t0 = time.perf_counter()
-    ckpt.save(step, state)
+    ckpt.save(3 * step + 2, state)
     blocked = time.perf_counter() - t0
     ckpt.wait()
     committed = time.perf_counter() - t0
@@ -150,8 +166,8 @@ def async_save(root: Path, state: dict, step: int) -> tuple[float, float]:
     return blocked, committed
 
 
-def load(root: Path, state: dict) -> float:
-    ckpt = Checkpointer(str(root))
+def load(root: Path | str, state: dict) -> float:
+    ckpt = Checkpointer(str(root), io_threads=IO_THREADS)
     t0 = time.perf_counter()
     step = ckpt.load(state)
     elapsed = time.perf_counter() - t0
@@ -209,7 +225,98 @@ def one_round(work: Path, state: dict, nbytes: int, r: int, use_dd: bool) -> dic
             out[f"{name} {temp} GB/s"] = n / seconds / GB
 
     out["async blocked s"], out["async committed s"] = async_save(work / "async", state, r)
+    out["copy floor s"] = copy_floor(state)
     return out
+
+
+def copy_floor(state: dict) -> float:
+    """Seconds of one copy of the state's tensors into buffers that already exist: what any
+    staging costs at least."""
+    tensors = []
+
+    def visit(value) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                visit(v)
+
+    visit(state["model"].state_dict())
+    buffers = [torch.empty_like(t) for t in tensors]
+    for b, t in zip(buffers, tensors, strict=True):
+        b.copy_(t)  # fault the pages in first, as a reused staging buffer would be
+    t0 = time.perf_counter()
+    for b, t in zip(buffers, tensors, strict=True):
+        b.copy_(t)
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- object storage
+def s3_rounds(nbytes_wanted: int, tensors: int, kind: str, rounds: int) -> list[dict[str, float]]:
+    """Save and load GB/s on a moto S3 server vs s3fs putting / getting plain objects of the same
+    bytes with the same concurrency."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moto.server import ThreadedMotoServer
+    from s3fs import S3FileSystem
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+    try:
+        fs = S3FileSystem()
+        fs.mkdir("bench")
+        state = build_state(nbytes_wanted, tensors, kind)
+        nbytes = tensor_bytes(state)
+        part = math.ceil(nbytes / IO_THREADS)
+        blobs = [os.urandom(min(part, nbytes - i * part)) for i in range(IO_THREADS)]
+        pool = ThreadPoolExecutor(IO_THREADS)
+
+        def put(r: int) -> float:
+            t0 = time.perf_counter()
+            list(
+                pool.map(
+                    lambda i: fs.pipe_file(f"bench/plain-{r}/{i}", blobs[i]), range(IO_THREADS)
+                )
+            )
+            return time.perf_counter() - t0
+
+        def get(r: int) -> float:
+            t0 = time.perf_counter()
+            list(pool.map(lambda i: fs.cat_file(f"bench/plain-{r}/{i}"), range(IO_THREADS)))
+            return time.perf_counter() - t0
+
+        sync_save("s3://bench/warmup", state, 0)  # first-call costs
+        results = []
+        for r in range(rounds):
+            out = {}
+            pairs = [
+                ("s3 save", lambda r=r: sync_save(f"s3://bench/ckpt-{r}", state, r)),
+                ("s3 put", lambda r=r: put(r)),
+            ]
+            for name, action in rotated(pairs, r):
+                out[f"{name} GB/s"] = nbytes / action() / GB
+            pairs = [
+                ("s3 load", lambda r=r: load(f"s3://bench/ckpt-{r}", state)),
+                ("s3 get", lambda r=r: get(r)),
+            ]
+            for name, action in rotated(pairs, r):
+                out[f"{name} GB/s"] = nbytes / action() / GB
+            out["s3 bytes"] = nbytes
+            results.append(out)
+        pool.shutdown()
+        return results
+    finally:
+        server.stop()
 
 
 def profiled(label: str, action: Callable[[], object], top: int) -> None:
@@ -251,14 +358,20 @@ def main() -> None:
     p.add_argument("--state", choices=["adamw", "params"], default="adamw")
     p.add_argument("--rounds", type=int, default=6, help="a multiple of 3 balances the order")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument(
+        "--io-threads", type=int, default=DEFAULT_THREADS, help="the checkpointer's I/O threads"
+    )
+    p.add_argument("--s3-size-mb", type=float, default=200, help="object-storage state; 0: skip")
     p.add_argument("--quick", action="store_true", help="~100 MB state, 3 rounds")
     p.add_argument("--no-dd", action="store_true", help="skip the dd reference")
     p.add_argument("--profile", action="store_true", help="also cProfile one of each, after")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if args.quick:
-        args.size_mb, args.rounds = 100, 3
+        args.size_mb, args.rounds, args.s3_size_mb = 100, 3, min(args.s3_size_mb, 50)
     torch.set_num_threads(args.threads)
+    global IO_THREADS
+    IO_THREADS = args.io_threads
     # the checkpointer's per-save log lines and DCP's single-process warning would bury the table
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -273,6 +386,9 @@ def main() -> None:
         warm_up(work, args.tensors, args.state)
         load_before = os.getloadavg()[0]
         rounds = [one_round(work, state, nbytes, r, use_dd) for r in range(args.rounds)]
+        if args.s3_size_mb > 0:
+            s3 = s3_rounds(int(args.s3_size_mb * 1e6), args.tensors, args.state, args.rounds)
+            rounds = [{**a, **b} for a, b in zip(rounds, s3, strict=True)]
         load_after = os.getloadavg()[0]
         med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
         report(args, work, nbytes, med, use_dd)
@@ -294,7 +410,7 @@ def report(args, work: Path, nbytes: int, med: dict[str, float], use_dd: bool) -
         f"state={args.state} ({args.tensors} float32 tensors, {params / GB:.3f} GB of parameters"
         f"{' + AdamW moments' if args.state == 'adamw' else ''}: {nbytes / GB:.3f} GB of "
         f"tensors, {med['checkpoint bytes on disk'] / GB:.3f} GB on disk) dir={work.parent} "
-        f"threads={args.threads} rounds={args.rounds} (medians)"
+        f"threads={args.threads} io_threads={args.io_threads} rounds={args.rounds} (medians)"
     )
     row = "{:<22} {:>9}  {:<34} {:>6}  {}"
     print(row.format("measure", "ours", "reference", "ratio", "goal"))
@@ -328,7 +444,21 @@ def report(args, work: Path, nbytes: int, med: dict[str, float], use_dd: bool) -
             f"<= {GOAL_BLOCKING} {verdict}",
         )
     )
+    floor = med["copy floor s"]
+    print(
+        row.format(
+            "  staging floor s",
+            f"{floor:.3f}",
+            f"one copy of the state: {floor / sync_s:.3f} of a sync save",
+            "",
+            "",
+        )
+    )
     print(row.format("async commit s", f"{med['async committed s']:.3f}", "", "", ""))
+    if "s3 save GB/s" in med:
+        size = f"{med['s3 bytes'] / GB:.2f} GB"
+        throughput(f"S3 save GB/s ({size})", med["s3 save GB/s"], {"put": med["s3 put GB/s"]})
+        throughput(f"S3 load GB/s ({size})", med["s3 load GB/s"], {"get": med["s3 get GB/s"]})
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, KeepPolicy
 from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
+from llmtrain.checkpoint.stream_storage import SUFFIX
 
 # -- helpers -------------------------------------------------------------------------------------
 
@@ -123,7 +124,7 @@ class GatedFS(LocalFileSystem):
     def _open(self, path, mode="rb", **kwargs):
         if "w" in mode or "a" in mode:
             type(self).writes.append(str(path))
-            if str(path).endswith(".distcp"):
+            if str(path).endswith(SUFFIX):
                 if type(self).failures > 0:
                     type(self).failures -= 1
                     raise OSError(f"no space left on device: {path}")
@@ -255,8 +256,8 @@ def test_async_save_returns_while_writing_and_writes_what_a_sync_save_writes(gat
     Checkpointer(str(reference)).save(
         2, {"train": ModelState(twin, [twin_optimizer]), "counters": Values(step=2, tokens=48)}
     )
-    written = sorted(p.name for p in (gated.path / "step-2").glob("*.distcp"))
-    assert written == sorted(p.name for p in (reference / "step-2").glob("*.distcp"))
+    written = sorted(p.name for p in (gated.path / "step-2").glob(f"*{SUFFIX}"))
+    assert written == sorted(p.name for p in (reference / "step-2").glob(f"*{SUFFIX}"))
     assert written
     for name in written:
         assert (gated.path / "step-2" / name).read_bytes() == (
@@ -340,7 +341,8 @@ def test_a_failing_sync_save_is_retried_with_backoff_then_a_clear_error(gated, t
     with pytest.raises(CheckpointError, match="3 attempts") as failure:
         checkpoints.save(2, {"train": ModelState(model, [optimizer])})
     assert "step-2" in str(failure.value)
-    assert len([w for w in gated.fs.writes if "step-2" in w and w.endswith(".distcp")]) == 3
+    # every attempt opens rank 0's first data file (and its other threads' files)
+    assert len([w for w in gated.fs.writes if w.endswith(f"step-2/__0_0{SUFFIX}")]) == 3
     assert checkpoints.committed_steps() == [1]
     fresh, _ = tiny.make(seed=4)
     assert Checkpointer(str(gated.path)).load({"train": ModelState(fresh)}) == 1

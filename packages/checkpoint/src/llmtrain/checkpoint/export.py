@@ -19,10 +19,11 @@ from typing import Any
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
-from llmtrain.checkpoint.safe_io import SafeFsspecReader, SafeLoadPlanner
+from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, corruption
+from llmtrain.checkpoint.safe_io import SafeLoadPlanner
 
 MODEL_KEY = re.compile(r"^([^.]+)\.model\.")
 OPTIONS_FILE = "model_options.json"
@@ -54,7 +55,7 @@ def load_model_weights(
     step = checkpoints.resolve_step(step)
     if step is None:
         raise CheckpointError(f"{url} has no committed checkpoint")
-    reader = SafeFsspecReader(checkpoints.step_url(step), **checkpoints.storage_options)
+    reader = checkpoints.reader(step)
     stored = reader.read_metadata().state_dict_metadata
     prefix = model_prefix(list(stored), prefix)
     tensors = {
@@ -66,7 +67,13 @@ def load_model_weights(
         raise CheckpointError(f"{checkpoints.step_url(step)} has no tensors under {prefix!r}")
     with warnings.catch_warnings():  # one process on purpose; DCP warns that it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        try:
+            dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        except CheckpointException as exc:
+            corrupt = corruption(exc)
+            if corrupt is None:
+                raise
+            raise CheckpointError(f"cannot load {checkpoints.step_url(step)}: {corrupt}") from exc
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return weights, checkpoints.info(step), step
 

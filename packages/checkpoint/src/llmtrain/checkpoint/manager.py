@@ -29,16 +29,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from llmtrain.checkpoint.safe_io import (
-    SafeFsspecReader,
-    SafeLoadPlanner,
-    UnsafeCheckpointError,
+from llmtrain.checkpoint.safe_io import SafeLoadPlanner, UnsafeCheckpointError
+from llmtrain.checkpoint.stream_storage import (
+    DEFAULT_THREADS,
+    FORMAT,
+    CorruptCheckpointError,
+    StreamReader,
+    StreamWriter,
 )
 from llmtrain.core_mesh.errors import UserError
 
@@ -148,8 +150,10 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None,
         retries: int = 3,
         backoff_s: float = 2.0,
+        io_threads: int = DEFAULT_THREADS,
     ):
         self.url = url.rstrip("/")
+        self.io_threads = io_threads
         self.storage_options = _default_storage_options(self.url, storage_options or {})
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.keep = keep or KeepPolicy()
@@ -240,8 +244,19 @@ class Checkpointer:
         if step in dirs:  # an unfinished save of this step from a crashed run
             self.fs.rm(self._path(step), recursive=True)
 
-    def _writer(self, step: int) -> FsspecWriter:
-        return FsspecWriter(self.step_url(step), **self.storage_options)
+    def _writer(self, step: int) -> StreamWriter:
+        return StreamWriter(self.step_url(step), threads=self.io_threads, **self.storage_options)
+
+    def reader(self, step: int) -> StreamReader:
+        """The DCP reader of committed step `step` (format 2, and format 1 of earlier versions);
+        a checkpoint of a newer format is refused, naming it."""
+        written = self.info(step).get("format", 1)
+        if not isinstance(written, int) or written > FORMAT:
+            raise CheckpointError(
+                f"{self.step_url(step)} is in checkpoint format {written}, written by a newer "
+                f"llmtrain; this one reads formats 1 to {FORMAT}: upgrade llmtrain-checkpoint"
+            )
+        return StreamReader(self.step_url(step), threads=self.io_threads, **self.storage_options)
 
     def _dcp_save(self, step: int, state: dict[str, Any]) -> None:
         dcp.save(state, storage_writer=self._writer(step))
@@ -291,7 +306,12 @@ class Checkpointer:
                     "it is not committed and earlier checkpoints are intact"
                 ) from exc
         if self.rank == 0:
-            record = {"step": step, "world_size": self.world_size, "time": time.time()}
+            record = {
+                "step": step,
+                "world_size": self.world_size,
+                "time": time.time(),
+                "format": FORMAT,
+            }
             self._with_retries(
                 step,
                 lambda: self._write_json(self._path(step, INFO_FILE), {**record, "info": info}),
@@ -370,7 +390,7 @@ class Checkpointer:
         step = self.resolve_step(step)
         if step is None:
             return None
-        reader = SafeFsspecReader(self.step_url(step), **self.storage_options)
+        reader = self.reader(step)
         try:
             metadata = reader.read_metadata()
         except UnsafeCheckpointError as exc:
@@ -380,6 +400,9 @@ class Checkpointer:
         try:
             dcp.load(plain, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointException as exc:
+            corrupt = corruption(exc)
+            if corrupt is not None:
+                raise CheckpointError(f"cannot load {self.step_url(step)}: {corrupt}") from exc
             raise CheckpointError(
                 f"cannot load {self.step_url(step)}: {_reason(exc)} (values are loaded with "
                 "weights_only: tensors, numbers, strings and plain containers only)"
@@ -429,6 +452,15 @@ def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> Non
                     f"{tuple(value.shape)} in this model; the checkpoint is from a different model "
                     "shape"
                 )
+
+
+def corruption(exc: BaseException) -> CorruptCheckpointError | None:
+    """The damaged-file error inside DCP's wrapper of every rank's failure, if there is one."""
+    for failure in (getattr(exc, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CorruptCheckpointError):
+            return inner
+    return exc if isinstance(exc, CorruptCheckpointError) else None
 
 
 def _reason(exc: BaseException) -> str:

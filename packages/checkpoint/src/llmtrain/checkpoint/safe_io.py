@@ -29,6 +29,7 @@ _ALLOWED_ELSEWHERE = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("llmtrain.checkpoint.stream_storage", "StoredItem"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),

@@ -205,6 +205,7 @@ class Trainer:
             keep=KeepPolicy(last=c.checkpoint.keep_last, every=c.checkpoint.keep_every),
             async_save=c.checkpoint.async_save,
             storage_options=c.checkpoint.storage_options,
+            io_threads=c.checkpoint.io_threads,
         )
         self.state = {
             "train": ModelState(self.model.parts, self.optimizers),

@@ -1,0 +1,182 @@
+"""Format 2 (raw tensor bytes, `stream_storage`): what it writes, that damage is an error naming
+the file and the tensor, that format-1 checkpoints written by earlier versions still load, and
+that reads land in the destination tensors."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmtrain.checkpoint.export import load_model_weights
+from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
+from llmtrain.checkpoint.state import ModelState, Values
+from llmtrain.checkpoint.stream_storage import (
+    FORMAT,
+    SUFFIX,
+    StoredItem,
+    StreamReader,
+    _landing,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+def saved(tmp_path, tiny, *, threads: int = 4):
+    """A committed step 2 of the tiny model (trained 2 steps) and its snapshot."""
+    model, optimizer = tiny.make(seed=0, steps=2)
+    checkpoints = Checkpointer(str(tmp_path / "ckpt"), io_threads=threads)
+    checkpoints.save(
+        2, {"train": ModelState(model, [optimizer]), "counters": Values(step=2, tokens=48)}
+    )
+    checkpoints.close()
+    return tmp_path / "ckpt" / "step-2", model, optimizer
+
+
+def stored_items(step_dir: Path) -> dict[str, StoredItem]:
+    """fqn -> where its bytes are, from the step's metadata (read here without the allow-list
+    on purpose: the test wrote it)."""
+    metadata = pickle.loads((step_dir / ".metadata").read_bytes())
+    return {index.fqn: info for index, info in metadata.storage_data.items()}
+
+
+def load_into_fresh(url: str, tiny):
+    fresh, _ = tiny.make(seed=7)
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    counters = Values(step=0, tokens=0)
+    step = Checkpointer(url).load({"train": ModelState(fresh, [optimizer]), "counters": counters})
+    return step, fresh, optimizer, counters
+
+
+def test_a_rank_writes_one_file_per_thread_of_raw_tensor_bytes_with_their_crc32(tmp_path, tiny):
+    step_dir, model, _ = saved(tmp_path, tiny, threads=3)
+    assert sorted(p.name for p in step_dir.glob(f"*{SUFFIX}")) == [
+        f"__0_{i}{SUFFIX}" for i in range(3)
+    ]
+    items = stored_items(step_dir)
+    weight = items["train.model.fc1.weight"]
+    assert (weight.dtype, weight.shape) == ("torch.float32", (32, 16))
+    raw = (step_dir / weight.relative_path).read_bytes()[
+        weight.offset : weight.offset + weight.length
+    ]
+    # the tensor's own bytes, nothing around them, and the CRC32 of exactly those
+    assert raw == model.fc1.weight.detach().numpy().tobytes()
+    assert weight.crc32 == zlib.crc32(raw)
+    # the threads' files hold about equal bytes: within one tensor, plus the small pickled
+    # values (step counters, optimizer settings) dealt round-robin
+    sizes = sorted(p.stat().st_size for p in step_dir.glob(f"*{SUFFIX}"))
+    values = sum(i.length for i in items.values() if i.dtype is None)
+    largest = max(i.length for i in items.values() if i.dtype is not None)
+    assert sizes[-1] - sizes[0] <= largest + values
+    record = json.loads((step_dir / "COMMITTED").read_text())
+    assert record["format"] == FORMAT == 2
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_round_trip_is_bit_identical(tmp_path, tiny, threads):
+    step_dir, model, optimizer = saved(tmp_path, tiny, threads=threads)
+    step, fresh, fresh_optimizer, counters = load_into_fresh(str(step_dir.parent), tiny)
+    assert step == 2 and (counters["step"], counters["tokens"]) == (2, 48)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    theirs, ours = optimizer.state_dict()["state"], fresh_optimizer.state_dict()["state"]
+    for key in theirs:
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[key][moment], theirs[key][moment])
+
+
+def test_a_checkpoint_of_the_previous_format_still_loads(tmp_path, tiny):
+    """`data/format1` was written by the Checkpointer before format 2 (DCP's FileSystemWriter,
+    torch.save per tensor): the tiny model of seed 0 after 2 steps, counters 2 / 48."""
+    model, optimizer = tiny.make(seed=0, steps=2)
+    assert "format" not in json.loads((DATA / "format1" / "step-2" / "COMMITTED").read_text())
+    step, fresh, fresh_optimizer, counters = load_into_fresh(str(DATA / "format1"), tiny)
+    assert step == 2 and (counters["step"], counters["tokens"]) == (2, 48)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    moments = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(moments, optimizer.state_dict()["state"][0]["exp_avg"])
+    weights, _, _ = load_model_weights(str(DATA / "format1"))
+    assert torch.equal(weights["fc2.bias"], model.fc2.bias.detach())
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused_naming_it(tmp_path, tiny):
+    shutil.copytree(DATA / "format1", tmp_path / "newer")
+    info = tmp_path / "newer" / "step-2" / "llmtrain.json"
+    info.write_text(json.dumps({**json.loads(info.read_text()), "format": 3}))
+    with pytest.raises(CheckpointError) as refused:
+        load_into_fresh(str(tmp_path / "newer"), tiny)
+    assert str(refused.value) == (
+        f"{tmp_path / 'newer'}/step-2 is in checkpoint format 3, written by a newer llmtrain; "
+        "this one reads formats 1 to 2: upgrade llmtrain-checkpoint"
+    )
+
+
+def _load_error(url: str, tiny) -> str:
+    with pytest.raises(CheckpointError) as failed:
+        load_into_fresh(url, tiny)
+    return str(failed.value)
+
+
+def test_a_flipped_byte_is_an_error_naming_the_file_and_the_tensor(tmp_path, tiny):
+    step_dir, _, _ = saved(tmp_path, tiny)
+    item = stored_items(step_dir)["train.model.fc2.weight"]
+    path = step_dir / item.relative_path
+    data = bytearray(path.read_bytes())
+    data[item.offset + item.length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    message = _load_error(str(step_dir.parent), tiny)
+    assert message.startswith(f"cannot load {step_dir}: {step_dir}/{item.relative_path}: ")
+    assert "'train.model.fc2.weight' does not match its checksum" in message
+    assert message.endswith("the file was damaged after the save")
+    # the export reads through the same check
+    with pytest.raises(CheckpointError, match=r"'train\.model\.fc2\.weight' does not match"):
+        load_model_weights(str(step_dir.parent))
+
+
+def test_a_truncated_shard_is_an_error_naming_the_file_and_the_tensor(tmp_path, tiny):
+    step_dir, _, _ = saved(tmp_path, tiny, threads=1)
+    items = stored_items(step_dir)
+    last = max(items.items(), key=lambda kv: kv[1].offset)
+    path = step_dir / last[1].relative_path
+    path.write_bytes(path.read_bytes()[: last[1].offset + 10])
+    message = _load_error(str(step_dir.parent), tiny)
+    assert f"{step_dir}/{last[1].relative_path} is truncated: {last[0]!r} needs bytes" in message
+    assert f"the file has {last[1].offset + 10}" in message
+
+
+def test_a_missing_shard_is_an_error_naming_the_file(tmp_path, tiny):
+    step_dir, _, _ = saved(tmp_path, tiny, threads=2)
+    (step_dir / f"__0_1{SUFFIX}").unlink()
+    message = _load_error(str(step_dir.parent), tiny)
+    assert f"{step_dir}/__0_1{SUFFIX} is missing; it holds '" in message
+    assert message.endswith("(the checkpoint is incomplete)")
+
+
+def test_reads_land_in_the_destination_unless_it_is_a_slice_or_another_dtype():
+    stored = StoredItem("f", 0, 64, 0, "torch.float32", (4, 4))
+
+    class Whole:
+        storage_offsets, lengths = (0, 0), (4, 4)
+
+    class Rows:
+        storage_offsets, lengths = (2, 0), (2, 4)
+
+    target = torch.empty(4, 4)
+    assert _landing(target, Whole, stored) is target
+    assert _landing(target.t(), Whole, stored) is not target  # not contiguous
+    assert _landing(target.to(torch.bfloat16), Whole, stored).dtype == torch.float32
+    half = torch.empty(2, 4)
+    landing = _landing(half, Rows, stored)
+    assert landing is not half and landing.shape == (4, 4)
+
+
+def test_the_reader_reads_metadata_through_the_allow_list(tmp_path, tiny):
+    step_dir, _, _ = saved(tmp_path, tiny)
+    metadata = StreamReader(str(step_dir)).read_metadata()
+    assert isinstance(next(iter(metadata.storage_data.values())), StoredItem)
