@@ -160,8 +160,8 @@ class CheckpointConfig:
     keep_every: int | None = attrs.field(default=None, validator=_positive)
     async_save: bool = False
     # threads per rank that write and read the checkpoint's files (the concurrency of its
-    # uploads and ranged reads on object storage)
-    io_threads: int = attrs.field(default=4, validator=_positive)
+    # uploads and ranged reads on object storage); null: up to 4, no more than the cores
+    io_threads: int | None = attrs.field(default=None, validator=_positive)
     resume: Literal["auto", "never"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "never"))
     )

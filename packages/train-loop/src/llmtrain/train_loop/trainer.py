@@ -23,6 +23,7 @@ import torch
 from llmtrain.checkpoint.manager import Checkpointer, KeepPolicy
 from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
+from llmtrain.checkpoint.stream_storage import DEFAULT_THREADS
 from llmtrain.core_mesh.config import (
     Choice,
     ConfigValueError,
@@ -205,7 +206,7 @@ class Trainer:
             keep=KeepPolicy(last=c.checkpoint.keep_last, every=c.checkpoint.keep_every),
             async_save=c.checkpoint.async_save,
             storage_options=c.checkpoint.storage_options,
-            io_threads=c.checkpoint.io_threads,
+            io_threads=c.checkpoint.io_threads or DEFAULT_THREADS,
         )
         self.state = {
             "train": ModelState(self.model.parts, self.optimizers),

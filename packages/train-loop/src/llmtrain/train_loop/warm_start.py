@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmtrain.checkpoint.export import model_prefix
 from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
-from llmtrain.checkpoint.safe_io import SafeFsspecReader, UnsafeCheckpointError
+from llmtrain.checkpoint.safe_io import UnsafeCheckpointError
 from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
@@ -199,7 +199,7 @@ def _load_checkpoint(
     where = checkpoints.step_url(step)
     source = checkpoints.info(step).get("info", {})
     try:
-        stored = SafeFsspecReader(where, **checkpoints.storage_options).read_metadata()
+        stored = checkpoints.reader(step).read_metadata()
     except UnsafeCheckpointError as exc:
         raise WarmStartError(f"init.from: {where}: {exc}") from None
     try:
