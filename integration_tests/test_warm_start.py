@@ -21,7 +21,8 @@ import train_support as ts
 from shared_fixtures import run_cli  # noqa: F401
 
 from llmtrain.checkpoint.export import load_model_weights
-from llmtrain.checkpoint.safe_io import SafeFsspecReader, SafeLoadPlanner
+from llmtrain.checkpoint.safe_io import SafeLoadPlanner
+from llmtrain.checkpoint.stream_storage import StreamReader
 from llmtrain.data_pack.pack import pack
 from llmtrain.train_loop.quickstart import write_corpus
 
@@ -68,7 +69,7 @@ def fine_tune(pretrained, name: str, **training) -> dict:
 
 def optimizer_steps(checkpoint: Path) -> set[float]:
     """The AdamW `step` of every parameter in a committed step directory."""
-    reader = SafeFsspecReader(str(checkpoint))
+    reader = StreamReader(str(checkpoint))
     stored = reader.read_metadata().state_dict_metadata
     steps = {k: torch.empty(()) for k in stored if k.startswith("train.optim.state.")}
     steps = {k: v for k, v in steps.items() if k.endswith(".step")}
