@@ -74,13 +74,13 @@ def build_state(nbytes: int, tensors: int, kind: str) -> dict:
     return {"model": ModelState(model, optimizers), "progress": Values(step=0, tokens=0)}
 
 
-def tensor_bytes(state: dict) -> int:
-    total = 0
+def state_tensors(state: dict) -> list[torch.Tensor]:
+    """Every tensor of the model part's state dict (parameters and optimizer moments)."""
+    found: list[torch.Tensor] = []
 
     def visit(value) -> None:
-        nonlocal total
         if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
+            found.append(value)
         elif isinstance(value, dict):
             for v in value.values():
                 visit(v)
@@ -89,7 +89,11 @@ def tensor_bytes(state: dict) -> int:
                 visit(v)
 
     visit(state["model"].state_dict())
-    return total
+    return found
+
+
+def tensor_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in state_tensors(state))
 
 
 def dir_bytes(path: Path) -> int:
@@ -232,19 +236,7 @@ def one_round(work: Path, state: dict, nbytes: int, r: int, use_dd: bool) -> dic
 def copy_floor(state: dict) -> float:
     """Seconds of one copy of the state's tensors into buffers that already exist: what any
     staging costs at least."""
-    tensors = []
-
-    def visit(value) -> None:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, list | tuple):
-            for v in value:
-                visit(v)
-
-    visit(state["model"].state_dict())
+    tensors = state_tensors(state)
     buffers = [torch.empty_like(t) for t in tensors]
     for b, t in zip(buffers, tensors, strict=True):
         b.copy_(t)  # fault the pages in first, as a reused staging buffer would be
