@@ -171,6 +171,10 @@ extra: true
         ("true", "n_layers", "expected int, got bool True"),
         ("true", "dropout", "expected float, got bool True"),
         ("[1]", "dropout", "expected float, got list [1]"),
+        # YAML's NaN and infinities are no value any option means
+        (".nan", "dropout", "expected a finite number, got nan"),
+        (".inf", "dropout", "expected a finite number, got inf"),
+        ("-.inf", "dropout", "expected a finite number, got -inf"),
     ],
 )
 def test_no_lenient_scalar_coercion(tmp_path, plugins, yaml_value, field, expected):

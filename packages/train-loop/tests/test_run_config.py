@@ -110,7 +110,7 @@ def test_a_nested_problem_does_not_hide_the_others(validate):
     assert code == 2
     assert "run.yaml:7: training.non_finite.action: expected one of 'stop', 'skip'" in err
     assert "run.yaml:7: training.log_every: must be at least 1, got 0" in err
-    assert "run.yaml:1: name: must be a non-empty name without '/' or surrounding spaces" in err
+    assert "run.yaml:1: name: must be one directory name (no '/', '\\', '.' or '..')" in err
     assert "3 config problems" in err
 
 
@@ -248,3 +248,43 @@ def test_init_problems_name_the_key_and_line(validate):
     assert "override 'init.from=3': init.from: expected str, got int 3" in err
     assert "init.check_tokenizer: expected bool (true or false), got int 1" in err
     assert validate(BASE, "init.from=runs/a/checkpoints", "init.format=hf") == (0, "")
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [("optimizer.lr=.nan", "optimizer.lr"), ("optimizer.lr=.inf", "optimizer.lr")],
+)
+def test_a_non_finite_number_is_a_config_error(validate, override, key):
+    """Before: lr .nan passed validation and failed inside torch; lr .inf ran a step."""
+    code, err = validate(BASE, override)
+    assert code == 2
+    assert (
+        f"override '{override}': {key}: expected a finite number, got {override.split('.')[-1]}"
+        in err
+    )
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", "a\\b"])
+def test_a_run_name_is_one_directory_name(validate, name):
+    """Before: `name: ..` wrote the run into the parent of run_dir, `name: .` into run_dir."""
+    code, err = validate(BASE.replace("name: checks", f"name: '{name}'"))
+    assert code == 2
+    assert "run.yaml:1: name: must be one directory name (no '/', '\\', '.' or '..')" in err
+
+
+@pytest.mark.parametrize(
+    ("file", "ok"),
+    [
+        ("../../../x.jsonl", False),
+        ("logs/../../x.jsonl", False),
+        ("..", False),
+        ("logs/metrics.jsonl", True),
+        ("/tmp/elsewhere/metrics.jsonl", True),  # absolute: on purpose
+    ],
+)
+def test_a_jsonl_logger_writes_inside_the_run_unless_given_an_absolute_path(validate, file, ok):
+    code, err = validate(BASE, f"loggers=[{{kind: jsonl, file: '{file}'}}]")
+    if ok:
+        assert (code, err) == (0, "")
+    else:
+        assert code == 2 and "loggers[0].file: " in err, err

@@ -17,6 +17,7 @@ that span fields, so the error names the right path.
 
 from __future__ import annotations
 
+import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -303,6 +304,9 @@ def _strict_int(value: Any, _: type) -> int:
 def _strict_float(value: Any, _: type) -> float:
     if type(value) not in (int, float):
         raise _expect("float", value)
+    if not math.isfinite(value):
+        # no option means infinity or NaN (YAML's .inf / .nan); an unbounded option takes null
+        raise ValueError(f"expected a finite number, got {_shown(value)}")
     return float(value)
 
 

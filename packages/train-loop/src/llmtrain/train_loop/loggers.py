@@ -8,7 +8,7 @@ import json
 import math
 import sys
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import attrs
 
@@ -20,9 +20,23 @@ class ConsoleOptions:
     progress_bar: bool = True  # a tqdm bar; false: one plain line per logged step
 
 
+def _inside_the_run(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    """A relative path stays inside the run directory; an absolute one is a choice made on
+    purpose."""
+    path = PurePath(value)
+    if not value.strip() or path.name in ("", ".", ".."):
+        raise ValueError(f"must name a file, got {value!r}")
+    if not path.is_absolute() and ".." in path.parts:
+        raise ValueError(
+            f"{value!r} leaves the run directory; give a path inside it, or an absolute path to "
+            "write elsewhere on purpose"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class JsonlOptions:
-    file: str = "metrics.jsonl"  # relative to the run directory
+    # relative to the run directory
+    file: str = attrs.field(default="metrics.jsonl", validator=_inside_the_run)
 
 
 def _fmt(key: str, value: float) -> str:

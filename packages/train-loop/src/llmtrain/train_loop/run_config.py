@@ -30,7 +30,10 @@ def _non_negative(instance: object, attribute: attrs.Attribute, value: float | N
 
 
 def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not value or "/" in value or value.strip() != value:
+    """A run name is one safe path component: the run's directory is `run_dir/name`."""
+    if value in (".", "..") or any(c in value for c in "/\\\0"):
+        raise ValueError(f"must be one directory name (no '/', '\\', '.' or '..'), got {value!r}")
+    if not value or value.strip() != value:
         raise ValueError(
             f"must be a non-empty name without '/' or surrounding spaces, got {value!r}"
         )
