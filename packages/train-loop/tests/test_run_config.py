@@ -4,10 +4,17 @@ arithmetic: each error names the key and the line, all at once."""
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from llmtrain.core_mesh.cli import main
-from llmtrain.core_mesh.config import ConfigValueError
-from llmtrain.train_loop.run_config import DataConfig, DatasetRef, TrainingConfig
+from llmtrain.core_mesh.config import ConfigValueError, structure
+from llmtrain.train_loop.run_config import (
+    DataConfig,
+    DatasetRef,
+    RunConfig,
+    TrainingConfig,
+    warmup_outlasts,
+)
 
 BASE = """\
 name: checks
@@ -122,11 +129,22 @@ def test_zero_seq_len_is_reported_as_such(validate):
     assert "modulo" not in err
 
 
-def test_train_needs_a_dataset_and_weights_are_not_negative(validate):
+def test_train_needs_a_dataset_and_weights_are_positive(validate):
     code, err = validate(BASE.replace("[{path: train.zarr}]", "[]"))
     assert (code, "run.yaml:4: data.train: needs at least one dataset" in err) == (2, True)
-    code, err = validate(BASE.replace("{path: train.zarr}", "{path: train.zarr, weight: -1}"))
-    assert (code, "data.train[0].weight: must be at least 0, got -1" in err) == (2, True)
+    for weight in ("-1", "0"):
+        code, err = validate(
+            BASE.replace("{path: train.zarr}", f"{{path: train.zarr, weight: {weight}}}")
+        )
+        expected = (
+            "data.train[0].weight: must be more than 0 (leave a dataset out to exclude it), "
+            f"got {float(weight)}"
+        )
+        assert code == 2 and expected in err, err
+    # one dataset of a mixture too (before: accepted while 1e-9 was refused)
+    mixture = "[{path: train.zarr}, {path: more.zarr, weight: 0}]"
+    code, err = validate(BASE.replace("[{path: train.zarr}]", mixture))
+    assert code == 2 and "data.train[1].weight: must be more than 0" in err
 
 
 # --- the batch arithmetic ---
@@ -288,3 +306,16 @@ def test_a_jsonl_logger_writes_inside_the_run_unless_given_an_absolute_path(vali
         assert (code, err) == (0, "")
     else:
         assert code == 2 and "loggers[0].file: " in err, err
+
+
+def test_a_warmup_as_long_as_the_run_is_named_not_refused(validate, installed):
+    """Documented, not an error: a smoke run of a long run's config keeps its warmup."""
+    run = BASE + "lr_scheduler: {kind: cosine, warmup_steps: 10}\n"
+    assert validate(run) == (0, "")
+    config = structure(yaml.safe_load(run), RunConfig, plugins=installed)
+    assert warmup_outlasts(config.lr_scheduler, 10) == (
+        "lr_scheduler.warmup_steps 10 is not shorter than the run (10 steps): the lr never "
+        "reaches its peak"
+    )
+    assert warmup_outlasts(config.lr_scheduler, 11) is None
+    assert warmup_outlasts(None, 1) is None

@@ -39,12 +39,18 @@ def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
         )
 
 
+def _share(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    # a zero share would be a dataset that is listed, opened and checked but never read
+    if not value > 0:
+        raise ValueError(f"must be more than 0 (leave a dataset out to exclude it), got {value}")
+
+
 @attrs.frozen(kw_only=True)
 class DatasetRef:
     """A packed dataset (`llmtrain data pack`) and its share of a mixture."""
 
     path: str
-    weight: float = attrs.field(default=1.0, validator=_non_negative)
+    weight: float = attrs.field(default=1.0, validator=_share)
 
 
 @attrs.frozen(kw_only=True)
@@ -270,6 +276,19 @@ class RunConfig:
     init: InitConfig | None = None
     # plugin callbacks, called after the built-in ones in this order (train-loop README)
     callbacks: list[Choice.of("callback")] = attrs.Factory(list)  # type: ignore[valid-type]
+
+
+def warmup_outlasts(schedule: Any, total_steps: int) -> str | None:
+    """What to tell a run whose lr warmup is as long as the run (it never reaches the peak lr it
+    was given), or None. Not an error: short smoke runs of a long run's config do this on
+    purpose."""
+    warmup = getattr(getattr(schedule, "options", None), "warmup_steps", None)
+    if isinstance(warmup, int) and warmup >= total_steps:
+        return (
+            f"lr_scheduler.warmup_steps {warmup} is not shorter than the run ({total_steps} "
+            "steps): the lr never reaches its peak"
+        )
+    return None
 
 
 def resolved(config: RunConfig, plugins: Any) -> RunConfig:

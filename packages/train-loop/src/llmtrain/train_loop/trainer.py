@@ -49,7 +49,12 @@ from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
 from llmtrain.train_loop.downstream_eval import METRIC_PREFIX as DOWNSTREAM_PREFIX
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
 from llmtrain.train_loop.prefetch import Prefetcher
-from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
+from llmtrain.train_loop.run_config import (
+    RunConfig,
+    checked_model_options,
+    resolved,
+    warmup_outlasts,
+)
 from llmtrain.train_loop.saved_model import model_info
 from llmtrain.train_loop.schedules import WarmupOptions, constant
 
@@ -192,6 +197,9 @@ class Trainer:
             for group in opt.param_groups:
                 group.setdefault("base_lr", group["lr"])
         schedule = c.lr_scheduler or None
+        short = warmup_outlasts(schedule, self.total_steps)
+        if short is not None and self.world.is_main:
+            log.warning("lr.warmup_outlasts_run", message=short)
         self.lr_factor = (
             plugins.build("lr_scheduler", schedule, self.total_steps)
             if schedule is not None
