@@ -129,6 +129,11 @@ def refused_resume(run_cli, resumable, *argv) -> str:  # noqa: F811
             "16: the data order would differ; keep the batch size to resume",
         ),
         (
+            ["data.seq_len=16"],
+            "checkpoint step 10 was trained with data.seq_len 32, this run uses 16: the windows "
+            "and their order would differ; keep the sequence length to resume",
+        ),
+        (
             ["--no-resume"],
             "checkpoints already has checkpoints (newest: step 10); resume (--resume or "
             "checkpoint.resume: auto), or choose another run name",
@@ -144,7 +149,7 @@ def refused_resume(run_cli, resumable, *argv) -> str:  # noqa: F811
             "shape",
         ),
     ],
-    ids=["global-batch", "no-resume", "resume-never", "model-shape"],
+    ids=["global-batch", "seq-len", "no-resume", "resume-never", "model-shape"],
 )
 def test_refused_resume(base, resumable, run_cli, overrides, expected):  # noqa: F811
     assert expected in refused_resume(run_cli, resumable, base["path"], *overrides)

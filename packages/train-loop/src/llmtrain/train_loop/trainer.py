@@ -303,6 +303,12 @@ class Trainer:
                 f"{data['global_batch']} sequences, this run uses {self.global_batch}: the data "
                 "order would differ; keep the batch size to resume"
             )
+        if data.get("seq_len") not in (None, self.config.data.seq_len):
+            raise UserError(
+                f"checkpoint step {latest} was trained with data.seq_len {data['seq_len']}, this "
+                f"run uses {self.config.data.seq_len}: the windows and their order would differ; "
+                "keep the sequence length to resume (start a new run, with init.from, to change it)"
+            )
         step = self.checkpoints.load(self.state, step=latest)
         saved = self.checkpoints.info(step).get("info", {}).get("callbacks", {})
         self.callbacks.load_state(saved, self.checkpoints.step_url(step))
