@@ -39,18 +39,13 @@ def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
         )
 
 
-def _share(instance: object, attribute: attrs.Attribute, value: float) -> None:
-    # a zero share would be a dataset that is listed, opened and checked but never read
-    if not value > 0:
-        raise ValueError(f"must be more than 0 (leave a dataset out to exclude it), got {value}")
-
-
 @attrs.frozen(kw_only=True)
 class DatasetRef:
     """A packed dataset (`llmtrain data pack`) and its share of a mixture."""
 
     path: str
-    weight: float = attrs.field(default=1.0, validator=_share)
+    # 0 leaves the dataset out of the mixture (a sweep can switch datasets off)
+    weight: float = attrs.field(default=1.0, validator=_non_negative)
 
 
 @attrs.frozen(kw_only=True)
