@@ -179,7 +179,7 @@ class _Span:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.data.release()
+        pass
 
 
 def _write_all(f: Any, data: memoryview) -> None:
@@ -209,7 +209,6 @@ class StreamWriter(StorageWriter):
         self.storage_options = storage_options
         self.files = _Files(self.url, storage_options)
         self.save_id = uuid.uuid4().hex
-        self.rank = 0
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
@@ -218,7 +217,7 @@ class StreamWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.rank = kwargs.get("rank") or 0
+        pass  # the global plan names each rank's files
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.files.fs.makedirs(self.files.root, exist_ok=True)
@@ -373,9 +372,9 @@ class StreamReader(SafeFsspecReader):
             size = self.files.size(name)
             f = self.files.open(name, lowest.offset, min(size, highest.offset + highest.length))
         except FileNotFoundError:
-            first = next(iter(reqs)).storage_index.fqn
             raise CorruptCheckpointError(
-                f"{where} is missing; it holds {first!r} (the checkpoint is incomplete)"
+                f"{where} is missing; it holds {reqs[0].storage_index.fqn!r} (the checkpoint is "
+                "incomplete)"
             ) from None
         with f:
             for req in reqs:
