@@ -348,8 +348,10 @@ def _start_pack(tmp_path, tokenizer_json, texts, megabytes: int) -> tuple[subpro
     _big_input(data, texts, megabytes)
     # Ctrl-C as in a terminal: a job started in the background by a shell (as CI may be)
     # inherits SIGINT ignored, and the interrupt test would then test nothing
+    # (SIGUSR1 prints every thread's stack: what a hang was waiting on)
     script = (
-        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "import faulthandler, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "faulthandler.register(signal.SIGUSR1, all_threads=True); "
         "from llmtrain.core_mesh.cli import main; raise SystemExit(main())"
     )
     args = [
@@ -392,11 +394,14 @@ def _wait_for_busy_workers(proc: subprocess.Popen, n: int, timeout: float) -> li
 
 def _finish(proc: subprocess.Popen, files: list, tmp_path) -> tuple[int, str]:
     try:
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=600)
     except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
         proc.kill()
         proc.wait()
-        raise AssertionError("the pack hung after its worker died") from None
+        stacks = (tmp_path / "stderr.txt").read_text(errors="replace")[-6000:]
+        raise AssertionError(f"the pack hung after its worker stopped:\n{stacks}") from None
     finally:
         for f in files:
             f.close()
@@ -406,7 +411,7 @@ def _finish(proc: subprocess.Popen, files: list, tmp_path) -> tuple[int, str]:
 def test_killed_worker_fails_the_pack(tmp_path, tokenizer_json, texts):
     proc, files = _start_pack(tmp_path, tokenizer_json, texts, megabytes=16)
     try:
-        workers = _wait_for_busy_workers(proc, 2, timeout=60)
+        workers = _wait_for_busy_workers(proc, 2, timeout=300)
         victim = workers[0]
         victim.send_signal(signal.SIGKILL)
     except BaseException:
@@ -425,7 +430,7 @@ def test_killed_worker_fails_the_pack(tmp_path, tokenizer_json, texts):
 def test_interrupted_pack_commits_nothing(tmp_path, tokenizer_json, texts):
     proc, files = _start_pack(tmp_path, tokenizer_json, texts, megabytes=16)
     try:
-        workers = _wait_for_busy_workers(proc, 2, timeout=60)
+        workers = _wait_for_busy_workers(proc, 2, timeout=300)
         proc.send_signal(signal.SIGINT)
     except BaseException:
         proc.kill()

@@ -97,6 +97,10 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+# how often a wait for a task's result checks that the workers are alive
+_WORKER_CHECK_SECONDS = 1.0
+
+
 # -- the parent side ------------------------------------------------------------------------------
 
 
@@ -138,10 +142,10 @@ class _Workers:
                 pending.append((task, self.pool.submit(tokenize_task, task, settings, tokenizer)))
                 while len(pending) >= 2 * self.count:
                     task, future = pending.popleft()
-                    yield future.result()
+                    yield self._result(future)
             while pending:
                 task, future = pending.popleft()
-                yield future.result()
+                yield self._result(future)
         except BrokenProcessPool:
             raise PackError(
                 f"a worker process died{_while(task)}; nothing was written. Check memory limits "
@@ -150,6 +154,20 @@ class _Workers:
         finally:  # a run given up (the fast encoder's check failed) leaves its queue to the next
             for _, future in pending:
                 future.cancel()
+
+    def _result(self, future: Future) -> TaskResult:
+        """The future's result, or BrokenProcessPool as soon as a worker has died. The pool
+        itself may never notice: a worker killed while sending its result leaves the pool's
+        reader thread waiting for the rest of that message."""
+        while True:
+            try:
+                return future.result(timeout=_WORKER_CHECK_SECONDS)
+            except TimeoutError:
+                if any(process.exitcode is not None for process in self._processes()):
+                    raise BrokenProcessPool("a worker process died") from None
+
+    def _processes(self) -> list:
+        return list((getattr(self.pool, "_processes", None) or {}).values())
 
     def _by_file(self, tokenizer: bytes | dict) -> str | dict:
         """A pickled tokenizer as a file the workers read: a task's arguments are pickled for
@@ -180,14 +198,26 @@ class _Workers:
         if finished:
             self.pool.shutdown(wait=True)
         else:
-            processes = list((getattr(self.pool, "_processes", None) or {}).values())
+            processes = self._processes()
+            results = getattr(self.pool, "_result_queue", None)  # shutdown forgets it
             self.pool.shutdown(wait=False, cancel_futures=True)
             for process in processes:
                 if process.is_alive():
                     process.kill()
             for process in processes:
                 process.join(timeout=10)
+            _unblock_reader(results)
         self.folder.cleanup()
+
+
+def _unblock_reader(results: Any) -> None:
+    """Close this process's end of the pipe the workers sent results through (`results`: the
+    pool's result queue), once they are dead. A worker killed halfway through sending a result
+    leaves the pool's reader thread waiting for the rest forever, and the interpreter waits for
+    that thread at exit; with every writer gone it reads end-of-file and winds the pool up."""
+    writer = getattr(results, "_writer", None)
+    if writer is not None:
+        writer.close()
 
 
 def _while(task: Task | None) -> str:
