@@ -65,10 +65,10 @@ def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
         ("compare", *sorted(p for p in sweep.iterdir() if p.is_dir()), "--format", "markdown"),
         ("ranks", one_run),
     ):
-        here = ts.run(ts.llmtrain(*args), timeout=60).stdout
-        there = run([light, *map(str, args)], timeout=60).stdout
+        here = ts.run(ts.llmtrain(*args), timeout=600).stdout
+        there = run([light, *map(str, args)], timeout=600).stdout
         assert there == here, args
-    table = run([light, "compare", sweep], timeout=60).stdout.splitlines()
+    table = run([light, "compare", sweep], timeout=600).stdout.splitlines()
     assert table[0].split()[:4] == ["n_layers", "runs", "status", "final_eval_loss"]
     rows = [line.split()[:4] for line in table[2:]]
     assert rows == [["1", "2", "2", "finished"], ["2", "2", "2", "finished"]]
@@ -76,7 +76,7 @@ def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
 
 def test_plot_without_matplotlib_names_the_extra(sweep, light_venv, tmp_path):
     light = str(light_venv / "bin" / "llmtrain")
-    proc = run([light, "plot", sweep, "-o", tmp_path / "x.png"], check=False, timeout=60)
+    proc = run([light, "plot", sweep, "-o", tmp_path / "x.png"], check=False, timeout=600)
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'llmtrain-ablate[plot]'" in proc.stderr
     assert "Traceback" not in proc.stderr

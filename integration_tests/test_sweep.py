@@ -45,12 +45,6 @@ def sweep_cmd(base: Path, sweeps: Path, *args: object) -> list[str]:
     return ts.llmtrain("sweep", base, *args, "--dir", sweeps)
 
 
-def timed(cmd: list[str], *, timeout: float = 240, check: bool = True):
-    started = time.perf_counter()
-    proc = ts.run(cmd, timeout=timeout, check=check)
-    return proc, time.perf_counter() - started
-
-
 def metrics_of(run_dir: Path) -> dict[int, dict]:
     return ts.by_step(ts.read_metrics(run_dir))
 
@@ -80,7 +74,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 def refused(cmd: list[str]) -> str:
-    proc = ts.run(cmd, check=False, timeout=60)
+    proc = ts.run(cmd, check=False, timeout=600)
     assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr
     assert ts.error_lines(proc.stderr), proc.stderr
@@ -121,7 +115,7 @@ def swept(bases, tmp_path_factory) -> SimpleNamespace:
     """The module's three sweeps (`sweep`, `failed`, `mix`), started together: a sweep runs its
     runs one after another and each run's start is seconds of imports on one core, so side by
     side they keep the machine's cores busy. By name: `commands`, `done` (CompletedProcesses)
-    and `dirs` (their --dir); `grid_seconds`: the grid sweep's wall time (waited for first)."""
+    and `dirs` (their --dir)."""
     sweeps = {name: tmp_path_factory.mktemp(name) / "sweeps" for name in ("sweep", "failed", "mix")}
     commands = {
         "sweep": sweep_cmd(
@@ -130,13 +124,10 @@ def swept(bases, tmp_path_factory) -> SimpleNamespace:
         "failed": sweep_cmd(bases.small, sweeps["failed"], *FAILED_AXES, "--name", "f"),
         "mix": sweep_cmd(bases.mix, sweeps["mix"], "--grid", "data.weights=[1,0],[0,1]"),
     }
-    started = time.perf_counter()
     procs = {name: ts.start(cmd) for name, cmd in commands.items()}
     done = {}
     try:
-        done["sweep"] = ts.finish(procs["sweep"], timeout=600)
-        seconds = time.perf_counter() - started
-        done |= {name: ts.finish(procs[name], timeout=600) for name in ("failed", "mix")}
+        done = {name: ts.finish(proc, timeout=600) for name, proc in procs.items()}
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -145,7 +136,7 @@ def swept(bases, tmp_path_factory) -> SimpleNamespace:
     for name in ("sweep", "mix"):  # the failed sweep exits 1
         proc = done[name]
         assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{proc.stderr[-6000:]}"
-    return SimpleNamespace(commands=commands, done=done, dirs=sweeps, grid_seconds=seconds)
+    return SimpleNamespace(commands=commands, done=done, dirs=sweeps)
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +146,6 @@ def sweep(swept):
     return SimpleNamespace(
         cmd=swept.commands["sweep"],
         proc=swept.done["sweep"],
-        seconds=swept.grid_seconds,
         dir=(sweeps / "abl").resolve(),
         sweeps=sweeps,
     )
@@ -179,7 +169,7 @@ def failed(bases, swept):
 
 
 def compare(*args: object) -> subprocess.CompletedProcess:
-    return ts.run(ts.llmtrain("compare", *args), timeout=60)
+    return ts.run(ts.llmtrain("compare", *args), timeout=600)
 
 
 # --- 1. the sweep itself ---
@@ -320,7 +310,7 @@ def test_compare_sorts_rows_by_a_result(sweep):
 
 def test_plot_draws_png_and_svg_and_refuses_what_it_cannot_draw(sweep, tmp_path):
     png = tmp_path / "curves.png"
-    proc = ts.run(ts.llmtrain("plot", sweep.dir, "-o", png), timeout=60)
+    proc = ts.run(ts.llmtrain("plot", sweep.dir, "-o", png), timeout=600)
     assert f"4 runs, loss, eval_loss -> {png}" in proc.stderr
     head = png.read_bytes()[:8]
     assert head == b"\x89PNG\r\n\x1a\n"
@@ -329,7 +319,7 @@ def test_plot_draws_png_and_svg_and_refuses_what_it_cannot_draw(sweep, tmp_path)
 
     svg = tmp_path / "loss.svg"
     args = ("--metric", "loss", "--x", "tokens", "--smooth", "0.5", "--log-y")
-    proc = ts.run(ts.llmtrain("plot", sweep.dir, "-o", svg, *args), timeout=60)
+    proc = ts.run(ts.llmtrain("plot", sweep.dir, "-o", svg, *args), timeout=600)
     assert f"4 runs, loss -> {svg}" in proc.stderr
     text = svg.read_text()
     assert "<svg" in text and 'width="432pt"' in text  # one panel, 6 in wide
@@ -362,12 +352,11 @@ def test_running_the_same_sweep_again_skips_the_finished_runs(sweep):
         }
 
     before = snapshot()
-    proc, seconds = timed(sweep.cmd, timeout=60)
+    proc = ts.run(sweep.cmd, timeout=600)
     for i, run_id in enumerate(IDS, 1):
         assert f"[{i}/4] {run_id}: finished before, skipped" in proc.stderr
     assert "running" not in proc.stderr and "resuming" not in proc.stderr
     assert "sweep abl: all 4 runs finished" in proc.stderr
-    assert seconds < min(10, sweep.seconds / 2), seconds  # no run started (each takes ~2 s)
     assert snapshot() == before
 
 
@@ -447,7 +436,7 @@ def test_sigterm_to_the_sweep_stops_its_run_with_a_checkpoint(bases, tmp_path):
         family = psutil.Process(proc.pid).children(recursive=True)
         assert family, "the sweep has no run process"
         proc.send_signal(15)
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=600)
     finally:
         ts.stop_group(proc)
     assert proc.returncode == 130, err[-2000:]
@@ -570,7 +559,7 @@ def test_slurm_writes_a_job_array_over_the_runs(bases, tmp_path):
     args = ("--grid", "model.n_layers=1,2,3", "--grid", "optimizer.lr=1e-3,3e-3")
     slurm = ("--launch", "slurm", "--nproc-per-node", 8, "--nodes", 2)
     slurm += ("--slurm", "partition=gpu", "--max-parallel", 2)
-    proc = ts.run(sweep_cmd(bases.big, sweeps, *args, *slurm), timeout=60)
+    proc = ts.run(sweep_cmd(bases.big, sweeps, *args, *slurm), timeout=600)
     sweep_dir = (sweeps / "big").resolve()
     script = sweep_dir / "sweep.sbatch"
     assert proc.stdout == f"sbatch {shlex.quote(str(script))}\n"
@@ -624,22 +613,22 @@ def test_slurm_writes_a_job_array_over_the_runs(bases, tmp_path):
 
 def test_slurm_and_print_cover_only_the_unfinished_runs(failed, sweep):
     again = sweep_cmd(failed.base, failed.sweeps, *failed.axes, "--name", "f")
-    printed = ts.run([*again, "--launch", "print"], timeout=60)
+    printed = ts.run([*again, "--launch", "print"], timeout=600)
     assert "1 finished, 2 to run" in printed.stderr
     unfinished = [str(failed.dir / run_id / "config.yaml") for run_id in failed.ids[1:]]
     assert [shlex.split(line) for line in printed.stdout.splitlines()] == [
         ["llmtrain", "run", config, "--resume"] for config in unfinished
     ]
 
-    proc = ts.run([*again, "--launch", "slurm"], timeout=60)
+    proc = ts.run([*again, "--launch", "slurm"], timeout=600)
     script = failed.dir / "sweep.sbatch"
     assert proc.stdout == f"sbatch {shlex.quote(str(script))}\n"
     assert "#SBATCH --array=0-1" in script.read_text().splitlines()
     assert slurm_configs(script) == unfinished
 
-    printed = ts.run([*sweep.cmd, "--launch", "print"], timeout=60)
+    printed = ts.run([*sweep.cmd, "--launch", "print"], timeout=600)
     assert printed.stdout == "" and "4 finished, 0 to run" in printed.stderr
-    proc = ts.run([*sweep.cmd, "--launch", "slurm"], timeout=60)
+    proc = ts.run([*sweep.cmd, "--launch", "slurm"], timeout=600)
     assert proc.stdout == "" and "every run has finished; no script written" in proc.stderr
     assert not (sweep.dir / "sweep.sbatch").exists()
 

@@ -165,7 +165,7 @@ def test_two_ranks_resume_a_one_process_checkpoint_and_keep_saving(reference):
     shutil.copytree(
         reference["dir"] / "checkpoints" / "step-10", run_dir / "checkpoints" / "step-10"
     )
-    ts.run(ts.torchrun(2, "run", reference["path"], "name=moved"), timeout=45)
+    ts.run(ts.torchrun(2, "run", reference["path"], "name=moved"), timeout=600)
     got = ts.by_step(ts.read_metrics(run_dir))
     assert list(got) == list(range(11, 31))
     ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "lr", "eval_loss"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 import tracemalloc
 from fractions import Fraction
 
@@ -144,15 +143,12 @@ def test_huge_source_answers_without_linear_memory():
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        started = time.perf_counter()
         order = EpochOrder(n, block_windows=1024, pool_blocks=8, seed=4)
         positions = np.array([n - 1, n - 2, n - 5000, 0, 2 * n - 1, n + 12345])
         windows = order.windows(positions)
-        elapsed = time.perf_counter() - started
         retained, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert elapsed < 10
     assert ((windows >= 0) & (windows < n)).all()
     n_blocks = -(-n // 1024)
     # O(blocks + pool): a few int64 arrays of n_blocks entries, never n (8 GB)
