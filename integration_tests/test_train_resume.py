@@ -10,6 +10,7 @@ import math
 import os
 import random
 import signal
+import time
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ def test_sigterm_saves_exits_zero_and_the_next_start_finishes(config, tmp_path, 
     try:
         ts.wait_for_step(run_dir / "metrics.jsonl", 4, proc)
         proc.send_signal(signal.SIGTERM)
-        done = ts.finish(proc, timeout=60)
+        done = ts.finish(proc, timeout=600)
     finally:
         ts.stop_group(proc)
     assert done.returncode == 0, done.stderr
@@ -104,6 +105,38 @@ def test_sigterm_saves_exits_zero_and_the_next_start_finishes(config, tmp_path, 
     ]
     assert [event["step"] for event in resumed] == [stopped]
     assert ts.committed_steps(run_dir / "checkpoints")[-1] == 120
+
+
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether the process has a handler installed for `sig` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+def test_sigterm_during_setup_stops_before_the_first_step(config, tmp_path):
+    """SIGTERM as soon as `llmtrain run` listens, long before its loop (torch is not imported
+    yet): the run stops before step 1 with a message and a summary, and exits 0."""
+    path = ts.write_config(tmp_path / "run.yaml", config)
+    run_dir = tmp_path / "runs" / "run"
+    proc = ts.start(ts.llmtrain("run", path))
+    try:
+        deadline = time.monotonic() + 300
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "`llmtrain run` never listened for SIGTERM"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        done = ts.finish(proc, timeout=600)
+    finally:
+        ts.stop_group(proc)
+    assert done.returncode == 0, done.stderr
+    assert "stopped by a signal before step 1" in done.stderr
+    assert "run: 0 steps" in done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["step"]) == ("stopped", 0)
+    assert ts.committed_steps(run_dir / "checkpoints") == []
+    assert not (run_dir / "metrics.jsonl").exists() or ts.read_metrics(run_dir) == []
 
 
 # --- non-finite steps: a model plugin that turns the loss into NaN on chosen steps ---

@@ -3,6 +3,7 @@
 The handler only sets a flag; the training loop calls `should_stop()` after each step, saves a
 final checkpoint (`Checkpointer.save(..., blocking=True)`) and exits 0. With several ranks the
 flag is all-reduced, so every rank stops at the same step even if only one got the signal.
+Importing this module imports no torch, so a command can listen before its slow imports.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import structlog
-import torch
-import torch.distributed as dist
 
 log = structlog.get_logger("llmtrain.checkpoint")
 
@@ -25,7 +24,7 @@ class Preemption:
     def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, *, device: Any = "cpu"):
         self.requested = False
         self.signal_name: str | None = None
-        self.device = torch.device(device)
+        self.device = device  # where the all-reduced flag lives (the loop's device under NCCL)
         self._previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for sig in signals:
@@ -42,9 +41,12 @@ class Preemption:
 
     def should_stop(self) -> bool:
         """True on every rank once any rank was signalled (a collective when distributed)."""
+        import torch
+        import torch.distributed as dist
+
         if not (dist.is_available() and dist.is_initialized()):
             return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=torch.device(self.device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # every rank returns the vote, so all stop at the same step; a signal that lands during
         # the vote is kept for the next one

@@ -36,10 +36,15 @@ def configure_run(parser: argparse.ArgumentParser) -> None:
 
 
 def run_run(args: argparse.Namespace, ctx: Context) -> int:
+    # first thing: SIGTERM/SIGUSR1 during the imports and setup below (seconds to minutes on
+    # a large model) then stop the run before its first step, with its summary, not kill it
+    from llmtrain.checkpoint.preemption import Preemption
+
+    preemption = Preemption()
     from llmtrain.train_loop.trainer import Trainer
 
     config = load_run_config(args.config, ctx.plugins, args.overrides)
-    trainer = Trainer(config, ctx.plugins, resume=args.resume)
+    trainer = Trainer(config, ctx.plugins, resume=args.resume, preemption=preemption)
     try:
         step = trainer.train()
     finally:

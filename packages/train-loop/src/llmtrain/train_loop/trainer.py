@@ -73,7 +73,11 @@ class Trainer:
         *,
         resume: bool | None = None,
         console: TextIO | None = None,
+        preemption: Preemption | None = None,
     ):
+        # listening already (`llmtrain run` starts it first thing), so a signal during the
+        # setup below stops the run before its first step instead of killing it
+        self.preemption = preemption
         c = self.config = resolved(config, plugins)
         self.plugins = plugins
         self.run_dir = Path(c.run_dir) / c.name
@@ -343,10 +347,18 @@ class Trainer:
     def _train(self) -> str:
         """Steps until the target (`finished`), a preemption signal or a callback's stop request
         (`stopped`). The last step is saved, unless a callback stopped the run."""
-        preemption = Preemption(device=self.device)
+        preemption = self.preemption or Preemption()
+        preemption.device = self.device
         data = Prefetcher(self.train_data, self.plan, self.step)
         started, elapsed = time.perf_counter(), float(self.counters["elapsed_s"])
         try:
+            if preemption.should_stop():  # signalled during the setup
+                log.warning(
+                    "run.preempted",
+                    message=f"stopped by a signal before step {self.step + 1}; nothing new to "
+                    "save, and `llmtrain run` with the same config starts or resumes it",
+                )
+                return "stopped"
             while self.step < self.total_steps:
                 metrics = self._next_step(data)
                 self.counters["elapsed_s"] = elapsed + time.perf_counter() - started
