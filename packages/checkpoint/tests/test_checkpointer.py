@@ -159,28 +159,31 @@ def test_round_trip_restores_model_optimizer_counters_and_rng(location, tiny):
     model, optimizer = tiny.make(seed=0, steps=3)
     counters = Values(step=3, tokens=3 * 24, lr_scale=0.5, data_position="shard-2:17")
     saved = snapshot(model, optimizer)
-    Checkpointer(location).save(
+    run_random = random.Random(5)
+    run_random.random()
+    Checkpointer(location, python_rng=run_random).save(
         3,
         {"train": ModelState(model, [optimizer]), "counters": counters},
         info={"model": {"dim": 16, "vocab": 32}},
     )
-    after_save = (torch.rand(5), random.random())
+    after_save = (torch.rand(5), run_random.random())
     # the run goes on: what a resumed run must reproduce
     expected_losses = [tiny.train_step(model, optimizer, seed=s) for s in (50, 51)]
 
     torch.manual_seed(123)
-    random.seed(123)
+    fresh_random = random.Random(123)
     fresh, _ = tiny.make(seed=7)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.123)
     fresh_counters = Values(step=0, tokens=0, lr_scale=1.0, data_position="")
-    checkpoints = Checkpointer(location)  # a new process would build a new one
+    # a new process would build a new one
+    checkpoints = Checkpointer(location, python_rng=fresh_random)
     assert checkpoints.latest_step() == 3
     step = checkpoints.load(
         {"train": ModelState(fresh, [fresh_optimizer]), "counters": fresh_counters}
     )
 
     assert step == 3
-    after_load = (torch.rand(5), random.random())
+    after_load = (torch.rand(5), fresh_random.random())
     assert torch.equal(after_load[0], after_save[0])
     assert after_load[1] == after_save[1]
     assert_model_equals(fresh, saved)
@@ -198,21 +201,64 @@ def test_round_trip_restores_model_optimizer_counters_and_rng(location, tiny):
     assert losses == expected_losses
 
 
+def _retried_request_to_a_closed_port() -> None:
+    """A real botocore S3 request to a port nothing listens on, retried once by botocore (its
+    retry jitter draws from the global `random`)."""
+    import botocore.config
+    import botocore.exceptions
+    import botocore.session
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = botocore.session.get_session().create_client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        config=botocore.config.Config(retries={"max_attempts": 2, "mode": "standard"}),
+    )
+    with pytest.raises(botocore.exceptions.EndpointConnectionError):
+        client.list_buckets()
+
+
+def test_a_library_drawing_from_global_random_leaves_the_checkpointed_rng_alone(tmp_path, tiny):
+    """Between two saves an S3 request is retried: the random state the checkpoints record (the
+    run's own generator, torch) is what it would have been without the retry."""
+    model, optimizer = tiny.make(seed=0, steps=1)
+    state = {"train": ModelState(model, [optimizer])}
+    checkpoints = Checkpointer(str(tmp_path), python_rng=random.Random(4))
+    checkpoints.save(1, state)
+    global_before = random.getstate()
+    _retried_request_to_a_closed_port()
+    assert random.getstate() != global_before, "botocore no longer draws from the global random"
+    checkpoints.save(2, state)
+
+    recorded = [
+        json.loads((tmp_path / f"step-{s}" / "rng" / "rank0.json").read_text()) for s in (1, 2)
+    ]
+    assert recorded[0] == recorded[1]
+    assert recorded[0]["python"] == json.loads(json.dumps(random.Random(4).getstate()))
+
+
 def test_weights_only_load_keeps_this_process_rng(tmp_path, tiny):
     """A warm start loads a model part alone and must not take over the saver's random state."""
     model, optimizer = tiny.make(seed=0, steps=2)
     saved = snapshot(model, optimizer)
-    Checkpointer(str(tmp_path)).save(2, {"train": ModelState(model, [optimizer])})
+    Checkpointer(str(tmp_path), python_rng=random.Random(9)).save(
+        2, {"train": ModelState(model, [optimizer])}
+    )
     fresh, _ = tiny.make(seed=7)
     torch.manual_seed(123)
-    random.seed(123)
-    expected = (torch.rand(5), random.random())
+    expected = (torch.rand(5), random.Random(123).random())
     torch.manual_seed(123)
-    random.seed(123)
-    step = Checkpointer(str(tmp_path)).load({"train": ModelState(fresh)}, restore_rng=False)
+    own_random = random.Random(123)
+    checkpoints = Checkpointer(str(tmp_path), python_rng=own_random)
+    step = checkpoints.load({"train": ModelState(fresh)}, restore_rng=False)
     assert step == 2
     assert_model_equals(fresh, saved)
-    got = (torch.rand(5), random.random())
+    got = (torch.rand(5), own_random.random())
     assert torch.equal(got[0], expected[0]) and got[1] == expected[1]
 
 

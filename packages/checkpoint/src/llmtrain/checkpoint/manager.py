@@ -104,19 +104,22 @@ def _stager() -> Any:
     )
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's random states as JSON-safe data (no pickle)."""
-    state: dict[str, Any] = {
-        "python": _jsonable(random.getstate()),
-        "torch": _b64(torch.get_rng_state()),
-    }
+def rng_state(python: random.Random | None = None) -> dict[str, Any]:
+    """This process's random states as JSON-safe data (no pickle): torch's, and `python`'s if
+    given. Never the global `random`: libraries draw from it at moments no run controls
+    (botocore's retry jitter, aiohttp's connection shuffle), so its state would differ between
+    two runs of the same steps as soon as one of them retried a request."""
+    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
+    if python is not None:
+        state["python"] = _jsonable(python.getstate())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(_tupled(state["python"]))
+def set_rng_state(state: Mapping[str, Any], python: random.Random | None = None) -> None:
+    if python is not None and "python" in state:
+        python.setstate(_tupled(state["python"]))
     torch.set_rng_state(_byte_tensor(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
@@ -151,9 +154,11 @@ class Checkpointer:
         retries: int = 3,
         backoff_s: float = 2.0,
         io_threads: int = DEFAULT_THREADS,
+        python_rng: random.Random | None = None,
     ):
         self.url = url.rstrip("/")
         self.io_threads = io_threads
+        self.python_rng = python_rng  # the Python-level generator whose state checkpoints carry
         self.storage_options = _default_storage_options(self.url, storage_options or {})
         self.fs, self.root = url_to_fs(self.url, **self.storage_options)
         self.keep = keep or KeepPolicy()
@@ -217,7 +222,7 @@ class Checkpointer:
             self._with_retries(step, lambda: self._prepare(step))
         if self.distributed:
             dist.barrier()
-        rng = rng_state()
+        rng = rng_state(self.python_rng)
         self._with_retries(
             step, lambda: self._write_json(self._path(step, RNG_DIR, f"rank{self.rank}.json"), rng)
         )
@@ -419,7 +424,7 @@ class Checkpointer:
         rng = self._path(step, RNG_DIR, f"rank{self.rank}.json")
         if self.fs.exists(rng):
             with self.fs.open(rng, "rb") as f:
-                set_rng_state(json.loads(f.read()))
+                set_rng_state(json.loads(f.read()), self.python_rng)
         else:
             log.warning(
                 "checkpoint.no_rng_state",

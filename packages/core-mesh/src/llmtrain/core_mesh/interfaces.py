@@ -347,6 +347,10 @@ class TrainingRun(Protocol):
     - `last_local_loss`: (this rank's summed loss, its counted targets) of the last step, tensors;
     - `plugins`: the run's `PluginManager` (to build plugin entries: tasks, tokenizers, ...);
       `tokenizer`: the `Tokenizer` the training data was packed with;
+    - `random`: a `random.Random` seeded with the run's seed whose state checkpoints carry: draw
+      Python-level randomness from it, not from the global `random` (libraries draw from that
+      one at moments no run controls, e.g. botocore when it retries a request, so a resumed run
+      could not continue it exactly);
     - `request_stop(reason)`: end the run after this step, without saving it; call it on every
       rank alike (decide from numbers all ranks share).
     """
@@ -404,6 +408,9 @@ class TrainingRun(Protocol):
 
     @property
     def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def random(self) -> Any: ...
 
     def request_stop(self, reason: str, /) -> None: ...
 

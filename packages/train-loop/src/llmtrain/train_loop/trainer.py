@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -181,6 +182,9 @@ class Trainer:
                 "before it in its window; set model.doc_masking: true to keep them apart",
             )
         self._deterministic_before = observe.seed_everything(c.seed, c.debug)
+        # Python-level randomness for callbacks and plugins, carried by checkpoints; the global
+        # `random` is left to libraries, which draw from it whenever they retry a request
+        self.random = random.Random(c.seed)  # noqa: S311 - training randomness, not security
         observe.start_memory_history(self.device, c.debug)
 
         # the model: parallelize on the meta device, then allocate and initialise
@@ -219,6 +223,7 @@ class Trainer:
             async_save=c.checkpoint.async_save,
             storage_options=c.checkpoint.storage_options,
             io_threads=c.checkpoint.io_threads or DEFAULT_THREADS,
+            python_rng=self.random,
         )
         self.state = {
             "train": ModelState(self.model.parts, self.optimizers),
