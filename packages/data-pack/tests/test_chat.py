@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 
 from llmtrain.data_pack.chat import ChatSettings, ChatTemplate, TemplateError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.pack import PackError, pack
 from llmtrain.data_pack.report import inspect_dataset
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import (
     BytesOptions,
     BytesTokenizer,

@@ -23,9 +23,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.pack import PackError, pack
 from llmtrain.data_pack.sources import InputError
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.train_tokenizer import train_tokenizer
 
 BYTES = {"kind": "bytes"}

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.loader import StepBatches, WindowLoader, open_windows
 from llmtrain.data_pack.pack import pack
 from llmtrain.data_pack.sampling import BatchPlan
-from llmtrain.data_pack.store import DatasetError
 from llmtrain.data_pack.tokenizer import BytesOptions, BytesTokenizer
 
 EOD = 256

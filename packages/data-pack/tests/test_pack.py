@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.merge import merge
 from llmtrain.data_pack.pack import pack
 from llmtrain.data_pack.report import inspect_dataset, length_histogram
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import (
     ENDOFTEXT,
     BytesOptions,

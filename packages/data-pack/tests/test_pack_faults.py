@@ -18,9 +18,10 @@ import psutil
 import pytest
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.pack import MAX_RECORDED_BAD_LINES, PackError, pack
 from llmtrain.data_pack.sources import InputError, parse_record
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 
 BYTES = {"kind": "bytes"}
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.pack import pack
 from llmtrain.data_pack.provenance import documents_in, sample_documents
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import BytesTokenizer
 
 CHUNK = 64  # tokens per chunk: most windows and many documents cross chunks

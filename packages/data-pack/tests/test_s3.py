@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.merge import merge
 from llmtrain.data_pack.pack import PackError, pack
 from llmtrain.data_pack.report import inspect_dataset
 from llmtrain.data_pack.sources import InputError
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import HFOptions, HFTokenizer
 from llmtrain.data_pack.train_tokenizer import train_tokenizer
 

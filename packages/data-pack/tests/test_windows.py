@@ -8,9 +8,10 @@ import pickle
 import numpy as np
 import pytest
 
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.loader import open_windows
 from llmtrain.data_pack.pack import pack
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.windows import ChunkCache, TokenWindows
 
 EOD = 256  # the bytes tokenizer's end-of-document id

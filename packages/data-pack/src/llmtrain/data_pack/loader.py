@@ -16,8 +16,8 @@ import attrs
 import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.sampling import BatchPlan, Sampler, SourceShape
-from llmtrain.data_pack.store import DatasetError
 from llmtrain.data_pack.windows import DEFAULT_CACHE_BYTES, TokenWindows
 
 

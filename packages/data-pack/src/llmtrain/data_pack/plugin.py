@@ -240,12 +240,20 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     _common(t)
 
     i = actions.add_parser(
-        "inspect", help="counts, tokenizer, document lengths and a decoded sample of a dataset"
+        "inspect",
+        help="counts, tokenizer, document lengths and a decoded sample of a dataset; --verify "
+        "checks every chunk",
     )
     i.add_argument("path", help="a packed dataset (path or URL)")
     i.add_argument("--window", type=int, default=64, help="tokens in the decoded sample")
     i.add_argument("--seed", type=int, default=0, help="which sample window")
     i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every chunk and check it against its recorded checksum (exit 2 naming the "
+        "first damaged chunk)",
+    )
     _tokenizer_args(i, required=False)
     _common(i)
 
@@ -282,6 +290,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
                 window=args.window,
                 seed=args.seed,
                 as_json=args.json,
+                verify=args.verify,
                 storage_options=storage_options,
                 plugins=ctx.plugins,
             )

@@ -10,6 +10,7 @@ import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.data_pack.integrity import CHECKSUM
 from llmtrain.data_pack.sources import location
 from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import tokenizer_from_raw
@@ -34,10 +35,15 @@ def inspect_dataset(
     window: int = 64,
     seed: int = 0,
     as_json: bool = False,
+    verify: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     plugins: PluginManager | None = None,
 ) -> str:
+    """The report on a dataset. Opening it checks that every chunk is there with its recorded
+    size; `verify` also reads every chunk and checks its checksum (a DamagedDatasetError names
+    the damaged ones)."""
     dataset = PackedDataset(url, storage_options=storage_options)
+    verified = dataset.verify() if verify else None
     meta = dataset.meta
     tok_meta = meta["tokenizer"]
     start = 0
@@ -69,6 +75,11 @@ def inspect_dataset(
         "sample": {"start": start, "ids": ids.tolist(), "text": sample, "note": note},
         "created": meta.get("created"),
     }
+    if verified is not None:
+        report["verified"] = {
+            "chunks": verified,
+            "checked": "size and " + CHECKSUM if dataset.checksummed else "decoded",
+        }
     if dataset.chat is not None:
         chat = dataset.chat
         report["chat"] = {
@@ -146,7 +157,17 @@ def _text(r: dict[str, Any]) -> str:
     if s.get("counted_text") is not None:
         lines.append("  counted by the loss in the sample:")
         lines.extend(f"    {text!r}" for text in s["counted_text"])
+    if r.get("verified") is not None:
+        lines.append(_verified_line(r["verified"]))
     return "\n".join(lines)
+
+
+def _verified_line(verified: dict[str, Any]) -> str:
+    if verified["checked"] == "decoded":  # packed before checksums were recorded
+        how = "each one decodes; no checksums were recorded: pack it again to have them"
+    else:
+        how = f"each one read whole against its recorded {verified['checked']}"
+    return f"  integrity   all {verified['chunks']:,} chunks verified ({how})"
 
 
 def _formats(sources: list[dict[str, Any]]) -> str:

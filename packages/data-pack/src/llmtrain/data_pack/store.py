@@ -23,6 +23,10 @@ The group's `zarr.json` (with `"complete": true`) is written last, after every a
 without it is not a dataset. On a local disk everything is first written under a temporary name
 and renamed into place; on object storage, where renames are copies, the group metadata written
 last is the commit. No pickle anywhere: arrays and JSON only.
+
+Every chunk's size and CRC-32 are recorded as written and checked when the dataset is opened and
+read (`integrity.py`); the temporary a pack killed on a local disk leaves behind is removed by the
+next pack or merge of the same output (`staging.py`).
 """
 
 from __future__ import annotations
@@ -38,8 +42,28 @@ import attrs
 import numpy as np
 import zarr
 from fsspec.core import url_to_fs
+from zarr.abc.store import Store
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.errors import DatasetError
+from llmtrain.data_pack.integrity import (
+    CHECKSUM,
+    CORE_ARRAYS,
+    INTEGRITY_KEY,
+    REPACK,
+    VERIFY_BATCH_BYTES,
+    CheckedArray,
+    CheckedStore,
+    ChunkDamage,
+    DamagedDatasetError,
+    RecordingStore,
+    batches,
+    chunk_order,
+    content_problem,
+    size_problem,
+    stored_sizes,
+)
+from llmtrain.data_pack.staging import OWNER_FILE, remove_stale_temporaries, write_owner
 
 FORMAT = "llmtrain-tokens"
 FORMAT_VERSION = 2  # 2: chat datasets (a loss mask; readers of version 1 would ignore it)
@@ -49,10 +73,7 @@ DEFAULT_COMPRESSION = "none"
 HEAD_TOKENS = 8192  # first tokens of each chunk kept in `chunk_heads` (windows up to 8191 long)
 HEADS_PER_CHUNK = 64
 ORIGIN_ARRAYS = ("doc_source", "doc_row", "doc_id_offsets", "doc_id_bytes")
-
-
-class DatasetError(UserError):
-    """A packed dataset that is missing, incomplete, or does not fit the run."""
+ARRAYS = ("tokens", "doc_offsets", "chunk_docs", "chunk_heads", "loss_mask", *ORIGIN_ARRAYS)
 
 
 @attrs.frozen
@@ -128,17 +149,16 @@ class AppendArray:
 
     def __init__(
         self,
-        url: str,
+        store: Store,
         dtype: Any,
         chunk: int,
         *,
         shard_chunks: int = 0,
         compression: str = "none",
-        storage_options: Mapping[str, Any] | None = None,
     ):
         self.unit = chunk * shard_chunks if shard_chunks else chunk
         self.array = zarr.create_array(
-            store=_store(url, storage_options, read_only=False),
+            store=store,
             shape=(0,),
             dtype=dtype,
             chunks=(chunk,),
@@ -182,7 +202,8 @@ class AppendArray:
 
 
 class Output:
-    """Where a pack or merge writes: refuses an existing dataset unless asked, commits last."""
+    """Where a pack or merge writes: refuses an existing dataset unless asked, commits last,
+    and records every chunk it writes (size and CRC-32) in the committed metadata."""
 
     def __init__(
         self, url: str, *, overwrite: bool, storage_options: Mapping[str, Any] | None = None
@@ -197,26 +218,47 @@ class Output:
                     f"{url} already exists; pass --overwrite to replace it, or choose another output"
                 )
         self.overwrite = overwrite
+        self.chunks: dict[str, dict[str, list[int]]] = {}  # array -> chunk key -> [bytes, crc]
         self.staging = f"{self.url}.tmp-{uuid.uuid4().hex[:8]}" if self.local else self.url
         if not self.local and self.fs.exists(self.path):
             # object storage has no rename: the old dataset goes first, the new one's metadata
             # is written last, so a crash in between leaves no complete-looking dataset
             self.fs.rm(self.path, recursive=True)
         if self.local:
-            os.makedirs(_local_path(self.staging), exist_ok=False)
+            remove_stale_temporaries(_local_path(self.url))
+            staged = _local_path(self.staging)
+            os.makedirs(staged, exist_ok=False)
+            write_owner(staged)
 
     def array_url(self, name: str) -> str:
         return _join(self.staging, name)
 
+    def array_store(self, name: str) -> Store:
+        """The store to create array `name` in; what is written there is recorded."""
+        store = _store(self.array_url(name), self.storage_options, read_only=False)
+        return RecordingStore(store, self.chunks.setdefault(name, {}))
+
+    def integrity(self) -> dict[str, Any]:
+        return {
+            "checksum": CHECKSUM,
+            "chunks": {
+                name: {key: record[key] for key in sorted(record, key=chunk_order)}
+                for name, record in sorted(self.chunks.items())
+            },
+        }
+
     def commit(self, attributes: Mapping[str, Any]) -> None:
         zarr.create_group(
             store=_store(self.staging, self.storage_options, read_only=False),
-            attributes={META_KEY: {**attributes, "complete": True}},
+            attributes={
+                META_KEY: {**attributes, INTEGRITY_KEY: self.integrity(), "complete": True}
+            },
             zarr_format=3,
         )
         if not self.local:
             return
         final, staged = _local_path(self.url), _local_path(self.staging)
+        os.remove(os.path.join(staged, OWNER_FILE))  # it only marks a staging directory
         old = f"{final}.old-{uuid.uuid4().hex[:8]}"
         if os.path.exists(final):
             os.rename(final, old)
@@ -234,7 +276,12 @@ class Output:
 
 
 class PackedDataset:
-    """A committed packed dataset, opened read-only (local path or fsspec URL)."""
+    """A committed packed dataset, opened read-only (local path or fsspec URL).
+
+    Opening it checks, from one listing, that every chunk it needs is stored with the size
+    recorded when it was written (datasets packed before sizes were recorded: that every chunk
+    of its core arrays is there). `verify()` reads every chunk and checks its checksum.
+    """
 
     def __init__(self, url: str, *, storage_options: Mapping[str, Any] | None = None):
         self.url = url.rstrip("/")
@@ -242,14 +289,39 @@ class PackedDataset:
         self._open()
 
     def _open(self) -> None:
-        try:
-            group = zarr.open_group(
-                store=_store(self.url, self.storage_options, read_only=True),
-                mode="r",
-                zarr_format=3,
+        store = CheckedStore(_store(self.url, self.storage_options, read_only=True), self.url)
+        group, meta = self._open_group(store)
+        self.meta = meta
+        self._stored = self._open_arrays(group)
+        expected = self._expected_chunks()
+        self._check_stored(expected)
+        store.expected.update(expected)
+        self.tokens = self._stored["tokens"]
+        self.doc_offsets = self._stored["doc_offsets"]
+        self.chunk_docs = np.asarray(self._stored["chunk_docs"][:], dtype=np.int64)
+        # optional: datasets written before it existed read whole chunks instead
+        self.chunk_heads = self._stored.get("chunk_heads")
+        self.chat = meta.get("chat")  # chat datasets: template, block length, roles, mask
+        self.loss_mask = self._stored.get("loss_mask")
+        if self.chat is not None and self.loss_mask is None:
+            raise DatasetError(
+                f"{self.url}: a chat dataset without its loss_mask array (damaged); pack it again"
             )
+        self._origins = None  # provenance (optional): the doc_* arrays, when all are there
+        if all(name in self._stored for name in ORIGIN_ARRAYS):
+            self._origins = {name: self._stored[name] for name in ORIGIN_ARRAYS}
+        self.n_tokens = int(meta["counts"]["tokens"])
+        self.n_documents = int(meta["counts"]["documents"])
+        self.chunk_tokens = int(self.tokens.chunks[0])
+        self.dtype = np.dtype(self.tokens.dtype)
+        self.eod_id = int(meta["tokenizer"]["eod_id"])
+        self.vocab_size = int(meta["tokenizer"]["vocab_size"])
+        self.fingerprint = str(meta["tokenizer"]["fingerprint"])
+
+    def _open_group(self, store: Store) -> tuple[zarr.Group, dict[str, Any]]:
+        try:
+            group = zarr.open_group(store=store, mode="r", zarr_format=3)
             meta = dict(group.attrs.get(META_KEY) or {})
-            arrays = {name: group[name] for name in ("tokens", "doc_offsets", "chunk_docs")}
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError, ValueError):
             raise DatasetError(
                 f"{self.url}: not a packed dataset (no committed group metadata): it does not "
@@ -263,34 +335,105 @@ class PackedDataset:
                 f"{self.url}: format version {meta['version']} is newer than this llmtrain "
                 f"reads ({FORMAT_VERSION}); upgrade llmtrain-data-pack"
             )
-        self.meta = meta
-        self.tokens = arrays["tokens"]
-        self.doc_offsets = arrays["doc_offsets"]
-        self.chunk_docs = np.asarray(arrays["chunk_docs"][:], dtype=np.int64)
-        try:  # optional: datasets written before it existed read whole chunks instead
-            self.chunk_heads = group["chunk_heads"]
-        except KeyError:
-            self.chunk_heads = None
-        self.chat = meta.get("chat")  # chat datasets: template, block length, roles, mask
-        self.loss_mask = None
-        if self.chat is not None:
+        return group, meta
+
+    def _open_arrays(self, group: zarr.Group) -> dict[str, CheckedArray]:
+        """The dataset's arrays that exist (their metadata; no chunk is read)."""
+        arrays = {}
+        for name in ARRAYS:
             try:
-                self.loss_mask = group["loss_mask"]
+                arrays[name] = CheckedArray(group[name], name, self.url)
             except KeyError:
+                continue
+        for name in ("tokens", "doc_offsets", "chunk_docs"):
+            if name not in arrays:
                 raise DatasetError(
-                    f"{self.url}: a chat dataset without its loss_mask array (damaged); pack it "
-                    "again"
-                ) from None
-        self._origins = None  # provenance (optional): the doc_* arrays, when all are there
-        if all(name in group for name in ORIGIN_ARRAYS):
-            self._origins = {name: group[name] for name in ORIGIN_ARRAYS}
-        self.n_tokens = int(meta["counts"]["tokens"])
-        self.n_documents = int(meta["counts"]["documents"])
-        self.chunk_tokens = int(self.tokens.chunks[0])
-        self.dtype = np.dtype(self.tokens.dtype)
-        self.eod_id = int(meta["tokenizer"]["eod_id"])
-        self.vocab_size = int(meta["tokenizer"]["vocab_size"])
-        self.fingerprint = str(meta["tokenizer"]["fingerprint"])
+                    f"{self.url}: not a packed dataset any more: its {name} array is missing "
+                    f"{REPACK}"
+                )
+        return arrays
+
+    def _expected_chunks(self) -> dict[str, int | None]:
+        """Every stored chunk the dataset needs ("tokens/c/0") and its recorded size: those the
+        pack recorded, or, for a dataset packed before it recorded them, every chunk of the
+        grid of its core arrays (their size unknown). An optional array that is gone as a whole
+        (metadata too) reads as absent, as in datasets packed without it: its readers already
+        handle that (provenance then says it is not recorded)."""
+        record = self.meta.get(INTEGRITY_KEY)
+        if record is not None:
+            return {
+                f"{name}/{key}": int(size)
+                for name, chunks in record["chunks"].items()
+                if name in self._stored
+                for key, (size, _) in chunks.items()
+            }
+        if not int(self.meta["counts"]["documents"]):
+            return {}  # offsets and chunk index hold one 0 each, which zarr does not store
+        return {
+            f"{name}/{key}": None
+            for name in CORE_ARRAYS
+            if name in self._stored
+            for key in self._stored[name].keys()
+        }
+
+    def _check_stored(self, expected: Mapping[str, int | None]) -> None:
+        sizes = stored_sizes(self.url, self.storage_options)
+        damage = []
+        for path, recorded in expected.items():
+            problem = size_problem(sizes.get(path), recorded)
+            if problem is not None:
+                array, _, key = path.partition("/")
+                damage.append(ChunkDamage(array, key, problem))
+        if damage:
+            raise DamagedDatasetError(self.url, damage)
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether the pack recorded every chunk's size and checksum (datasets packed before
+        llmtrain recorded them: False)."""
+        return INTEGRITY_KEY in self.meta
+
+    def verify(self) -> int:
+        """Read every stored chunk and check it: against its recorded size and checksum, or,
+        for a dataset packed before they were recorded, that it decodes. Returns how many
+        chunks were checked; a DamagedDatasetError names the damaged ones."""
+        if self.checksummed:
+            checked, damage = self._verify_checksums()
+        else:
+            checked, damage = self._verify_decoding()
+        if damage:
+            raise DamagedDatasetError(self.url, damage)
+        return checked
+
+    def _verify_checksums(self) -> tuple[int, list[ChunkDamage]]:
+        fs, root = url_to_fs(self.url, **self.storage_options)
+        items = [
+            (name, key, int(size), int(crc))
+            for name, chunks in self.meta[INTEGRITY_KEY]["chunks"].items()
+            if name in self._stored
+            for key, (size, crc) in chunks.items()
+        ]
+        damage = []
+        for batch in batches(items, VERIFY_BATCH_BYTES):
+            paths = [f"{root.rstrip('/')}/{name}/{key}" for name, key, _, _ in batch]
+            # one call per batch: object storage fetches its objects concurrently
+            contents = fs.cat(paths, on_error="return")
+            for path, (name, key, size, crc) in zip(paths, batch, strict=True):
+                data = contents.get(path, FileNotFoundError(path))
+                problem = content_problem(data, size, crc)
+                if problem is not None:
+                    damage.append(ChunkDamage(name, key, problem))
+        return len(items), damage
+
+    def _verify_decoding(self) -> tuple[int, list[ChunkDamage]]:
+        checked, damage = 0, []
+        for name, array in self._stored.items():
+            for unit in range(array.n_units):
+                checked += 1
+                problem = array.unit_problem(unit)
+                if problem is not None:
+                    damage.append(ChunkDamage(name, array.key(unit), problem))
+        return checked, damage
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "storage_options": self.storage_options}
@@ -401,34 +544,30 @@ class DatasetWriter:
         loss_mask: bool = False,
         origins: bool = False,
     ):
-        options = out.storage_options
         self.out = out
         self.chunk_tokens = chunk_tokens
         self.tokens = AppendArray(
-            out.array_url("tokens"),
+            out.array_store("tokens"),
             dtype,
             chunk_tokens,
             shard_chunks=shard_chunks,
             compression=compression,
-            storage_options=options,
         )
         self.offsets = AppendArray(
-            out.array_url("doc_offsets"),
+            out.array_store("doc_offsets"),
             np.int64,
             1 << 16,  # small chunks: a token chunk's document starts decode little else
             compression=compression,
-            storage_options=options,
         )
         self.offsets.append(np.zeros(1, np.int64))
         self.mask = None
         if loss_mask:
             self.mask = AppendArray(
-                out.array_url("loss_mask"),
+                out.array_store("loss_mask"),
                 np.bool_,
                 chunk_tokens,
                 shard_chunks=shard_chunks,
                 compression=compression,
-                storage_options=options,
             )
         self.origins = _OriginsWriter(out, compression) if origins else None
         self.counted = 0
@@ -436,7 +575,7 @@ class DatasetWriter:
         # the next chunk reads them here instead of decoding that whole chunk
         self.head_tokens = min(HEAD_TOKENS, chunk_tokens)
         self.heads = zarr.create_array(
-            store=_store(out.array_url("chunk_heads"), options, read_only=False),
+            store=out.array_store("chunk_heads"),
             shape=(0, self.head_tokens),
             dtype=dtype,
             chunks=(HEADS_PER_CHUNK, self.head_tokens),
@@ -514,12 +653,7 @@ class DatasetWriter:
             self.mask.close()
         if self.origins is not None:
             self.origins.close()
-        index = AppendArray(
-            self.out.array_url("chunk_docs"),
-            np.int64,
-            max(n_chunks + 1, 1),
-            storage_options=self.out.storage_options,
-        )
+        index = AppendArray(self.out.array_store("chunk_docs"), np.int64, max(n_chunks + 1, 1))
         index.append(np.asarray(self.chunk_docs[: n_chunks + 1], np.int64))
         index.close()
 
@@ -529,13 +663,7 @@ class _OriginsWriter:
 
     def __init__(self, out: Output, compression: str):
         def array(name: str, dtype: Any, chunk: int) -> AppendArray:
-            return AppendArray(
-                out.array_url(name),
-                dtype,
-                chunk,
-                compression=compression,
-                storage_options=out.storage_options,
-            )
+            return AppendArray(out.array_store(name), dtype, chunk, compression=compression)
 
         self.sources = array("doc_source", np.uint32, 1 << 16)
         self.rows = array("doc_row", np.int64, 1 << 16)

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from llmtrain.data_pack.store import DatasetError, PackedDataset
+from llmtrain.data_pack.errors import DatasetError
+from llmtrain.data_pack.store import PackedDataset
 
 DEFAULT_CACHE_BYTES = 128 << 20
 
