@@ -1,14 +1,16 @@
 """Pytest fixtures shared by the package test suites (imported from their conftest.py files;
 `integration_tests/` is on pytest's pythonpath): `one_torch_thread` (autouse where imported),
-`run_cli` runs `llmtrain ...` in-process, and `moto_endpoint` / `s3_bucket` give a real
-S3-compatible server on 127.0.0.1 (moto)."""
+`run_cli` runs `llmtrain ...` in-process, `moto_endpoint` / `s3_bucket` give a real
+S3-compatible server on 127.0.0.1 (moto), and `small_disk` a real file system that fills up."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +87,31 @@ def s3_bucket(endpoint: str, monkeypatch: pytest.MonkeyPatch, prefix: str) -> It
         yield bucket
     finally:
         S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """small_disk(size) -> a directory on a tmpfs of that size ("2m"), unmounted afterwards: a
+    real disk that a write fills, with the kernel's own ENOSPC (tests run as root, as in CI)."""
+    mounts: list[Path] = []
+
+    def mount(size: str) -> Path:
+        where = tmp_path / f"disk{len(mounts)}"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, f"cannot mount a tmpfs (needs root): {done.stderr.strip()}"
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        subprocess.run(["umount", "--lazy", str(where)], check=False)
+
+
+def resize(disk: Path, size: str) -> None:
+    """Give a `small_disk` another size (freeing space the way a user would)."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)

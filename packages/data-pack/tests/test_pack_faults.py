@@ -16,6 +16,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+from shared_fixtures import small_disk  # noqa: F401
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.errors import DatasetError
@@ -463,3 +464,29 @@ def test_records_parse_as_json_does(line, value):
     assert json.dumps(record) == json.dumps(json.loads(line))
     if value is not None:
         assert (str(record["id"]) if value == "nan" else record["id"]) == value
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_full_disk_is_one_line_naming_the_output(
+    tmp_path,
+    run_cli,
+    small_disk,
+    texts,
+    workers,  # noqa: F811
+):
+    """A real tmpfs that fills up under the pack: one line naming the output and "no space
+    left", exit 2, and nothing left on the disk (the staging directory is given back)."""
+    data = tmp_path / "big.jsonl"
+    _big_input(data, texts, megabytes=4)
+    disk = small_disk("1m")
+    out = disk / "ds"
+    code, _, stderr = run_cli(
+        "data", "pack", data, "-o", out, "--tokenizer", "bytes", "--workers", workers,
+        "--no-progress", "--log-dir", tmp_path / "logs",
+    )  # fmt: skip
+    assert code == 2, stderr
+    assert "this is a bug" not in stderr
+    [line] = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {out}: no space left on device"), line
+    assert line.endswith("nothing was written"), line
+    assert list(disk.iterdir()) == []

@@ -42,7 +42,7 @@ from llmtrain.checkpoint.stream_storage import (
     StreamReader,
     StreamWriter,
 )
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, naming_file, no_space, no_space_message
 
 log = structlog.get_logger("llmtrain.checkpoint")
 
@@ -286,6 +286,8 @@ class Checkpointer:
             except UserError:
                 raise
             except (Exception, CheckpointException) as exc:  # storage errors come in many types
+                if (full := no_space(exc)) is not None:  # waiting will not free the disk
+                    raise self._no_space_error(step, full) from exc
                 if attempt == self.retries:
                     raise CheckpointError(
                         f"saving {self.step_url(step)} failed after {attempt + 1} attempts: "
@@ -301,11 +303,27 @@ class Checkpointer:
                 )
                 time.sleep(delay)
 
+    def _no_space_error(self, step: int, full: OSError) -> CheckpointError:
+        """A save that ran out of space: its unfinished step is removed at once (nothing can
+        load it), so the space it took is free again for the run's summary."""
+        try:
+            if self.fs.exists(self._path(step)):
+                self.fs.rm(self._path(step), recursive=True)
+        except OSError:
+            pass  # another rank removed it first; the next save removes what is left
+        return CheckpointError(
+            f"saving {self.step_url(step)} failed: {no_space_message(full)}; the unfinished "
+            "step was removed, earlier committed checkpoints are untouched and the run resumes "
+            "from the newest"
+        )
+
     def _finish(self, step: int, upload: Future | None, info: dict, started: float) -> None:
         if upload is not None:
             try:
                 upload.result()
             except (Exception, CheckpointException) as exc:
+                if (full := no_space(exc)) is not None:
+                    raise self._no_space_error(step, full) from exc
                 raise CheckpointError(
                     f"the background save of {self.step_url(step)} failed: {_reason(exc)}; "
                     "it is not committed and earlier checkpoints are intact"
@@ -334,7 +352,7 @@ class Checkpointer:
 
     def _write_json(self, path: str, value: Any) -> None:
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a no-op on object storage
-        with self.fs.open(path, "wb") as f:
+        with naming_file(path), self.fs.open(path, "wb") as f:
             f.write(json.dumps(value).encode())
 
     def wait(self) -> None:

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from llmtrain.checkpoint.safe_io import METADATA_FILE, SafeFsspecReader
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, naming_file
 
 FORMAT = 2
 SUFFIX = ".bin"
@@ -249,7 +249,7 @@ class StreamWriter(StorageWriter):
     ) -> list[WriteResult]:
         results, offset = [], 0
         owners = []  # what the written views point into, alive until the file is closed
-        with self.files.create(name, sum(_item_bytes(i) for i in items)) as f:
+        with naming_file(self.files.path(name)), self.files.create(name, _total(items)) as f:
             for item in items:
                 data = resolve(item)
                 if item.type == WriteItemType.BYTE_IO:
@@ -276,7 +276,8 @@ class StreamWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        with self.files.fs.open(self.files.path(METADATA_FILE), "wb") as f:
+        path = self.files.path(METADATA_FILE)
+        with naming_file(path), self.files.fs.open(path, "wb") as f:
             pickle.dump(metadata, f)
             if self.sync_files and self.files.local:
                 f.flush()
@@ -310,6 +311,10 @@ def _balanced(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
     for n, item in enumerate(others):
         groups[n % len(groups)].append(item)
     return [g for g in groups if g] or [[]]
+
+
+def _total(items: list[WriteItem]) -> int:
+    return sum(_item_bytes(i) for i in items)
 
 
 def _item_bytes(item: WriteItem) -> int:

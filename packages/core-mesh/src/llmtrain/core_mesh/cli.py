@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 import importlib_metadata
 
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, no_space, no_space_message
 from llmtrain.core_mesh.plugins import PluginManager
 
 EXIT_USER_ERROR = 2
@@ -173,6 +173,9 @@ def main(argv: Sequence[str] | None = None, *, plugins: PluginManager | None = N
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence: a bug, reported briefly
+        if (full := no_space(exc)) is not None:  # not a bug: the disk is full
+            print(f"error: {no_space_message(full)}", file=sys.stderr)
+            return EXIT_USER_ERROR
         if debug:
             traceback.print_exc()
         else:

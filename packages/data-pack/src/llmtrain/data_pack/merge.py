@@ -92,8 +92,8 @@ def merge(
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
         )
-    except BaseException:
-        out.abort()
+    except BaseException as exc:
+        out.abort(exc)
         raise
     return MergeSummary(writer.n_documents, writer.n_tokens)
 

@@ -458,8 +458,8 @@ def pack(
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 }
             )
-        except BaseException:
-            out.abort()
+        except BaseException as exc:
+            out.abort(exc)
             raise
         finally:
             meter.close()

@@ -44,7 +44,7 @@ import zarr
 from fsspec.core import url_to_fs
 from zarr.abc.store import Store
 
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, no_space, no_space_message
 from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.integrity import (
     CHECKSUM,
@@ -266,13 +266,19 @@ class Output:
         if os.path.exists(old):
             shutil.rmtree(old, ignore_errors=True)
 
-    def abort(self) -> None:
+    def abort(self, error: BaseException) -> None:
+        """Remove what was staged, after `error`. A full disk is then raised as one line naming
+        the output (a chunk write that fails names no file), with the space given back."""
         try:
             fs, path = url_to_fs(self.staging, **self.storage_options)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
         except OSError:
             pass
+        if (full := no_space(error)) is not None:
+            raise DatasetError(
+                f"{self.url}: {no_space_message(full)}; nothing was written"
+            ) from error
 
 
 class PackedDataset:

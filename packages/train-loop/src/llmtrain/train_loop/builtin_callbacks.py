@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from llmtrain.core_mesh.errors import naming_file
 from llmtrain.core_mesh.interfaces import Callback
 from llmtrain.train_loop import observe
 from llmtrain.train_loop.callbacks import Named
@@ -67,7 +68,12 @@ class Summary(Callback):
         }
         run.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = run.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        try:
+            with naming_file(run.run_dir / "summary.json"):
+                tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk: no half-written summary left behind
+            raise
         tmp.replace(run.run_dir / "summary.json")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path, PurePath
 
 import attrs
 
+from llmtrain.core_mesh.errors import naming_file
 from llmtrain.core_mesh.interfaces import RunInfo
 
 
@@ -98,11 +99,13 @@ class JsonlSink:
         self.file = self.path.open("a")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self.file.flush()
+        with naming_file(self.path):
+            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
-        self.file.close()
+        with naming_file(self.path):
+            self.file.close()
 
 
 def _step_of(line: str) -> int | None:
