@@ -37,6 +37,17 @@ class Selection:
     where: tuple[str, ...] = ()
     id_field: str = "id"
     stop_on_bad: bool = True
+    max_doc_bytes: int = 0  # a longer document (UTF-8 bytes) is bad; 0: no limit
+
+    def size_problem(self, text: str) -> str | None:
+        """Why `text` is too long a document (`max_doc_bytes`), or None."""
+        limit = self.max_doc_bytes
+        if not limit or len(text) * 4 <= limit:  # UTF-8 takes at most 4 bytes a character
+            return None
+        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        if size <= limit:
+            return None
+        return f"a document of {size:,} bytes, above --max-doc-bytes {limit:,}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -99,10 +110,12 @@ def read_documents(
     if task.format == "text":
         return _text_files(task, selection, storage_options)
     data = read_range(task, storage_options)
+    size = len(data)
     lines = data.split(b"\n")
+    del data  # the lines hold the bytes now; one long line is then held once while parsed
     if lines and not lines[-1]:
         lines.pop()
-    docs = Documents(n_lines=len(lines), text_bytes=len(data))
+    docs = Documents(n_lines=len(lines), text_bytes=size)
     if task.format == "text-lines":
         _text_lines(docs, task, lines, selection)
     else:
@@ -128,6 +141,8 @@ def _jsonl(docs: Documents, task: Task, lines: list[bytes], selection: Selection
         text = None
         if why is None:
             text, why = text_of(record, get, line)
+        if why is None:
+            why = selection.size_problem(text)
         if why is not None:
             docs.fail(number, task.source, why)
             if selection.stop_on_bad:
@@ -144,8 +159,11 @@ def _text_lines(docs: Documents, task: Task, lines: list[bytes], selection: Sele
             continue
         try:
             text = line.decode("utf-8")
+            why = selection.size_problem(text)
         except UnicodeDecodeError as exc:
-            docs.fail(number, task.source, f"invalid UTF-8 at byte {exc.start}")
+            why = f"invalid UTF-8 at byte {exc.start}"
+        if why is not None:
+            docs.fail(number, task.source, why)
             if selection.stop_on_bad:
                 return
             continue
@@ -168,6 +186,12 @@ def _text_files(task: Task, selection: Selection, storage_options: dict | None) 
                     f"{url}: {why}; pass --skip-bad to skip and count such files"
                 ) from None
             docs.fail(0, source, why)
+            continue
+        why = selection.size_problem(text)
+        if why is not None:
+            docs.fail(0, source, why)
+            if selection.stop_on_bad:
+                return docs
             continue
         docs.add(text, 0, source, "")
     return docs
@@ -220,8 +244,13 @@ def _columnar(
                     if selection.stop_on_bad:
                         return docs
                     continue
-            if text is None:
-                docs.fail(number, task.source, f"column {selection.field!r} is null")
+            why = (
+                f"column {selection.field!r} is null"
+                if text is None
+                else selection.size_problem(text)
+            )
+            if why is not None:
+                docs.fail(number, task.source, why)
                 if selection.stop_on_bad:
                     return docs
                 continue

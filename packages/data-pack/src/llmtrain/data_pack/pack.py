@@ -302,8 +302,8 @@ def _reference_encoder(tokenizer: Any, raw: dict) -> _Encoder:
 def _sample_texts(
     sources: Sequence[Source], settings: PackSettings, storage_options: dict
 ) -> list[str]:
-    """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all); bad
-    records are left out here (the pack itself reports them)."""
+    """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all; a longer
+    document's start); bad records are left out here (the pack itself reports them)."""
     chosen = list(sources[:: max(1, len(sources) // 16)])[:16]
     per_file = max(32 << 10, FAST_SAMPLE_BYTES // max(1, len(chosen)))
     selection = attrs.evolve(settings.selection, stop_on_bad=False)
@@ -318,8 +318,8 @@ def _sample_texts(
             continue
         size = 0
         for text in documents.texts:
-            texts.append(text)
-            size += len(text)
+            texts.append(text[: per_file - size])  # HF's encoding of a whole long one is slow
+            size += len(texts[-1])
             if size >= per_file:
                 break
     return texts
@@ -348,10 +348,12 @@ def pack(
     id_field: str = "id",
     input_format: str = "auto",
     text_per_line: bool = False,
+    max_doc_bytes: int = 0,
 ) -> PackSummary:
     """Pack JSONL, Parquet, Arrow or text files into a zarr token dataset; returns the counts.
     See the module docstring. `where`: filter expressions every kept record meets. With `chat`,
-    the records are JSONL conversations (`field` is unused)."""
+    the records are JSONL conversations (`field` is unused). `max_doc_bytes`: a longer document
+    (its text in UTF-8) is a bad record, refused or skipped as `on_bad_line` says; 0: no limit."""
     started = time.perf_counter()
     storage_options = dict(storage_options or {})
     if on_bad_line not in ("error", "skip"):
@@ -363,6 +365,8 @@ def pack(
     workers = workers or default_workers()
     if split_bytes is None:  # enough tasks that the last ones do not run alone
         split_bytes = int(min(MAX_SPLIT_BYTES, max(1 << 20, total_bytes // (workers * 8))))
+    if max_doc_bytes < 0:
+        raise UserError(f"--max-doc-bytes {max_doc_bytes}: give 0 (no limit) or more bytes")
     if chunk_tokens < 1 or shard_chunks < 0 or split_bytes < 1 or batch_docs < 1:
         raise UserError(
             f"chunk_tokens ({chunk_tokens}), split size ({split_bytes} bytes) and batch_docs "
@@ -387,6 +391,7 @@ def pack(
             tok.eod_id,
             filters.expressions,
             id_field,
+            max_doc_bytes,
         )
         if chat is not None:  # the template compiles and its tokens exist, before any work
             _check_template(chat, tok)

@@ -46,10 +46,12 @@ class PackSettings:
     eod_id: int = 0
     where: tuple[str, ...] = ()
     id_field: str = "id"
+    max_doc_bytes: int = 0  # longer documents are bad records; 0: no limit
 
     @property
     def selection(self) -> Selection:
-        return Selection(self.field, self.where, self.id_field, self.on_bad_line == "error")
+        stop_on_bad = self.on_bad_line == "error"
+        return Selection(self.field, self.where, self.id_field, stop_on_bad, self.max_doc_bytes)
 
 
 @attrs.frozen
@@ -130,10 +132,12 @@ def tokenize_task(task: Task, settings: PackSettings, tokenizer: bytes | str | d
     tokenizer = _tokenizer(tokenizer)
     if settings.chat is not None:
         data = read_range(task, _worker["storage_options"])
+        size = len(data)
         lines = data.split(b"\n")
+        del data  # the lines hold the bytes now (a long line is then held once)
         if lines and not lines[-1]:
             lines.pop()
-        return _chat_task(task, settings, tokenizer, lines, len(data))
+        return _chat_task(task, settings, tokenizer, lines, size)
     docs = read_documents(task, settings.selection, _worker["storage_options"])
     texts = [] if docs.bad and settings.on_bad_line == "error" else docs.texts
     dtype = np.dtype(settings.dtype)
@@ -248,7 +252,9 @@ def _with_eod(
     """Flatten a batch of id lists (or arrays) into one array with eod after every document."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids)) + 1
     total = int(lengths.sum()) - len(ids)
-    if ids and isinstance(ids[0], np.ndarray):
+    if len(ids) == 1 and isinstance(ids[0], np.ndarray):
+        flat = ids[0]  # one (long) document: no copy
+    elif ids and isinstance(ids[0], np.ndarray):
         flat = np.concatenate(ids) if total else np.empty(0, np.int64)
     else:
         flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64, count=total)

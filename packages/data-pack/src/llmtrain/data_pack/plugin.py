@@ -148,6 +148,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         const="skip",
         help="skip and count bad records, rows and unreadable files (= --on-bad-line skip)",
     )
+    p.add_argument(
+        "--max-doc-bytes",
+        type=int,
+        default=0,
+        metavar="BYTES",
+        help="a document whose text is longer (UTF-8 bytes) is a bad record: an error naming "
+        "file:line, or with --on-bad-line skip skipped and counted (default 0: no limit)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     p.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
     p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
@@ -356,6 +364,7 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
         id_field=getattr(args, "id_field", "id"),
         input_format=getattr(args, "input_format", "auto"),
         text_per_line=getattr(args, "text_per_line", False),
+        max_doc_bytes=getattr(args, "max_doc_bytes", 0),
         workers=args.workers,
         on_bad_line=args.on_bad_line,
         overwrite=args.overwrite,

@@ -339,31 +339,41 @@ def read_text_file(url: str, storage_options: dict | None = None) -> bytes:
 
 
 def read_range(task: Task, storage_options: dict | None = None) -> bytes:
-    """The whole lines a byte-range task owns: those whose first byte is in [start, end)."""
+    """The whole lines a byte-range task owns: those whose first byte is in [start, end). Where
+    they begin and where the last one ends are found first, and the lines read with one call: a
+    line of any length is held once, not as the range, its tail and their concatenation."""
     if task.payload is not None:
         return task.payload
     if task.end <= task.start:
         return b""
     with fsspec.open(task.url, "rb", **(storage_options or {})) as f:
-        skip = task.start > 0
-        f.seek(task.start - 1 if skip else 0)
-        data = f.read(task.end - task.start + (1 if skip else 0))
-        if skip:
-            cut = data.find(b"\n")
-            data = b"" if cut < 0 else data[cut + 1 :]
-        if data and not data.endswith(b"\n"):
-            tail = bytearray()
-            while True:
-                piece = f.read(1 << 16)
-                if not piece:
-                    break
-                cut = piece.find(b"\n")
-                if cut >= 0:
-                    tail += piece[: cut + 1]
-                    break
-                tail += piece
-            data += bytes(tail)
-    return data
+        begin = 0
+        if task.start > 0:
+            newline = _newline_at(f, task.start - 1, task.end - 1)
+            if newline is None:
+                return b""  # a line that began in an earlier range runs through this one
+            begin = newline + 1
+        end = _newline_at(f, task.end - 1)
+        f.seek(begin)
+        return f.read() if end is None else f.read(end + 1 - begin)
+
+
+_SCAN_BYTES = 1 << 16
+
+
+def _newline_at(f: Any, position: int, stop: int | None = None) -> int | None:
+    """The offset of the first newline at or after `position` (and before `stop`) in the open
+    file `f`, or None; read a block at a time and kept nowhere."""
+    f.seek(position)
+    while stop is None or position < stop:
+        block = f.read(_SCAN_BYTES if stop is None else min(_SCAN_BYTES, stop - position))
+        if not block:
+            return None
+        found = block.find(b"\n")
+        if found >= 0:
+            return position + found
+        position += len(block)
+    return None
 
 
 def field_getter(field: str):

@@ -8,6 +8,9 @@ The `hf` tokenizer has a fast path for GPT-2-style byte-level BPE files: the sam
 merges run through tiktoken's BPE core (several times faster per thread). It is used only when the
 file has nothing tiktoken would treat differently (see `tiktoken_equivalent`), and `pack` also
 checks that both paths give identical ids on a sample of the corpus before enabling it.
+
+A text longer than `PIECE_CHARS` is encoded a piece at a time where the pre-tokenizer splits anyway
+(see `text_pieces`), so an encoder's memory grows with the piece, not with the document.
 """
 
 from __future__ import annotations
@@ -17,14 +20,18 @@ import contextlib
 import copy
 import functools
 import hashlib
+import itertools
 import json
 import os
+import re
 import sys
+import unicodedata
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import fsspec
+import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
 
@@ -59,8 +66,100 @@ def read_bytes(url: str) -> bytes:
             return f.read()
     except FileNotFoundError:
         raise TokenizerError(f"{url}: no such tokenizer file") from None
+    except IsADirectoryError:
+        raise TokenizerError(
+            f"{url}: a directory, not a tokenizer file; give the file in it (for a Hugging Face "
+            f"tokenizer: {url.rstrip('/')}/tokenizer.json)"
+        ) from None
     except OSError as exc:
         raise TokenizerError(f"{url}: cannot read the tokenizer file: {exc}") from None
+
+
+# -- long texts ------------------------------------------------------------------------------------
+# An encoder's memory grows with what it is given: HF's keeps tokens, offsets and masks, about a
+# hundred bytes per token, so one 50 MB document took gigabytes. A longer text than PIECE_CHARS is
+# encoded a piece at a time and the ids joined; the pieces are cut where the pre-tokenizer splits
+# anyway, which makes the joined ids those of the whole text.
+
+PIECE_CHARS = 1 << 20
+
+# Where a piece may end: before a space that follows a non-space, or before a newline that
+# follows a letter or digit. No pre-token of GPT-2's, cl100k's or o200k's split pattern runs from
+# a non-space into a space, or from a letter or digit into a newline (cl100k's punctuation
+# pre-tokens do take the newlines after them), and none looks back: the whole text's scan ends a
+# pre-token there and scans on from there, as a piece starting there is scanned.
+_CUT = re.compile(r"\S(?= )|\w(?=\n)")
+
+# ordinary text with every kind of place _CUT finds: a tokenizer encodes long texts in pieces only
+# if this text, cut at all of them, gives the ids of the whole
+_PROBE = (
+    "Hello world, it's 3.14 (x) [y]  two spaces\tand a tab. A line ends here\n"
+    "café 日本語 テキスト über 42\n\nnaïve 'quoted' \"double\" a-b a_b ½ x² €100 <|endoftext|> end"
+)
+
+
+def cut_places(text: str, start: int = 0) -> Iterator[int]:
+    """The places at or after `start` where a piece of `text` may end (see _CUT)."""
+    for match in _CUT.finditer(text, max(start - 1, 0)):
+        if text[match.end()] == " " or unicodedata.category(match.group())[0] in "LN":
+            yield match.end()
+
+
+def text_pieces(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of at least `size` characters (the last may be shorter), each cut where
+    the pre-tokenizer splits anyway (see _CUT). A stretch with no such place stays in one piece:
+    cutting it could change the ids."""
+    start = 0
+    while len(text) - start > size:
+        cut = next(cut_places(text, start + size), None)
+        if cut is None:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _join_lists(parts: list[list[int]]) -> list[int]:
+    return list(itertools.chain.from_iterable(parts))
+
+
+def _join_arrays(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def encode_in_pieces(texts: Sequence[str], encode, join) -> list:
+    """`encode(texts)` (a list of texts to a list of ids), except that each text longer than
+    PIECE_CHARS is encoded a piece at a time (`text_pieces`) and its pieces' ids joined by
+    `join`. Only for encoders whose pieces give the whole's ids (see `pieces_match`)."""
+    long = {i for i, text in enumerate(texts) if len(text) > PIECE_CHARS}
+    if not long:
+        return encode(texts)
+    ids = encode(["" if i in long else text for i, text in enumerate(texts)])
+    for i in long:
+        ids[i] = join([encode([piece])[0] for piece in text_pieces(texts[i], PIECE_CHARS)])
+    return ids
+
+
+def pieces_match(encode, text: str = _PROBE) -> bool:
+    """Whether `text` cut at every place `text_pieces` may cut it encodes to the ids of the whole
+    (`encode`: a list of texts to a list of ids)."""
+    bounds = [0, *cut_places(text), len(text)]
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    whole = [int(i) for i in encode([text])[0]]
+    return whole == [int(i) for ids in encode(pieces) for i in ids]
+
+
+def _added_tokens_allow_cuts(added: Sequence[dict], parse_special: bool) -> bool:
+    """Whether no added token that the encoder finds in text could span a cut (its text holds
+    whitespace) or take the whitespace beside one (lstrip, rstrip). Special tokens are found only
+    with `parse_special`; the others always."""
+    for token in added:
+        if token.get("special") and not parse_special:
+            continue
+        content = token.get("content", "")
+        if token.get("lstrip") or token.get("rstrip") or any(c.isspace() for c in content):
+            return False
+    return True
 
 
 # -- bytes ---------------------------------------------------------------------------------------
@@ -106,6 +205,11 @@ class BytesTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [list(text.encode("utf-8")) for text in texts]
+
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The ids as uint8 arrays over each text's UTF-8 bytes: one byte a token, where a list
+        of ints costs eight bytes a token and more."""
+        return [np.frombuffer(text.encode("utf-8"), np.uint8) for text in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         out: list[str] = []
@@ -246,6 +350,85 @@ def tiktoken_equivalent(spec: dict, tokenizer: Any = None) -> tuple[Any | None, 
     return encoding, ""
 
 
+_GIVE_TOKENIZER_JSON = 'give the tokenizer.json of a Hugging Face tokenizer, or "bytes"'
+# keys of a Hugging Face tokenizer_config.json, none of which a tokenizer.json has at its top
+_TOKENIZER_CONFIG_KEYS = {
+    "tokenizer_class",
+    "chat_template",
+    "added_tokens_decoder",
+    "model_max_length",
+    "bos_token",
+    "eos_token",
+}
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+
+
+def tokenizer_json(raw: bytes, path: str) -> dict:
+    """The parsed tokenizer.json, or a TokenizerError that says what the file is instead: the
+    tokenizers library reads any other JSON as a broken tokenizer ("expected `,` or `}` at line
+    1 column 9" for `{"a": 1}`)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(
+            f"{path}: not a tokenizer.json: binary, not UTF-8 text (byte {exc.start}; a "
+            f"SentencePiece .model file?); {_GIVE_TOKENIZER_JSON}"
+        ) from None
+    if not text.strip():
+        raise TokenizerError(f"{path}: an empty file, not a tokenizer.json; {_GIVE_TOKENIZER_JSON}")
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(
+            f"{path}:{exc.lineno}:{exc.colno}: not a valid tokenizer.json: malformed JSON "
+            f"({exc.msg}); {_GIVE_TOKENIZER_JSON}"
+        ) from None
+    except RecursionError:
+        raise TokenizerError(f"{path}: JSON nested too deeply to be a tokenizer.json") from None
+    if isinstance(spec, dict) and isinstance(spec.get("model"), dict) and "vocab" in spec["model"]:
+        return spec
+    raise TokenizerError(f"{path}: valid JSON but not a tokenizer.json{_what_it_is(spec, path)}")
+
+
+def _what_it_is(spec: Any, path: str) -> str:
+    """What a JSON file that is no tokenizer.json looks like, and what to give instead."""
+    if isinstance(spec, dict) and ("model_type" in spec or "architectures" in spec):
+        kind = spec.get("model_type") or ", ".join(map(str, spec.get("architectures") or []))
+        return f": it looks like a model's config.json ({kind}); {_beside(path)}"
+    if isinstance(spec, dict) and _TOKENIZER_CONFIG_KEYS & spec.keys():
+        return (
+            ": it looks like a tokenizer_config.json, a tokenizer's settings and chat template "
+            f"but not its vocabulary (pack-chat takes it as --template); {_beside(path)}"
+        )
+    if isinstance(spec, dict) and len(spec) >= 256 and all(type(v) is int for v in spec.values()):
+        return (
+            ": it looks like a vocab.json, a vocabulary without its merges; save the tokenizer "
+            "as one tokenizer.json (transformers' save_pretrained writes one) and give that"
+        )
+    if isinstance(spec, dict):
+        keys = ", ".join(json.dumps(k) for k in list(spec)[:5]) or "none"
+        held = f"an object with keys {keys}{', ...' if len(spec) > 5 else ''}"
+    else:
+        held = _JSON_TYPES.get(type(spec), json.dumps(spec))  # true, false or null
+    return f' ({held}; no "model" with a "vocab"/"merges"); {_GIVE_TOKENIZER_JSON}'
+
+
+def _beside(path: str) -> str:
+    """Where the tokenizer.json of a Hugging Face model directory holding `path` would be."""
+    folder = path.rpartition("/")[0] or "."
+    candidate = f"{folder}/tokenizer.json"
+    try:
+        there = fsspec.core.url_to_fs(candidate)[0].exists(candidate)
+    except Exception:  # noqa: BLE001 - only a hint: a storage that cannot tell us is "unknown"
+        there = False
+    if there:
+        return f"give the tokenizer.json beside it: {candidate}"
+    return (
+        f"give the model's tokenizer.json: there is none beside it in {folder} "
+        "(transformers' save_pretrained writes one)"
+    )
+
+
 class HFTokenizer:
     def __init__(self, options: HFOptions):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -253,11 +436,14 @@ class HFTokenizer:
 
         self.options = options
         raw = read_bytes(options.path)
+        self._spec = tokenizer_json(raw, options.path)
         try:
-            self._spec = json.loads(raw)
             self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception
-            raise TokenizerError(f"{options.path}: not a valid tokenizer.json: {exc}") from None
+            raise TokenizerError(
+                f"{options.path}: a tokenizer.json that tokenizers {tokenizers.__version__} "
+                f"cannot load: {exc}"
+            ) from None
         self._tok.encode_special_tokens = not options.parse_special
         self._eod_token = self._find_eod(options.eod_token)
         self._eod = self._tok.token_to_id(self._eod_token)
@@ -348,18 +534,49 @@ class HFTokenizer:
     def encode_batch_fast(self, texts: Sequence[str]) -> list[list[int]]:
         return [a.tolist() for a in self._fast_arrays(texts)]
 
-    def _fast_arrays(self, texts: Sequence[str]) -> list[Any]:
+    def _fast_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return self._by_pieces(texts, self._fast_whole, _join_arrays)
+
+    def _fast_whole(self, texts: Sequence[str]) -> list[np.ndarray]:
         return _tiktoken_arrays(self._fast, texts, self.options.parse_special)
 
-    def encode_batch_arrays(self, texts: Sequence[str]) -> list[Any]:
-        """Like encode_batch, as numpy arrays when the fast encoder is in use (less copying)."""
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Like encode_batch, as numpy arrays (a list of ints costs several times the memory)."""
         if self._fast is not None and self._fast_verified:
             return self._fast_arrays(texts)
-        return self.encode_batch_hf(texts)
+        return self._by_pieces(texts, self._hf_whole_arrays, _join_arrays)
 
     def encode_batch_hf(self, texts: Sequence[str]) -> list[list[int]]:
+        """The reference encoder: the tokenizers library's own."""
+        return self._by_pieces(texts, self._hf_whole, _join_lists)
+
+    def _hf_whole(self, texts: Sequence[str]) -> list[list[int]]:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
         return [e.ids for e in encodings]
+
+    def _hf_whole_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, np.uint32) for ids in self._hf_whole(texts)]
+
+    def _by_pieces(self, texts: Sequence[str], encode, join) -> list:
+        """`encode(texts)`, with long texts encoded in pieces when that gives the same ids."""
+        if all(len(text) <= PIECE_CHARS for text in texts) or not self.pieces_safe:
+            return encode(texts)
+        return encode_in_pieces(texts, encode, join)
+
+    @functools.cached_property
+    def pieces_safe(self) -> bool:
+        """Whether long texts may be encoded in pieces (`text_pieces`): a byte-level BPE
+        pre-tokenizer with a split regex and no normalizer (one that prepends a marker to each
+        text would differ), no added token a cut could break, and the probe text's pieces give
+        its whole ids. Otherwise a text is encoded whole, however long."""
+        return (
+            self._spec.get("normalizer") is None
+            and _pattern_of(self._spec.get("pre_tokenizer")) is not None
+            and _added_tokens_allow_cuts(
+                self._spec.get("added_tokens") or [], self.options.parse_special
+            )
+            and pieces_match(self._hf_whole)
+        )
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -373,7 +590,7 @@ class HFTokenizer:
         return [t["content"] for t in self._spec.get("added_tokens") or []]
 
 
-def _tiktoken_arrays(encoding: Any, texts: Sequence[str], parse_special: bool) -> list[Any]:
+def _tiktoken_arrays(encoding: Any, texts: Sequence[str], parse_special: bool) -> list[np.ndarray]:
     """Ids as numpy arrays; special-token text is plain text unless `parse_special`."""
     special = "all" if parse_special else set()
     return [
@@ -401,6 +618,11 @@ class TiktokenOptions:
 
 
 def parse_tiktoken_ranks(data: bytes, source: str) -> dict[bytes, int]:
+    if data.lstrip()[:1] in (b"{", b"["):
+        raise TokenizerError(
+            f"{source}: JSON, not a .tiktoken ranks file (a 'base64-token rank' pair a line); "
+            f"a Hugging Face tokenizer.json is given as hf:{source}"
+        )
     ranks: dict[bytes, int] = {}
     for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
@@ -497,8 +719,22 @@ class TiktokenTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [a.tolist() for a in self.encode_batch_arrays(texts)]
 
-    def encode_batch_arrays(self, texts: Sequence[str]) -> list[Any]:
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if all(len(text) <= PIECE_CHARS for text in texts) or not self.pieces_safe:
+            return self._whole_arrays(texts)
+        return encode_in_pieces(texts, self._whole_arrays, _join_arrays)
+
+    def _whole_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         return _tiktoken_arrays(self._enc, texts, self.options.parse_special)
+
+    @functools.cached_property
+    def pieces_safe(self) -> bool:
+        """Whether long texts may be encoded in pieces (`text_pieces`): no special token that
+        text can spell holds whitespace, and the probe text's pieces give its whole ids."""
+        specials = self._specials if self.options.parse_special else {}
+        if any(c.isspace() for token in specials for c in token):
+            return False
+        return pieces_match(self._whole_arrays)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._enc.decode([int(i) for i in ids], errors="replace")
