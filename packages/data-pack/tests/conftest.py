@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pytest
-from shared_fixtures import moto_endpoint, run_cli, s3_bucket  # noqa: F401
+from shared_fixtures import moto_endpoint, run_cli, s3_bucket, small_disk  # noqa: F401
 
 # pieces chosen to stress tokenizers and JSON: accents, CJK, RTL scripts, emoji (with ZWJ and flag
 # sequences), combining characters, escapes, control characters, and a special token's spelling

@@ -16,7 +16,6 @@ import time
 import numpy as np
 import psutil
 import pytest
-from shared_fixtures import small_disk  # noqa: F401
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.errors import DatasetError
@@ -472,7 +471,7 @@ def test_a_full_disk_is_one_line_naming_the_output(
     run_cli,
     small_disk,
     texts,
-    workers,  # noqa: F811
+    workers,
 ):
     """A real tmpfs that fills up under the pack: one line naming the output and "no space
     left", exit 2, and nothing left on the disk (the staging directory is given back)."""

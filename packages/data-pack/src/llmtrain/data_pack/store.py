@@ -266,16 +266,17 @@ class Output:
         if os.path.exists(old):
             shutil.rmtree(old, ignore_errors=True)
 
-    def abort(self, error: BaseException) -> None:
-        """Remove what was staged, after `error`. A full disk is then raised as one line naming
-        the output (a chunk write that fails names no file), with the space given back."""
+    def abort(self, error: BaseException | None = None) -> None:
+        """Remove what was staged (after `error`, if one ended the pack). A full disk is then
+        raised as one line naming the output (a chunk write that fails names no file), with the
+        space given back."""
         try:
             fs, path = url_to_fs(self.staging, **self.storage_options)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
         except OSError:
             pass
-        if (full := no_space(error)) is not None:
+        if error is not None and (full := no_space(error)) is not None:
             raise DatasetError(
                 f"{self.url}: {no_space_message(full)}; nothing was written"
             ) from error
