@@ -196,3 +196,10 @@ def quickstart(session: nox.Session) -> None:
     install_everything(session)
     session.run("llmtrain", "plugins", "--check")
     session.run("llmtrain", "quickstart", "--dir", str(ROOT / "quickstart"), *session.posargs)
+
+
+@nox.session(name="gpu-bundle", python=False)
+def gpu_bundle(session: nox.Session) -> None:
+    """The GPU kit's bundle (tools/gpu/bundle.sh): wheels of the llmtrain packages and plugins
+    and of what the accelerator machine lacks, into .gpu-bundle/ (git-ignored) to carry there."""
+    session.run("bash", str(ROOT / "tools" / "gpu" / "bundle.sh"), *session.posargs, external=True)

@@ -1,0 +1,286 @@
+"""The GPU kit's runner: install the bundle, print the environment, run every owed CUDA check
+and benchmark in order (each under its own time budget, so one failure costs only itself), and
+write one report (report.md + report.json) under --out.
+
+    python tools/gpu/runner.py --bundle .gpu-bundle --out "$OUT"         # on the GPU machine
+    python tools/gpu/runner.py --dry-run --out /tmp/gpu-dry              # on CPU: parse + start
+
+--dry-run runs each step's command in a CPU form that proves it parses and starts (configs
+validated as written for the GPU, then run for two steps on CPU with a tiny model; benchmarks
+at tiny sizes; the gpu tests collected), so a GPU session never dies on a typo. Without a
+bundle folder it installs wheels built here from the repo, offline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import steps as kit
+from packaging.specifiers import SpecifierSet
+from packaging.tags import sys_tags
+from packaging.utils import parse_wheel_filename
+
+ROOT = Path(__file__).resolve().parents[2]
+TAIL_CHARS = 4000
+
+
+@dataclass
+class Result:
+    name: str
+    measures: str
+    status: str  # passed, failed, timeout, skipped
+    seconds: float = 0.0
+    budget_s: int = 0
+    commands: list[str] = field(default_factory=list)
+    figures: dict = field(default_factory=dict)
+    reason: str = ""
+    tail: str = ""
+
+
+# ------------------------------------------------------------------------------ installing
+def local_wheels(dest: Path) -> list[Path]:
+    """Wheels of every package and plugin built from the repo, offline: pip with hatchling
+    where this Python has both, else uv from its cache (what the nox venvs were built with)."""
+    sources = [*sorted((ROOT / "packages").glob("*/")), ROOT, *kit.bundled_plugins()]
+    if importlib.util.find_spec("pip") and importlib.util.find_spec("hatchling"):
+        wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        subprocess.run([*wheel, "--no-index", "-w", str(dest), *map(str, sources)], check=True)
+    else:
+        for source in sources:
+            uv = ["uv", "build", "-q", "--wheel", "--offline", "-o", str(dest), str(source)]
+            subprocess.run(uv, check=True)
+    return sorted(dest.glob("*.whl"))
+
+
+def installable_here(wheels: list[Path]) -> list[Path]:
+    """The dry run's Python may not be the GPU machine's 3.12: its compiled wheels (cp312) are
+    left out here, and what they provide comes from this environment."""
+    supported = set(sys_tags())
+    usable = [
+        w for w in wheels if supported & parse_wheel_filename(w.name)[3] and admits_this_python(w)
+    ]
+    for wheel in sorted(set(wheels) - set(usable)):
+        print(f"dry run: {wheel.name} does not install on this Python; left out")
+    return usable
+
+
+def admits_this_python(wheel: Path) -> bool:
+    with zipfile.ZipFile(wheel) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = archive.read(name).decode()
+    wanted = re.search(r"^Requires-Python: (.+)$", metadata, re.MULTILINE)
+    return wanted is None or platform.python_version() in SpecifierSet(wanted.group(1).strip())
+
+
+def install_command(wheels: list[Path], site: Path) -> list[str]:
+    """pip where this Python has it (the GPU machine's does), else uv (the nox venvs)."""
+    if importlib.util.find_spec("pip"):
+        head = [sys.executable, "-m", "pip", "install", "-q", "--no-cache-dir", "--no-compile"]
+    else:
+        head = ["uv", "pip", "install", "-q", "--python", sys.executable]
+    return [*head, "--no-index", "--no-deps", "--target", str(site), *map(str, wheels)]
+
+
+# ------------------------------------------------------------------------------ environment
+def environment() -> dict:
+    """GPU, driver, torch and CUDA versions, as this machine reports them."""
+    env = {"python": sys.version.split()[0], "nvidia_smi": nvidia_smi()}
+    probe = (
+        "import json, torch; c = torch.cuda.is_available(); print(json.dumps({"
+        "'torch': torch.__version__, 'cuda': torch.version.cuda, 'cuda_available': c,"
+        "'gpu': torch.cuda.get_device_name() if c else None,"
+        "'gpu_count': torch.cuda.device_count()}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    env.update(json.loads(proc.stdout) if proc.returncode == 0 else {"torch": proc.stderr[-500:]})
+    return env
+
+
+def nvidia_smi() -> str:
+    if shutil.which("nvidia-smi") is None:
+        return "not found (no NVIDIA driver on this machine)"
+    query = "--query-gpu=name,driver_version,memory.total"
+    proc = subprocess.run(
+        ["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True
+    )
+    return (proc.stdout or proc.stderr).strip()
+
+
+# ------------------------------------------------------------------------------ running
+def run_step(step: kit.Step, env: dict, logs: Path, time_left: float) -> Result:
+    result = Result(step.name, step.measures, "passed", budget_s=step.budget_s)
+    result.commands = [" ".join(map(str, c)) for c in step.commands]
+    if step.skip:
+        result.status, result.reason = "skipped", step.skip
+        return result
+    budget = min(step.budget_s, time_left)
+    if budget < 10:
+        result.status, result.reason = "skipped", "no time left under --time-limit"
+        return result
+    log = logs / f"{step.name}.log"
+    started = time.perf_counter()
+    with log.open("w") as out:
+        for command in step.commands:
+            remaining = budget - (time.perf_counter() - started)
+            status = run_command(command, env, out, remaining)
+            if status != "passed":
+                result.status = status
+                break
+    result.seconds = round(time.perf_counter() - started, 1)
+    if result.status == "passed":
+        result.figures = read_figures(step)
+    else:
+        result.tail = log.read_text()[-TAIL_CHARS:]
+        if result.status == "timeout":
+            result.reason = f"over its budget of {budget:.0f} s"
+    return result
+
+
+def run_command(command: list[str], env: dict, out, timeout: float) -> str:
+    out.write(f"$ {' '.join(map(str, command))}\n")
+    out.flush()
+    try:
+        proc = subprocess.Popen(
+            list(map(str, command)),
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a timeout ends the command's whole process group
+        )
+        rc = proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        out.write(f"\n[runner] timed out after {timeout:.0f} s\n")
+        return "timeout"
+    except OSError as err:  # a command that does not exist
+        out.write(f"\n[runner] could not start: {err}\n")
+        return "failed"
+    out.write(f"[runner] exit status {rc}\n")
+    return "passed" if rc == 0 else "failed"
+
+
+def read_figures(step: kit.Step) -> dict:
+    try:
+        return step.figures() if step.figures else {}
+    except (OSError, ValueError, KeyError) as err:
+        return {"error": f"could not read the figures: {err}"}
+
+
+# ------------------------------------------------------------------------------ reporting
+def side_by_side(results: list[Result]) -> dict:
+    """Our `llmtrain run` against the bare loop on the same model, steps and data."""
+    by_name = {r.name: r for r in results}
+    ours, bare = by_name.get("llama-run"), by_name.get("bare-loop")
+    if not (
+        ours and bare and ours.figures.get("tokens_per_s") and bare.figures.get("tokens_per_s")
+    ):
+        return {"ratio_to_bare": None, "note": "the llama run or the bare loop did not pass"}
+    ratio = ours.figures["tokens_per_s"] / bare.figures["tokens_per_s"]
+    return {
+        "ratio_to_bare": round(ratio, 4),
+        "goal": kit.GOAL_RATIO,
+        "met": ratio >= kit.GOAL_RATIO,
+    }
+
+
+def write_report(out: Path, report: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# GPU kit report ({report['mode']})", "", "## Environment", ""]
+    lines += [f"- {key}: {value}" for key, value in report["environment"].items()]
+    lines += ["", "## Checks", "", "| step | status | seconds | figures | measures |"]
+    lines += ["|---|---|---|---|---|"]
+    for r in report["steps"]:
+        figures = ", ".join(f"{k} {format_figure(v)}" for k, v in r["figures"].items())
+        status = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
+        lines.append(f"| {r['name']} | {status} | {r['seconds']} | {figures} | {r['measures']} |")
+    lines += ["", "## Side by side", "", f"`llmtrain run` / bare loop: {report['side_by_side']}"]
+    for r in report["steps"]:
+        if r["tail"]:
+            lines += ["", f"## Tail of {r['name']}", "", "```", r["tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def format_figure(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+# ------------------------------------------------------------------------------ main
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--bundle", type=Path, default=ROOT / ".gpu-bundle")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-report")))
+    p.add_argument("--work", type=Path, help="scratch folder (default: a temporary one)")
+    p.add_argument("--dry-run", action="store_true", help="CPU: prove every step parses, starts")
+    p.add_argument("--only", help="comma-separated step names (install and data always run)")
+    p.add_argument("--time-limit", type=float, default=float("inf"), help="seconds, all steps")
+    p.add_argument("--break", dest="broken", default="", help="steps made to fail (tests)")
+    p.add_argument("--list", action="store_true", help="print the steps and exit")
+    return p.parse_args()
+
+
+def chosen(plan: list[kit.Step], args: argparse.Namespace) -> list[kit.Step]:
+    names = {s.name for s in plan}
+    wanted = set(args.only.split(",")) if args.only else names
+    wanted |= {"install", "data"}
+    if unknown := (wanted | set(filter(None, args.broken.split(",")))) - names:
+        raise SystemExit(f"unknown step(s) {sorted(unknown)}; steps: {', '.join(sorted(names))}")
+    broken = set(args.broken.split(","))
+    return [kit.broken(s) if s.name in broken else s for s in plan if s.name in wanted]
+
+
+def main() -> int:
+    args = parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpu-kit-"))
+    ctx = kit.Context(root=ROOT, work=work, python=sys.executable, dry=args.dry_run)
+    for folder in (ctx.site, ctx.logs, ctx.configs, ctx.data.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(args.bundle.glob("*.whl")) if args.bundle.is_dir() else []
+    if not wheels and args.dry_run:
+        wheels = local_wheels(work / "wheels")
+    if args.dry_run:
+        wheels = installable_here(wheels)
+    plan = kit.plan(ctx, install_command(wheels, ctx.site), bundle=str(args.bundle))
+    if args.list:
+        print("\n".join(f"{s.name}: {s.measures}" for s in plan))
+        return 0
+    # the installed bundle comes first on the path, before anything installed in this Python
+    env = {**os.environ, "PYTHONPATH": str(ctx.site), "PYTHONUNBUFFERED": "1"}
+    report = {"mode": "dry-run" if args.dry_run else "gpu", "environment": environment()}
+    print(json.dumps(report["environment"], indent=2), flush=True)
+    deadline = time.monotonic() + args.time_limit
+    results = []
+    for step in chosen(plan, args):
+        print(f"== {step.name}: {step.measures}", flush=True)
+        results.append(run_step(step, env, ctx.logs, deadline - time.monotonic()))
+        print(
+            f"   {results[-1].status} in {results[-1].seconds} s {results[-1].figures}", flush=True
+        )
+    report["steps"] = [vars(r) for r in results]
+    report["side_by_side"] = side_by_side(results)
+    write_report(args.out, report)
+    print(f"report: {args.out / 'report.md'}")
+    return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
