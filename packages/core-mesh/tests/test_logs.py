@@ -20,11 +20,12 @@ def test_rank0_console_and_json_file(tmp_path):
     path = configure_logging(rank=0, world_size=2, run_id="r1", log_dir=tmp_path, console=console)
     structlog.get_logger("llmtrain.test").info("step done", step=3, loss=1.5)
     logging.getLogger("torch.distributed").warning("stdlib says hi")
-    logging.getLogger("noisy").debug("file only")
+    logging.getLogger("llmtrain.noisy").debug("file only")
+    logging.getLogger("botocore.endpoint").debug("another library's debug: kept out")
     assert path == tmp_path / "rank0.jsonl"
     text = console.getvalue()
     assert "step done" in text and "step=3" in text and "stdlib says hi" in text
-    assert "file only" not in text
+    assert "file only" not in text and "kept out" not in text
     records = _records(path)
     assert [r["event"] for r in records] == ["step done", "stdlib says hi", "file only"]
     first = records[0]
