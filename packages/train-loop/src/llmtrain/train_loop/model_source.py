@@ -22,19 +22,22 @@ from typing import Any
 from llmtrain.core_mesh.config import load_config
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.redact import refuse_redacted
 from llmtrain.train_loop.run_config import InitConfig, RunConfig
 
 FROM = "from"
 
 
 def load_run_config(path: str, plugins: PluginManager, overrides: Sequence[str] = ()) -> RunConfig:
-    """A run config file with its overrides applied and `model: {from: ...}` expanded."""
+    """A run config file with its overrides applied and `model: {from: ...}` expanded. A run's
+    written config.yaml whose credentials were redacted is refused before anything (the model
+    source included) could send them."""
     return load_config(
         path,
         RunConfig,
         plugins=plugins,
         overrides=overrides,
-        prepare=lambda raw: with_model_source(raw, plugins, path),
+        prepare=lambda raw: with_model_source(refuse_redacted(raw, path), plugins, path),
     )
 
 

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import argparse
 
+import yaml
+
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.config import (
     ConfigError,
     ConfigValueError,
     Problem,
-    dump_config,
     make_converter,
+    unstructure,
 )
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.redact import redact
 from llmtrain.train_loop import (
     commands,
     downstream_eval,
@@ -67,7 +70,9 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
             problem = Problem(("data", exc.field), str(exc), args.file)
             raise ConfigError([problem], args.file) from None
     if args.action == "show":
-        print(dump_config(config, converter=make_converter(ctx.plugins)), end="")
+        # as config.yaml has it: without credentials (terminals are shared and scrolled back)
+        plain = redact(unstructure(config, converter=make_converter(ctx.plugins)))
+        print(yaml.safe_dump(plain, sort_keys=False), end="")
     else:
         print(f"{args.file}: ok")
     return 0

@@ -49,6 +49,7 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.core_mesh.redact import redact, redacted_paths, refuse_redacted
 from llmtrain.train_loop import ladder
 from llmtrain.train_loop.model_source import load_run_config, with_model_source
 from llmtrain.train_loop.run_config import RunConfig, resolved
@@ -217,6 +218,7 @@ def plan(
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
     _check_not_swept(overrides, flags)
     base_raw, base_overridden = apply_overrides(base_raw, overrides)
+    refuse_redacted(base_raw, base)
     all_settings = expand(axes)
     ids = run_ids(expand(axes, labelled=True))
     converter = make_converter(plugins)
@@ -230,6 +232,7 @@ def plan(
                 for path, item in _assignments(raw, key, value, flags[key]):
                     set_value(raw, path, copy.deepcopy(item), where=flags[key])
                     overridden[path] = flags[key]
+            _refuse_credentials(raw, base)
             _place(raw, run_id, sweep_dir)
             raw = with_model_source(raw, plugins, base)
             config = structure(raw, RunConfig, plugins=plugins, source=base, overridden=overridden)
@@ -245,6 +248,20 @@ def plan(
     if problems:
         raise ConfigError(list(problems.values()), f"sweep {name} (base {base})")
     return planned
+
+
+def _refuse_credentials(raw: dict, source: str) -> None:
+    """Credentials in a run's config are refused: the sweep writes each run's config.yaml and
+    the run reads it back, but a config.yaml never holds credentials (the run writes it again
+    redacted, and a resumed or requeued run would find the marker)."""
+    found = redacted_paths(redact(raw))
+    if found:
+        raise UserError(
+            f"{source}: {', '.join(found)}: a sweep cannot carry credentials in its runs' "
+            "configs; pass them through the environment (AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or AWS_PROFILE for S3) and delete these "
+            "keys"
+        )
 
 
 def _check_not_swept(overrides: Sequence[str], flags: dict[str, str]) -> None:

@@ -20,6 +20,7 @@ from typing import TextIO
 import numpy as np
 import structlog
 import torch
+import yaml
 
 from llmtrain.checkpoint.manager import Checkpointer, KeepPolicy
 from llmtrain.checkpoint.preemption import Preemption
@@ -28,15 +29,15 @@ from llmtrain.checkpoint.stream_storage import DEFAULT_THREADS
 from llmtrain.core_mesh.config import (
     Choice,
     ConfigValueError,
-    dump_config,
     make_converter,
     unstructure,
 )
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo, Tokenizer
 from llmtrain.core_mesh.logs import configure_logging
 from llmtrain.core_mesh.mesh import build_device_mesh
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.redact import redact, secret_values
 from llmtrain.core_mesh.world import (
     World,
     default_device_type,
@@ -153,6 +154,7 @@ class Trainer:
             run_id=c.name,
             log_dir=self.run_dir / "logs",
             console=console,
+            secrets=secret_values(unstructure(c, converter=make_converter(plugins))),
         )
         log.info(
             "run.start",
@@ -253,19 +255,22 @@ class Trainer:
         self.step = int(self.counters["step"])
         self.saved_step = self.step if self.step else None
 
-        # loggers (rank 0) and the resolved config beside them
+        # loggers (rank 0) and the resolved config beside them, both without credentials: run
+        # directories are shared and loggers upload what they are given
+        config = redact(unstructure(c, converter=make_converter(plugins)))
         self.run_info = RunInfo(
             name=c.name,
             run_dir=str(self.run_dir),
             total_steps=self.total_steps,
             start_step=self.step,
-            config=unstructure(c, converter=make_converter(plugins)),
+            config=config,
         )
         self.sinks = []
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            text = dump_config(c, converter=make_converter(plugins))
-            (self.run_dir / "config.yaml").write_text(provenance_header() + text)
+            text = yaml.safe_dump(config, sort_keys=False)
+            with naming_file(self.run_dir / "config.yaml"):
+                (self.run_dir / "config.yaml").write_text(provenance_header() + text)
             self.sinks = [plugins.build("logger", choice, self.run_info) for choice in c.loggers]
 
     # --- setup helpers ---

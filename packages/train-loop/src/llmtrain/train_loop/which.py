@@ -30,6 +30,7 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.config import ConfigValueError, parse_yaml, structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshSpec
+from llmtrain.core_mesh.redact import refuse_redacted
 from llmtrain.train_loop.run_config import DataConfig, TrainingConfig
 
 SECTIONS = ("seed", "data", "mesh", "training")
@@ -72,6 +73,7 @@ def read_order(run_dir: Path) -> DataOrder:
         raise UserError(f"{path}: not a run config (expected a mapping)")
     for key in [k for k in raw if k not in SECTIONS]:
         del raw[key]  # in place: the parsed mapping keeps its line numbers for errors
+    refuse_redacted(raw, str(path))  # data.storage_options open the datasets
     return structure(raw, DataOrder, source=str(path))
 
 
