@@ -1,5 +1,6 @@
 """The `tensorboard` logger: every logged step's metrics as TensorBoard scalars and the resolved
-run config as text, in `<run dir>/tensorboard/` (one event file per process start).
+run config as text (credentials redacted), in `<run dir>/tensorboard/` (one event file per
+process start).
 
 `llmtrain` loads this module on every start: torch and tensorboard are imported only when a run
 builds the logger.
@@ -15,6 +16,7 @@ import yaml
 
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.redact import redact
 
 
 @attrs.frozen(kw_only=True)
@@ -33,8 +35,9 @@ def tag_of(metric: str) -> str:
 
 
 def config_markdown(config: Mapping) -> str:
-    """The config as a fenced YAML block (TensorBoard renders text summaries as markdown)."""
-    text = yaml.safe_dump(dict(config), sort_keys=False, default_flow_style=False)
+    """The config as a fenced YAML block (TensorBoard renders text summaries as markdown),
+    credentials redacted: event files are copied and uploaded freely."""
+    text = yaml.safe_dump(redact(config), sort_keys=False, default_flow_style=False)
     return f"```yaml\n{text}```\n"
 
 

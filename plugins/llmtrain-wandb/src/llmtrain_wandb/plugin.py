@@ -1,5 +1,5 @@
-"""The `wandb` logger: one Weights & Biases run per llmtrain run, with the resolved config as its
-config and every logged step's metrics in its history. A resumed llmtrain run resumes the same
+"""The `wandb` logger: one Weights & Biases run per llmtrain run, with the resolved config
+(credentials redacted) as its config and every logged step's metrics in its history. A resumed llmtrain run resumes the same
 W&B run: its id is kept in `<run dir>/wandb_run_id`.
 
 `llmtrain` loads this module on every start: wandb is imported only when a run builds the logger.
@@ -20,6 +20,7 @@ import attrs
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.redact import redact
 
 ID_FILE = "wandb_run_id"
 
@@ -91,7 +92,7 @@ class WandbSink:
                 dir=str(wandb_dir),
                 id=run_id(run_dir),
                 resume="allow",
-                config=dict(run.config),
+                config=redact(run.config),  # W&B keeps it on a server: no credentials
             )
         except wandb.errors.Error as exc:
             raise UserError(
