@@ -41,14 +41,19 @@ def run_run(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.checkpoint.preemption import Preemption
 
     preemption = Preemption()
-    from llmtrain.train_loop.trainer import Trainer
-
-    config = load_run_config(args.config, ctx.plugins, args.overrides)
-    trainer = Trainer(config, ctx.plugins, resume=args.resume, preemption=preemption)
     try:
-        step = trainer.train()
+        from llmtrain.train_loop.trainer import Trainer
+
+        config = load_run_config(args.config, ctx.plugins, args.overrides)
+        trainer = Trainer(config, ctx.plugins, resume=args.resume, preemption=preemption)
+        try:
+            step = trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        # a rank that fails waits in the CLI for torchrun's SIGTERM to end it (see cli.py):
+        # from here on a signal ends the process again
+        preemption.restore()
     if trainer.world.is_main:
         print(f"{config.name}: {step} steps; run directory {trainer.run_dir}", file=sys.stderr)
     return 0
