@@ -1,4 +1,4 @@
-"""Forward+backward tokens/s of llmtrain's Transformer vs a plain-PyTorch reference: python tools/bench_model.py [--config llama-small|gpt2-small] [--json].
+"""Forward+backward tokens/s of llmtrain's Transformer vs a plain-PyTorch reference: python tools/bench_model.py [--config llama-small|gpt2-small|gpt2-124m|llama-1b|small|large|all] [--json].
 
 Both models get the same token batch, the same loss (computed outside the models), the same
 thread count and dtype; each step is zero grads, forward, loss, backward (no optimizer). After a
@@ -30,6 +30,22 @@ CONFIGS = {
     ),
 }
 GOAL = 0.97
+
+
+def _preset(name: str, seq: int, batch: int) -> dict:
+    """A published shape from llmtrain.models' presets, in this script's terms."""
+    from llmtrain.models.presets import PRESETS
+
+    keys = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "positions", "norm")
+    shape = {
+        k: PRESETS[name][k] for k in (*keys, "mlp", "bias", "mlp_hidden") if k in PRESETS[name]
+    }
+    return {"n_kv_heads": shape["n_heads"], **shape, "seq": seq, "batch": batch}
+
+
+# the small shapes measure overhead on a CPU; the large ones are the GPU kit's (tools/gpu)
+CONFIGS |= {"gpt2-124m": _preset("gpt2-124m", 1024, 8), "llama-1b": _preset("llama-1b", 2048, 4)}
+GROUPS = {"small": ["llama-small", "gpt2-small"], "large": ["gpt2-124m", "llama-1b"]}
 
 
 # ---------------------------------------------------------------- reference (plain PyTorch)
@@ -112,6 +128,8 @@ class RefModel(nn.Module):
 # ---------------------------------------------------------------- harness
 def sizes(c: dict) -> tuple[int, int]:
     vocab = math.ceil(c["vocab_size"] / 64) * 64
+    if c.get("mlp_hidden"):
+        return vocab, c["mlp_hidden"]
     swiglu_hidden = math.ceil(int(8 * c["d_model"] / 3) / 256) * 256
     return vocab, swiglu_hidden if c["mlp"] == "swiglu" else 4 * c["d_model"]
 
@@ -203,7 +221,12 @@ def bench(name: str, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", choices=[*CONFIGS, "all"], default="all")
+    p.add_argument(
+        "--config",
+        choices=[*CONFIGS, *GROUPS, "all"],
+        default="small",
+        help="one shape, or small (the CPU pair, the default), large (gpt2-124m, llama-1b), all",
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=5)
@@ -216,7 +239,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    names = list(CONFIGS) if args.config == "all" else [args.config]
+    names = list(CONFIGS) if args.config == "all" else GROUPS.get(args.config, [args.config])
     print(
         f"device={args.device} dtype={args.dtype} compile={args.compile} threads={args.threads} "
         f"warmup={args.warmup} rounds={args.rounds}x{args.steps} steps (tokens/s: median of rounds)"

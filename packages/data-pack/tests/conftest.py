@@ -74,6 +74,35 @@ def corpus() -> Callable[..., list[str]]:
 
 
 @pytest.fixture(scope="session")
+def split_regex_bpe() -> Callable[..., str]:
+    """split_regex_bpe(texts, vocab_size, pattern) -> tokenizer.json text of a BPE trained on
+    `texts` whose pre-tokenizer is Sequence[Split(pattern), ByteLevel] (cl100k's form)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from llmtrain.data_pack.tokenizer import ENDOFTEXT
+
+    def train(texts: list[str], vocab_size: int, pattern: str) -> str:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[ENDOFTEXT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return tok.to_str()
+
+    return train
+
+
+@pytest.fixture(scope="session")
 def texts() -> list[str]:
     """300 varied unicode documents (the default corpus of most tests)."""
     return make_texts(300, seed=0)

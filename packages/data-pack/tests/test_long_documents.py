@@ -19,7 +19,6 @@ import pytest
 from llmtrain.data_pack import tokenizer as tokenizer_module
 from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import (
-    ENDOFTEXT,
     HFOptions,
     HFTokenizer,
     TiktokenOptions,
@@ -110,29 +109,6 @@ def _ranks(tokenizer_json: Path) -> Path:
     return path
 
 
-def _split_regex_bpe(path: Path, texts: list[str]) -> Path:
-    """A BPE tokenizer.json whose pre-tokenizer is Sequence[Split(cl100k-style), ByteLevel]."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(CL100K_STYLE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=[ENDOFTEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    path.write_text(tok.to_str(), encoding="utf-8")
-    return path
-
-
 ENCODERS = [
     "hf reference",
     "hf fast",
@@ -143,13 +119,14 @@ ENCODERS = [
 ]
 
 
-def _encoder(name: str, tokenizer_json: Path, tmp_path: Path, corpus):
+def _encoder(name: str, tokenizer_json: Path, tmp_path: Path, corpus, split_regex_bpe):
     """(tokenizer, its whole-text encoder: a list of texts to a list of ids)."""
     kind, _, variant = name.partition(" ")
     if kind == "hf":
         path = tokenizer_json
         if variant == "split regex":
-            path = _split_regex_bpe(tmp_path / "split.json", corpus(1000, seed=1))
+            path = tmp_path / "split.json"
+            path.write_text(split_regex_bpe(corpus(1000, seed=1), 400, CL100K_STYLE), "utf-8")
         tok = HFTokenizer(HFOptions(str(path), fast="on" if variant == "fast" else "off"))
         whole = tok._fast_whole if variant == "fast" else tok._hf_whole
         return tok, whole
@@ -159,10 +136,12 @@ def _encoder(name: str, tokenizer_json: Path, tmp_path: Path, corpus):
 
 
 @pytest.mark.parametrize("name", ENCODERS)
-def test_pieces_give_the_whole_text_ids(name, tokenizer_json, tmp_path, corpus, monkeypatch):
+def test_pieces_give_the_whole_text_ids(
+    name, tokenizer_json, tmp_path, corpus, split_regex_bpe, monkeypatch
+):
     """Cut at every place at once, and through the public API with small pieces: the ids of
     the whole text."""
-    tok, whole = _encoder(name, tokenizer_json, tmp_path, corpus)
+    tok, whole = _encoder(name, tokenizer_json, tmp_path, corpus, split_regex_bpe)
     assert tok.pieces_safe
     text = _ordinary_text(corpus, 400, seed=11)
     assert len(list(cut_places(text))) > 3000

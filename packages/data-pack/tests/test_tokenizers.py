@@ -62,28 +62,6 @@ def _write_spec(path: Path, spec: dict) -> Path:
     return path
 
 
-def _split_regex_tokenizer(texts: list[str], vocab_size: int) -> str:
-    """tokenizer.json text of a BPE whose pre-tokenizer is Sequence[Split(regex), ByteLevel]."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[ENDOFTEXT],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok.to_str()
-
-
 def _ranks_file(path: Path, ranks: dict[bytes, int]) -> Path:
     lines = [f"{base64.b64encode(token).decode()} {rank}" for token, rank in ranks.items()]
     path.write_text("\n".join(lines) + "\n", encoding="ascii")
@@ -222,9 +200,9 @@ def test_fast_path_on_random_code_points(tokenizer_json):
     assert [tok.decode(i) for i in ids[:500]] == docs[:500]
 
 
-def test_fast_path_with_split_regex_pretokenizer(tmp_path, corpus):
+def test_fast_path_with_split_regex_pretokenizer(tmp_path, corpus, split_regex_bpe):
     path = tmp_path / "split.json"
-    path.write_text(_split_regex_tokenizer(corpus(2000, seed=3), 450), encoding="utf-8")
+    path.write_text(split_regex_bpe(corpus(2000, seed=3), 450, SPLIT_PATTERN), encoding="utf-8")
     assert _spec(path)["pre_tokenizer"]["type"] == "Sequence"
     tok = HFTokenizer(HFOptions(str(path), fast="on"))
     assert tok.fast
@@ -314,8 +292,8 @@ def test_fast_path_refused(tmp_path, tokenizer_json, case):
     assert reason in str(info.value)
 
 
-def test_fast_path_refused_for_split_with_other_behavior(tmp_path, corpus):
-    spec = json.loads(_split_regex_tokenizer(corpus(300, seed=3), 300))
+def test_fast_path_refused_for_split_with_other_behavior(tmp_path, corpus, split_regex_bpe):
+    spec = json.loads(split_regex_bpe(corpus(300, seed=3), 300, SPLIT_PATTERN))
     spec["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"
     encoding, why = tiktoken_equivalent(spec)
     assert encoding is None
