@@ -31,7 +31,9 @@ def _assert_one_clear_error(stderr: str, path_part: str) -> str:
 
 
 def test_a_checkpoint_that_fills_the_disk_ends_the_run_cleanly_and_resumes(
-    data, tmp_path, small_disk  # noqa: F811
+    data,
+    tmp_path,
+    small_disk,  # noqa: F811
 ):
     disk = small_disk("2m")  # the tiny model's checkpoints take ~0.5 MB each
     config = ts.run_config(data, disk / "runs")
