@@ -41,7 +41,7 @@ TAIL_CHARS = 4000
 class Result:
     name: str
     measures: str
-    status: str  # passed, failed, timeout, skipped
+    status: str  # passed, failed, timeout, skipped (known not to apply), not run (out of time)
     seconds: float = 0.0
     budget_s: int = 0
     commands: list[str] = field(default_factory=list)
@@ -128,7 +128,7 @@ def run_step(step: kit.Step, env: dict, logs: Path, time_left: float) -> Result:
         return result
     budget = min(step.budget_s, time_left)
     if budget < 10:
-        result.status, result.reason = "skipped", "no time left under --time-limit"
+        result.status, result.reason = "not run", "no time left under --time-limit"
         return result
     log = logs / f"{step.name}.log"
     started = time.perf_counter()

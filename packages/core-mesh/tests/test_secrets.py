@@ -8,6 +8,7 @@ import io
 import json
 import logging
 
+import attrs
 import pytest
 import structlog
 
@@ -284,3 +285,30 @@ def test_every_event_is_redacted_on_the_console_and_in_the_file(
     assert events[0]["storage_options"] == {"key": MARKER, "secret": MARKER, "anon": False}
     assert "OSError: Forbidden for S3FileSystem(token='<redacted>')" in events[3]["exception"]
     assert "anon" in console.getvalue() and "Traceback" in console.getvalue()
+
+
+def test_objects_bytes_and_header_pairs_in_events_are_redacted(
+    tmp_path, monkeypatch, reset_logging
+):
+    """Values that are not text reach the renderers as their str/repr: they are scrubbed too."""
+
+    @attrs.define
+    class Options:
+        secret: str
+
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_environment_token_1")
+    console = io.StringIO()
+    path = configure_logging(log_dir=tmp_path, console=console, level="DEBUG")
+    log = structlog.get_logger("llmtrain.test")
+    log.info("object", options=Options(SECRET))
+    log.info("error", err=ValueError(f"secret='{SECRET}'"))
+    log.info("bytes", body=f"aws_session_token={TOKEN}".encode())
+    log.info("pair", header=("Authorization", f"Bearer {TOKEN}"))
+    log.info("env", message="downloading with hf_environment_token_1")
+    log.info("numbers", step=3, loss=1.5, none=None)
+    text = path.read_text() + console.getvalue()
+    for value in (SECRET, TOKEN, "hf_environment_token_1"):
+        assert value not in text
+    events = _events(path)
+    assert events[3]["header"] == ["Authorization", MARKER]
+    assert (events[5]["step"], events[5]["loss"], events[5]["none"]) == (3, 1.5, None)

@@ -108,3 +108,33 @@ def test_a_sweep_without_credentials_writes_configs_as_before(tmp_path, run_cli)
     assert code == 0, err
     written = yaml.safe_load((sweeps / "abl" / "seed=1" / "config.yaml").read_text())
     assert written["data"]["storage_options"] == options
+
+
+def test_a_failed_run_s_summary_holds_no_credential(tmp_path):
+    """The error a run failed with is written to summary.json with credentials masked: the
+    run's own (known) secrets and any that look like one."""
+    from types import SimpleNamespace
+
+    from llmtrain.train_loop.builtin_callbacks import Summary
+
+    secret = "run-secret-value-0123"
+    description = SimpleNamespace(
+        n_params=10, n_non_embedding_params=8, flops_per_token=lambda seq_len: 60.0 * seq_len
+    )
+    run = SimpleNamespace(
+        world=SimpleNamespace(is_main=True, world_size=1),
+        counters={"step": 2, "elapsed_s": 1.0},
+        total_steps=10,
+        global_batch=4,
+        config=SimpleNamespace(data=SimpleNamespace(seq_len=8)),
+        description=description,
+        run_dir=tmp_path,
+        secrets={secret},
+    )
+    error = OSError(
+        f"403 for https://bucket.s3/x?X-Amz-Credential=AKIAZXCVBNMASDFGHJKL and {secret}"
+    )
+    Summary().on_failure(run, error)
+    text = (tmp_path / "summary.json").read_text()
+    assert secret not in text and "AKIAZXCVBNMASDFGHJKL" not in text
+    assert '"status": "failed"' in text and "OSError: 403 for" in text

@@ -23,6 +23,7 @@ import importlib_metadata
 
 from llmtrain.core_mesh.errors import UserError, no_space, no_space_message
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.redact import environment_secrets, redact_text
 
 EXIT_USER_ERROR = 2
 EXIT_BUG = 1
@@ -166,28 +167,35 @@ def main(argv: Sequence[str] | None = None, *, plugins: PluginManager | None = N
         return int(command.run(args, Context(plugins, debug)) or 0)
     except UserError as exc:
         if debug:
-            traceback.print_exc()
-        _report_user_error(exc, debug=debug)
+            _print_redacted(traceback.format_exc())
+        _report_user_error(str(exc), debug=debug)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence: a bug, reported briefly
         if (full := no_space(exc)) is not None:  # not a bug: the disk is full
-            print(f"error: {no_space_message(full)}", file=sys.stderr)
+            _report_user_error(no_space_message(full), debug=debug)
             return EXIT_USER_ERROR
         if debug:
-            traceback.print_exc()
+            _print_redacted(traceback.format_exc())
         else:
-            print(
+            _print_redacted(
                 f"error: {type(exc).__name__}: {exc}\n"
-                "(this is a bug in llmtrain or a plugin; run again with --debug for the traceback)",
-                file=sys.stderr,
+                "(this is a bug in llmtrain or a plugin; run again with --debug for the traceback)"
             )
         return EXIT_BUG
 
 
-def _report_user_error(exc: UserError, *, debug: bool) -> None:
+def _print_redacted(text: str, *, ours: bool = False) -> None:
+    """Errors echo what they were given (a signed URL, a client's arguments): stderr ends up in
+    shared job logs, so credentials are masked as in the logs. `ours`: a message llmtrain wrote,
+    whose `KEY=VALUE` is syntax: only credential values and forms are masked there."""
+    known = environment_secrets(os.environ)
+    print(redact_text(text.rstrip("\n"), known, assignments=not ours), file=sys.stderr)
+
+
+def _report_user_error(message: str, *, debug: bool) -> None:
     """Print the error once per launch: rank 0 prints it. Every rank usually meets the same
     error (one config, the same files), and rank 0's exit ends the launch (torchrun stops the
     other ranks) while they wait here; a rank still alive after the wait met an error of its
@@ -195,7 +203,7 @@ def _report_user_error(exc: UserError, *, debug: bool) -> None:
     rank = _launch_rank()
     if rank != 0 and not debug:
         time.sleep(RANK_ERROR_GRACE_S)
-    print(f"error: {f'rank {rank}: ' if rank else ''}{exc}", file=sys.stderr)
+    _print_redacted(f"error: {f'rank {rank}: ' if rank else ''}{message}", ours=True)
 
 
 def _launch_rank() -> int:

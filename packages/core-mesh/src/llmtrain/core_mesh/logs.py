@@ -21,7 +21,7 @@ from typing import Any, TextIO
 import structlog
 
 from llmtrain.core_mesh.errors import UserError, no_space
-from llmtrain.core_mesh.redact import redact_event, secret_values
+from llmtrain.core_mesh.redact import environment_secrets, redact_event
 
 _HANDLER_TAG = "_llmtrain"
 LIBRARY_LEVEL_ENV = "LLMTRAIN_LIBRARY_LOG_LEVEL"
@@ -185,7 +185,7 @@ def _library_level(given: str | int | None) -> int:
 
 def _redactor(secrets: Iterable[str]) -> Any:
     # the longest first, so a value that contains another is masked whole
-    known = sorted({*secrets, *secret_values(os.environ)}, key=len, reverse=True)
+    known = sorted({*secrets, *environment_secrets(os.environ)}, key=len, reverse=True)
 
     def redact(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
         return redact_event(event, known)

@@ -150,12 +150,16 @@ def _redact_strong(text: str) -> str:
     return _QUERY.sub(_masked_value(is_secret_key), text)
 
 
-def redact_text(text: str, known: Iterable[str] = ()) -> str:
-    """`text` with secret-looking substrings, and each of the `known` secret values, masked."""
+def redact_text(text: str, known: Iterable[str] = (), *, assignments: bool = True) -> str:
+    """`text` with secret-looking substrings, and each of the `known` secret values, masked.
+    `assignments=False` leaves `name=value` and `Name: value` forms alone (messages written by
+    llmtrain say `KEY=VALUE` as syntax): only the known values, key ids and URL credentials."""
     for value in known:
         if value in text:
             text = text.replace(value, MARKER)
     text = _redact_strong(text)
+    if not assignments:
+        return text
     text = _QUOTED_PAIR.sub(_masked_value(is_secret_key), text)
     text = _QUOTED_ASSIGNMENT.sub(_masked_value(is_secret_key), text)
     text = _ASSIGNMENT.sub(_masked_value(is_secret_key), text)
@@ -167,16 +171,24 @@ def _hides_something(value: Any) -> bool:
     return value is not None and not isinstance(value, bool) and value != ""
 
 
-def _redacted(value: Any, scrub: Callable[[str], str]) -> Any:
+def _redacted(value: Any, scrub: Callable[[str], str], *, as_text: bool = False) -> Any:
+    """`value` with secrets masked. `as_text`: any other object (an exception, bytes, an attrs
+    instance) becomes its scrubbed `str`, which is what a log renderer would print of it."""
     if isinstance(value, Mapping):
         return {
-            k: MARKER if is_secret_key(k) and _hides_something(v) else _redacted(v, scrub)
+            k: MARKER
+            if is_secret_key(k) and _hides_something(v)
+            else _redacted(v, scrub, as_text=as_text)
             for k, v in value.items()
         }
     if isinstance(value, list | tuple):
-        return type(value)(_redacted(v, scrub) for v in value)
+        if len(value) == 2 and is_secret_key(value[0]) and _hides_something(value[1]):
+            return type(value)((value[0], MARKER))  # a (name, value) pair, as headers come
+        return type(value)(_redacted(v, scrub, as_text=as_text) for v in value)
     if isinstance(value, str):
         return scrub(value)
+    if as_text and not isinstance(value, int | float | bool | type(None)):
+        return scrub(value.decode(errors="replace") if isinstance(value, bytes) else str(value))
     return value
 
 
@@ -190,7 +202,7 @@ def redact(mapping: Mapping[str, Any]) -> dict[str, Any]:
 def redact_event(event: Mapping[str, Any], known: Iterable[str] = ()) -> dict[str, Any]:
     """A log event with secret-looking fields masked and every string scrubbed as free text."""
     known = tuple(known)
-    return _redacted(event, lambda text: redact_text(text, known))
+    return _redacted(event, lambda text: redact_text(text, known), as_text=True)
 
 
 def secret_values(mapping: Mapping[str, Any], min_length: int = 8) -> set[str]:
@@ -204,6 +216,25 @@ def secret_values(mapping: Mapping[str, Any], min_length: int = 8) -> set[str]:
         elif is_secret_key(key) and isinstance(value, str) and len(value) >= min_length:
             found.add(value)
     return found
+
+
+# an environment variable named `..._TOKEN` or `..._KEY` holds a credential (HF_HUB_TOKEN,
+# CI_JOB_TOKEN, OPENAI_API_KEY): in the environment these words are not vocabulary
+_ENVIRONMENT_SECRET_ENDINGS = frozenset({"token", "key", "secret", "password"})
+
+
+def environment_secrets(environ: Mapping[str, str], min_length: int = 8) -> set[str]:
+    """The values of the environment's credential variables (see `secret_values`)."""
+    return {
+        value
+        for name, value in environ.items()
+        if len(value) >= min_length and _is_environment_secret(name)
+    }
+
+
+def _is_environment_secret(name: str) -> bool:
+    words = _words(name)
+    return is_secret_key(name) or (bool(words) and words[-1] in _ENVIRONMENT_SECRET_ENDINGS)
 
 
 def redacted_paths(raw: Any, path: str = "") -> list[str]:

@@ -14,6 +14,7 @@ import torch
 
 from llmtrain.core_mesh.errors import naming_file
 from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.core_mesh.redact import redact_text
 from llmtrain.train_loop import observe
 from llmtrain.train_loop.callbacks import Named
 
@@ -47,7 +48,9 @@ class Summary(Callback):
 
     def on_failure(self, run: Any, error: BaseException) -> None:
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
-        self._write(run, status, error=f"{type(error).__name__}: {error}")
+        # errors echo what they were given (a signed URL, a client's arguments)
+        text = redact_text(f"{type(error).__name__}: {error}", getattr(run, "secrets", ()))
+        self._write(run, status, error=text)
 
     def _write(self, run: Any, status: str, error: str | None = None) -> None:
         if not run.world.is_main:

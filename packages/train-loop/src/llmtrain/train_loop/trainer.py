@@ -148,13 +148,15 @@ class Trainer:
         """The recipe after the process group: logs, seeds, model, optimizers, callbacks, resume,
         loggers."""
         c, plugins = self.config, self.plugins
+        # the config's credentials: masked wherever the run writes text (logs, summary.json)
+        self.secrets = secret_values(unstructure(c, converter=make_converter(plugins)))
         configure_logging(
             rank=self.world.rank,
             world_size=self.world.world_size,
             run_id=c.name,
             log_dir=self.run_dir / "logs",
             console=console,
-            secrets=secret_values(unstructure(c, converter=make_converter(plugins))),
+            secrets=self.secrets,
         )
         log.info(
             "run.start",
@@ -388,7 +390,8 @@ class Trainer:
             return "finished"
         finally:
             data.close()
-            preemption.restore()
+            if self.preemption is None:  # one handed in is restored by whoever listened
+                preemption.restore()
             self.checkpoints.close()
 
     def _next_step(self, data: Prefetcher) -> dict[str, float]:
