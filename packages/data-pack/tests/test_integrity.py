@@ -1,11 +1,13 @@
 """Damaged datasets are refused, never read as zeros: real packs whose chunk files are deleted,
-cut short or changed, checked on open (one listing: presence and recorded sizes), on read, and
-by `llmtrain data inspect --verify` (every chunk against its checksum), locally and on S3; and
-the temporaries of killed packs are removed by the next pack of the same output, those of
-running packs kept."""
+cut short or changed, and whose metadata files are damaged, checked on open (one listing:
+presence and recorded sizes), on read (a chunk read whole against its checksum), and by
+`llmtrain data inspect --verify` (every chunk against its checksum), locally and on S3; and the
+temporaries of killed packs are removed by the next pack of the same output, those of running
+packs kept."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -19,6 +21,7 @@ import fsspec
 import numpy as np
 import pytest
 
+from llmtrain.data_pack import staging
 from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.integrity import INTEGRITY_KEY, DamagedDatasetError
 from llmtrain.data_pack.loader import open_windows
@@ -159,25 +162,79 @@ def test_a_truncated_chunk_is_refused_on_open_and_by_verify(dataset, run_cli):
     assert err.strip().splitlines()[-1] == f"error: {message}"
 
 
-def test_a_flipped_byte_is_found_by_verify(dataset, run_cli):
-    expected = _all_tokens(dataset)
-    _flip_byte(_chunks(dataset)[5])
-    changed = _all_tokens(dataset)  # same size: only a read of every byte can tell
-    assert (changed != expected).sum() == 1
+def test_a_flipped_byte_is_refused_on_read_and_found_by_verify(dataset, run_cli):
+    _flip_byte(_chunks(dataset)[5])  # same size: the open's listing cannot tell
+    checksum = (
+        rf"{re.escape(str(dataset))}: tokens chunk c/5 does not match its checksum "
+        rf"\(crc32 [0-9a-f]{{8}}, [0-9a-f]{{8}} written\) {re.escape(DAMAGED)}"
+    )
+    opened = PackedDataset(str(dataset))
+    np.testing.assert_array_equal(opened.read_chunk(4), opened.read(4 * 512, 5 * 512))
+    with pytest.raises(DamagedDatasetError, match=f"^{checksum}$"):
+        opened.read_chunk(5)
+    with pytest.raises(DamagedDatasetError, match=f"^{checksum}$"):
+        opened.read(0, opened.n_tokens)
+    windows = open_windows([str(dataset)], 64)  # the training path
+    with pytest.raises(DamagedDatasetError, match=f"^{checksum}$"):
+        windows.read(np.arange(len(windows)))
     code, out, err = run_cli("data", "inspect", dataset, "--verify")
     assert code == 2 and "verified" not in out
     line = err.strip().splitlines()[-1]
-    assert re.fullmatch(
-        rf"error: {re.escape(str(dataset))}: tokens chunk c/5 does not match its checksum "
-        rf"\(crc32 [0-9a-f]{{8}}, [0-9a-f]{{8}} written\) {re.escape(DAMAGED)}",
-        line,
-    ), line
+    assert re.fullmatch(f"error: {checksum}", line), line
+
+
+def test_a_flipped_byte_in_a_dataset_without_the_record_still_reads(dataset):
+    """No checksum recorded: nothing to compare a whole read with (pack it again to have one)."""
+    expected = _all_tokens(dataset)
+    _forget_integrity(dataset)
+    _flip_byte(_chunks(dataset)[5])
+    assert (_all_tokens(dataset) != expected).sum() == 1
 
 
 def test_a_flipped_byte_in_another_array_is_named(dataset):
     _flip_byte(dataset / "doc_offsets" / "c" / "0", offset=8)
     with pytest.raises(DamagedDatasetError, match="doc_offsets chunk c/0 does not match"):
         PackedDataset(str(dataset)).verify()
+
+
+@pytest.mark.parametrize("array", ["tokens", "chunk_heads", "chunk_docs"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "not an array"])
+def test_damaged_array_metadata_is_refused_naming_the_file(dataset, run_cli, array, damage):
+    meta = dataset / array / "zarr.json"
+    text = meta.read_text()
+    if damage == "truncated":
+        meta.write_text(text[: len(text) // 2])
+    elif damage == "empty":
+        meta.write_text("")
+    else:
+        meta.write_text(json.dumps({**json.loads(text), "data_type": "no-such-type"}))
+    start = f"{meta} cannot be read as zarr array metadata ("
+    with pytest.raises(DatasetError) as caught:
+        PackedDataset(str(dataset))
+    assert str(caught.value).startswith(start) and str(caught.value).endswith(DAMAGED)
+    code, out, err = run_cli("data", "inspect", dataset)
+    assert code == 2 and out == ""
+    assert "this is a bug" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {start}") and line.endswith(DAMAGED), line
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"zarr_format": 3, "node_',
+        "[]",
+        '{"zarr_format": 3, "node_type": "group", "attributes": []}',
+    ],
+)
+def test_damaged_group_metadata_is_refused_naming_the_file(dataset, run_cli, content):
+    (dataset / "zarr.json").write_text(content)
+    code, out, err = run_cli("data", "inspect", dataset)
+    assert code == 2 and out == ""
+    assert "this is a bug" not in err
+    line = err.strip().splitlines()[-1]
+    start = f"error: {dataset / 'zarr.json'} cannot be read as zarr group metadata ("
+    assert line.startswith(start) and line.endswith(DAMAGED), line
 
 
 # -- refused on read ------------------------------------------------------------------------------
@@ -336,6 +393,17 @@ def test_the_next_pack_removes_a_killed_packs_temporary(tmp_path, texts, write_j
         assert PackedDataset(str(out)).n_documents == 20
     finally:
         running.abort()
+    assert _temporaries(out) == []
+
+
+def test_an_owner_record_that_cannot_be_written_leaves_no_temporary(tmp_path, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.json, "dump", no_space)
+    out = tmp_path / "ds.zarr"
+    with pytest.raises(OSError, match="No space left"):
+        Output(str(out), overwrite=False)
     assert _temporaries(out) == []
 
 

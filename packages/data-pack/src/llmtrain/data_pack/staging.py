@@ -46,6 +46,10 @@ def _process_stat(pid: int) -> tuple[str, int] | None:
 
 
 def write_owner(staged: str) -> None:
+    """Record this process as the owner of the new staging directory `staged`. The record
+    appears whole or not at all (a temporary file renamed into place); if it cannot be written
+    (a full disk), `staged` is removed before the error is raised: kept without a record, it
+    would stay as "no owner record" forever."""
     stat = _process_stat(os.getpid())
     owner = {
         "pid": os.getpid(),
@@ -53,8 +57,14 @@ def write_owner(staged: str) -> None:
         "boot": _boot_id(),
         "started": None if stat is None else stat[1],
     }
-    with open(os.path.join(staged, OWNER_FILE), "w") as f:
-        json.dump(owner, f)
+    path = os.path.join(staged, OWNER_FILE)
+    try:
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(owner, f)
+        os.replace(f"{path}.tmp", path)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
 
 
 def _read_owner(staged: str) -> dict[str, Any] | None:

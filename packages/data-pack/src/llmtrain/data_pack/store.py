@@ -74,6 +74,10 @@ HEAD_TOKENS = 8192  # first tokens of each chunk kept in `chunk_heads` (windows 
 HEADS_PER_CHUNK = 64
 ORIGIN_ARRAYS = ("doc_source", "doc_row", "doc_id_offsets", "doc_id_bytes")
 ARRAYS = ("tokens", "doc_offsets", "chunk_docs", "chunk_heads", "loss_mask", *ORIGIN_ARRAYS)
+# what zarr raises on a metadata file that is there but unreadable: not JSON (JSONDecodeError is a
+# ValueError), keys missing (KeyError) or of the wrong type (TypeError), or invalid values (its
+# MetadataValidationError and UnknownCodecError are ValueErrors)
+METADATA_ERRORS = (ValueError, TypeError, KeyError, zarr.errors.BaseZarrError)
 
 
 @attrs.frozen
@@ -142,6 +146,12 @@ def compressors(name: str) -> Any:
         if value is not None and -7 <= value <= 22:
             return zarr.codecs.ZstdCodec(level=value)
     raise UserError(f"compression {name!r}: use none, zstd or zstd:LEVEL (LEVEL from -7 to 22)")
+
+
+def _unreadable(path: str, kind: str, exc: BaseException) -> DatasetError:
+    reason = f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc)
+    reason = " ".join(reason.split())  # one line
+    return DatasetError(f"{path} cannot be read as zarr {kind} metadata ({reason}) {REPACK}")
 
 
 class AppendArray:
@@ -299,9 +309,10 @@ class PackedDataset:
         store = CheckedStore(_store(self.url, self.storage_options, read_only=True), self.url)
         group, meta = self._open_group(store)
         self.meta = meta
-        self._stored = self._open_arrays(group)
+        sizes = stored_sizes(self.url, self.storage_options)
+        self._stored = self._open_arrays(group, sizes)
         expected = self._expected_chunks()
-        self._check_stored(expected)
+        self._check_stored(expected, sizes)
         store.expected.update(expected)
         self.tokens = self._stored["tokens"]
         self.doc_offsets = self._stored["doc_offsets"]
@@ -329,12 +340,14 @@ class PackedDataset:
         try:
             group = zarr.open_group(store=store, mode="r", zarr_format=3)
             meta = dict(group.attrs.get(META_KEY) or {})
-        except (FileNotFoundError, zarr.errors.GroupNotFoundError, KeyError, ValueError):
+        except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.ContainsArrayError):
             raise DatasetError(
                 f"{self.url}: not a packed dataset (no committed group metadata): it does not "
                 "exist, is not complete (a pack that did not finish), or was not written by "
                 "`llmtrain data pack`"
             ) from None
+        except METADATA_ERRORS as exc:  # there, but not zarr group metadata
+            raise _unreadable(_join(self.url, "zarr.json"), "group", exc) from None
         if meta.get("format") != FORMAT or not meta.get("complete"):
             raise DatasetError(f"{self.url}: not a complete {FORMAT} dataset")
         if meta.get("version", 0) > FORMAT_VERSION:
@@ -344,14 +357,21 @@ class PackedDataset:
             )
         return group, meta
 
-    def _open_arrays(self, group: zarr.Group) -> dict[str, CheckedArray]:
-        """The dataset's arrays that exist (their metadata; no chunk is read)."""
+    def _open_arrays(self, group: zarr.Group, sizes: Mapping[str, int]) -> dict[str, CheckedArray]:
+        """The dataset's arrays that exist (their metadata; no chunk is read). One whose
+        metadata file is listed but does not read as array metadata is damage, not absence."""
         arrays = {}
         for name in ARRAYS:
-            try:
-                arrays[name] = CheckedArray(group[name], name, self.url)
-            except KeyError:
+            if f"{name}/zarr.json" not in sizes:
                 continue
+            try:
+                array = group[name]
+            except (*METADATA_ERRORS, FileNotFoundError) as exc:
+                raise _unreadable(_join(self.url, f"{name}/zarr.json"), "array", exc) from None
+            if not isinstance(array, zarr.Array):
+                problem = ValueError("it describes a group, not an array")
+                raise _unreadable(_join(self.url, f"{name}/zarr.json"), "array", problem)
+            arrays[name] = CheckedArray(array, name, self.url)
         for name in ("tokens", "doc_offsets", "chunk_docs"):
             if name not in arrays:
                 raise DatasetError(
@@ -360,8 +380,9 @@ class PackedDataset:
                 )
         return arrays
 
-    def _expected_chunks(self) -> dict[str, int | None]:
-        """Every stored chunk the dataset needs ("tokens/c/0") and its recorded size: those the
+    def _expected_chunks(self) -> dict[str, tuple[int, int] | None]:
+        """Every stored chunk the dataset needs ("tokens/c/0") and its recorded size and CRC-32:
+        those the
         pack recorded, or, for a dataset packed before it recorded them, every chunk of the
         grid of its core arrays (their size unknown). An optional array that is gone as a whole
         (metadata too) reads as absent, as in datasets packed without it: its readers already
@@ -369,10 +390,10 @@ class PackedDataset:
         record = self.meta.get(INTEGRITY_KEY)
         if record is not None:
             return {
-                f"{name}/{key}": int(size)
+                f"{name}/{key}": (int(size), int(crc))
                 for name, chunks in record["chunks"].items()
                 if name in self._stored
-                for key, (size, _) in chunks.items()
+                for key, (size, crc) in chunks.items()
             }
         if not int(self.meta["counts"]["documents"]):
             return {}  # offsets and chunk index hold one 0 each, which zarr does not store
@@ -383,11 +404,12 @@ class PackedDataset:
             for key in self._stored[name].keys()
         }
 
-    def _check_stored(self, expected: Mapping[str, int | None]) -> None:
-        sizes = stored_sizes(self.url, self.storage_options)
+    def _check_stored(
+        self, expected: Mapping[str, tuple[int, int] | None], sizes: Mapping[str, int]
+    ) -> None:
         damage = []
         for path, recorded in expected.items():
-            problem = size_problem(sizes.get(path), recorded)
+            problem = size_problem(sizes.get(path), None if recorded is None else recorded[0])
             if problem is not None:
                 array, _, key = path.partition("/")
                 damage.append(ChunkDamage(array, key, problem))
