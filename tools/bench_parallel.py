@@ -40,8 +40,6 @@ GOAL_MFU = 0.45  # llama-1b, fsdp1 (one GPU), bf16, compile
 DEFAULT_LAYOUTS = "fsdp1,ddp,fsdp,fsdp+ac,tp,pp"
 # a preset's shape for this benchmark unless --set says otherwise
 PRESET_OVERRIDES = {"tiny": dict(n_layers=4, vocab_size=512, max_seq_len=256)}
-# peak dense bf16 FLOP/s by a substring of torch.cuda.get_device_name(), first match wins
-PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 LAYOUT_NAME = re.compile(r"(?P<kind>fsdp|ddp|tp|pp)(?P<world>\d*)(?P<ac>\+ac)?")
 
 
@@ -338,10 +336,10 @@ def launch(layout: dict, args, workdir: Path) -> dict:
 
 # ---------------------------------------------------------------- report
 def peak_flops(args) -> float | None:
-    if args.peak_tflops:
-        return args.peak_tflops * 1e12
-    name = torch.cuda.get_device_name()
-    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+    """--peak-tflops, else the GPU's peak dense bf16 FLOP/s as training's MFU takes it."""
+    from llmtrain.train_loop.builtin_callbacks import peak_flops as known_peak
+
+    return known_peak(args.peak_tflops or None, torch.device("cuda"))
 
 
 def finish(row: dict, args, reference: dict, fpt: float, peak: float | None) -> dict:

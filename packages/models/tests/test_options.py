@@ -296,7 +296,8 @@ def test_head_dim_counts_parameters_and_flops():
     assert desc.n_params == want == 49392
     assert desc.n_non_embedding_params == want - embedding
     # the attention term counts the attention width n_heads x head_dim = 64, not d_model = 48
-    assert desc.flops_per_token(10) == 6 * (want - embedding) + 12 * 2 * 64 * 10
+    # the tied head multiplies by the embedding: its V x d counts as a matmul, the lookup not
+    assert desc.flops_per_token(10) == 6 * want + 12 * 2 * 64 * 10
 
 
 def test_head_dim_structures_from_yaml_and_round_trips():

@@ -322,9 +322,11 @@ def test_n_params_matches_module_and_formula(name):
     unique = sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
     assert info.n_params == unique == expected_n_params(cfg)
     assert info.n_non_embedding_params == info.n_params - _embedding_params(cfg)
+    # the head's V x d matmul counts tied or untied (an untied one is a non-embedding parameter)
+    head = cfg.padded_vocab_size * cfg.d_model if cfg.tied_embeddings else 0
     for seq_len in (1, 32, 1000):
         attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-        assert info.flops_per_token(seq_len) == 6 * info.n_non_embedding_params + attention
+        assert info.flops_per_token(seq_len) == 6 * (info.n_non_embedding_params + head) + attention
 
 
 @pytest.mark.parametrize("name", ["gpt2-124m", "gpt2-350m", "llama-1b", "llama-3b", "llama-8b"])

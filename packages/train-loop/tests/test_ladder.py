@@ -96,8 +96,9 @@ def test_the_count_is_the_built_model_s_and_the_formula_s(installed, tmp_path):
     assert first.shape == {"d_model": 128, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4}
     per_layer = 128 * 128 * 2 + 2 * 128 * 64 + 3 * 128 * 352 + 2 * 128
     assert first.params == 2 * per_layer + 128 == 369_280
-    # training FLOPs per token: 6N plus attention's 12 x layers x heads x head_dim x seq_len
-    assert first.flops_per_token == 6 * 369_280 + 12 * 2 * 8 * 16 * SEQ
+    # training FLOPs per token: 6 x (N + the tied head's 320 x 128) plus attention's
+    # 12 x layers x heads x head_dim x seq_len
+    assert first.flops_per_token == 6 * (369_280 + 320 * 128) + 12 * 2 * 8 * 16 * SEQ
 
 
 def test_a_base_mlp_hidden_scales_with_d_model(installed, tmp_path):
@@ -191,9 +192,9 @@ def test_dry_run_prints_the_table_and_writes_nothing(installed, tmp_path, run_cl
             str(rung.steps),
         ]
     # N = 304,800 (d_model 96, 3 layers of 6 heads) for a target of 288,675; its FLOPs per
-    # token 6 x 304,800 + 12 x 3 x 6 x 16 x 64 = 2,049,984, so D = 1e13 / 2,049,984 = 4,878,087
-    # tokens: 9,528 steps of 512
-    assert rows[0][3:6] == ["304,800", "4,878,336", "16.0"]
+    # token 6 x (304,800 + the tied head's 320 x 96) + 12 x 3 x 6 x 16 x 64 = 2,234,304, so
+    # D = 1e13 / 2,234,304 = 4,475,667 tokens: 8,742 steps of 512
+    assert rows[0][3:6] == ["304,800", "4,475,904", "14.7"]
 
 
 def test_launch_print_writes_configs_with_the_overrides(installed, tmp_path, run_cli):
@@ -235,7 +236,7 @@ def test_a_base_with_training_tokens_gets_steps_instead(installed, tmp_path, run
     training = yaml.safe_load((sweeps / "lad" / "C=1e13,r=20" / "config.yaml").read_text())[
         "training"
     ]
-    assert (training["steps"], training["tokens"]) == (9528, None)  # as in the dry-run test
+    assert (training["steps"], training["tokens"]) == (8742, None)  # as in the dry-run test
 
 
 # --- refusals ---

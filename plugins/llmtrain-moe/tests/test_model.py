@@ -128,11 +128,27 @@ def test_describe_counts_active_experts():
     assert d.n_params == d.n_non_embedding_params + 320 * 64
     assert model.inactive_params() == 2 * (4 - 2) * per_expert
     active = d.n_non_embedding_params - 2 * 2 * per_expert
-    assert d.flops_per_token(16) == 6 * active + 12 * 2 * 4 * 16 * 16
+    head = 320 * 64  # the tied head's matmul counts; the embedding lookup does not
+    assert d.flops_per_token(16) == 6 * (active + head) + 12 * 2 * 4 * 16 * 16
     assert [type(b).__name__ for b in d.blocks] == ["Block", "Block"]
     assert (d.n_heads, d.n_kv_heads, d.tied_embeddings, d.trim_to_stage) == (4, 2, True, None)
     untied = build_model(preset_options("moe-tiny", tied_embeddings=False))
     assert untied.describe().trim_to_stage is MoETransformer.trim_to_stage
+
+
+def test_moe_small_flops_count_the_active_experts():
+    """moe-small at seq 1024, by hand: vocab 50257 padded to 50304, d 512, 8 layers, 8 heads of
+    64, 4 kv heads, 8 SwiGLU experts of 1024 of which a token takes 2, tied head."""
+    with torch.device("meta"):
+        d = build_model(preset_options("moe-small")).describe()
+    per_expert = 3 * 512 * 1024
+    attention = 512 * 512 + 2 * 512 * 256 + 512 * 512
+    block = attention + 2 * 512 + 8 * 512 + 8 * per_expert  # norms, router, experts
+    assert d.n_non_embedding_params == 8 * block + 512 == 106_996_224
+    # a token multiplies by its top 2 experts of 8, and the head's 50304 x 512
+    active = 8 * (attention + 2 * 512 + 8 * 512 + 2 * per_expert) + 512 + 50_304 * 512
+    assert active == 57_254_400
+    assert d.flops_per_token(1024) == 6 * active + 12 * 8 * 8 * 64 * 1024 == 393_858_048
 
 
 @pytest.mark.parametrize("shared_expert", [False, True])

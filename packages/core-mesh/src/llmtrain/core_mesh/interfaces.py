@@ -110,7 +110,9 @@ class ModelDescription:
     - `tp_plan`: module path (relative to `module`, globs allowed) -> a tensor-parallel style
       name ("colwise", "rowwise", "sequence_parallel", ...); the parallel package maps names to
       torch styles.
-    - `flops_per_token(seq_len)`: training FLOPs per token (6N + 12·L·H·Q·T), for MFU.
+    - `flops_per_token(seq_len)`: training FLOPs per token, for MFU and scaling fits: 6 x the
+      parameters a token multiplies by (the LM head whether tied or not; no embedding lookup,
+      no idle expert) + 12·L·H·Q·T for attention. The one count every MFU figure uses.
     - `tied_embeddings`: the output projection reuses the input embedding's weight (pipeline
       parallelism refuses such a model with a message saying so).
     - `trim_to_stage(module, block_ids, first, last)`: cut `module` (or a deep copy of it) down to

@@ -311,7 +311,13 @@ class Transformer(nn.Module):
         n_params = sum(p.numel() for p in self.parameters())
         embedding = sum(m.weight.numel() for m in (self.tok_emb, self.pos_emb) if m is not None)
         non_embedding = n_params - embedding
-        active = non_embedding - self.inactive_params()
+        # Training FLOPs per token as TorchTitan, Megatron and PaLM count them: 6 x the
+        # parameters a token multiplies by (forward 2, backward 4), the LM head's V x d included
+        # whether tied or not (a tied head multiplies by the token embedding, left out above as
+        # a lookup), no lookups, no idle experts; attention's scores and weighted sums
+        # 12 x L x H x head_dim x T, no causal halving. Every MFU figure uses this count.
+        tied_head = cfg.padded_vocab_size * cfg.d_model if cfg.tied_embeddings else 0
+        active = non_embedding + tied_head - self.inactive_params()
         attention_flops = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
 
         def flops_per_token(seq_len: int) -> float:

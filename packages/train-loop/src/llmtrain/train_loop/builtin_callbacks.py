@@ -18,8 +18,17 @@ from llmtrain.core_mesh.redact import redact_text
 from llmtrain.train_loop import observe
 from llmtrain.train_loop.callbacks import Named
 
-# dense bf16 peak of the GPUs we know, for MFU (override with training.peak_tflops)
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0}
+# dense bf16 peak of the GPUs we know, for MFU (override with training.peak_tflops); a
+# substring of the device name, the first match wins (so the PCIe and NVL H100s before H100)
+PEAK_TFLOPS = {
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+}
 ORIGIN = "llmtrain-train-loop (built in)"
 
 

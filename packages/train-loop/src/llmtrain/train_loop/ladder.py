@@ -10,10 +10,11 @@ block in the run config: a run config describes one run, a sweep's axes are its 
 Each rung is one compute budget C (FLOPs) and one tokens-per-parameter ratio r (budgets and
 ratios are crossed). Its target model size is N = sqrt(C / 6r) non-embedding parameters (C = 6 N
 D with D = r N). Its data is then D = C / F tokens, F the chosen shape's training FLOPs per token
-as the model reports them (6 N plus attention, what `llmtrain fit` counts): every rung of a budget
-costs C, so a budget's rungs are one IsoFLOP profile. The tokens per parameter a rung gets, D / N,
-shown beside r, differs from r where attention is a large share of a small model's FLOPs (fewer
-tokens) or the nearest shape misses N (more tokens for a smaller model).
+as the model reports them (6 x the parameters a token multiplies by, the LM head's V x d
+included whether tied or not, plus attention: what `llmtrain fit` and MFU count): every rung of a
+budget costs C, so a budget's rungs are one IsoFLOP profile. The tokens per parameter a rung gets,
+D / N, shown beside r, differs from r where the head and attention are a large share of a small
+model's FLOPs (fewer tokens) or the nearest shape misses N (more tokens for a smaller model).
 
 The shape rule, from the base config's `model:` section:
 - head_dim = d_model / n_heads of the base stays fixed, and so does the base's n_heads /
