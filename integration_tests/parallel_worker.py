@@ -2,7 +2,9 @@
 under one parallel layout and write the losses and gradient norms (rank 0) as JSON.
 
 A layout with `"bare": true` is the reference: the same steps in plain PyTorch, one process, no
-llmtrain.parallel at all.
+llmtrain.parallel at all. The layouts train with the trainer's loss (`cross_entropy_sum`), so
+where the layout allows it the loss runs the output projection itself, in chunks
+(`linear_cross_entropy`); the reference computes the whole batch's logits.
 """
 
 import json
@@ -18,6 +20,7 @@ from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import build_model
 from llmtrain.parallel.options import ParallelOptions
 from llmtrain.parallel.strategy import DefaultStrategy
+from llmtrain.train_loop.loss import cross_entropy_sum
 
 STEPS, BATCH, SEQ, LR, MAX_NORM = 3, 8, 32, 3e-3, 1.0
 
@@ -86,16 +89,23 @@ def parallel(cfg, layout):
     rows = slice(par.data_rank * per_rank, (par.data_rank + 1) * per_rank)
     tokens, targets = tokens[rows].to(device), targets[rows].to(device)
     count = par.sum_over_data(torch.tensor(float(targets.numel()), device=device))
+    trainer_loss = cross_entropy_sum(compile_chunks=options.compile)
     losses, norms = [], []
     for _ in range(STEPS):
-        local = par.forward_backward(tokens, targets, loss_sum, scale=1.0 / count.item())
+        local = par.forward_backward(tokens, targets, trainer_loss, scale=1.0 / count.item())
         norms.append(par.clip_grad_norm_(MAX_NORM))
         losses.append((par.sum_over_data(local) / count).item())
         opt.step()
         opt.zero_grad()
     par.train(False)
-    final = (par.sum_over_data(par.evaluate(tokens, targets, loss_sum)) / count).item()
-    result = {"losses": losses, "grad_norms": norms, "final_loss": final, "spec": str(par.spec)}
+    final = (par.sum_over_data(par.evaluate(tokens, targets, trainer_loss)) / count).item()
+    result = {
+        "losses": losses,
+        "grad_norms": norms,
+        "final_loss": final,
+        "spec": str(par.spec),
+        "loss_from_hidden": par.head_fn_ok,
+    }
     shutdown_distributed()
     return world.rank, result
 

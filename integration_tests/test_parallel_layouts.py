@@ -88,3 +88,6 @@ def test_layout_matches_one_process(name, tmp_path, references):
     assert got["final_loss"] == pytest.approx(want["final_loss"], rel=RTOL, abs=ATOL)
     # the run really learned something, so equal numbers are not equal constants
     assert got["final_loss"] < got["losses"][0] - 0.3
+    # the chunked loss from the hidden states wherever the model's output is whole on a rank
+    mesh = layout["mesh"]
+    assert got["loss_from_hidden"] == (mesh.get("tp", 1) == 1 and mesh.get("pp", 1) == 1)

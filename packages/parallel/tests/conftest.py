@@ -106,10 +106,12 @@ class ToyDecoder(nn.Module):
         doc_starts: torch.Tensor | None = None,
         *,
         positions: torch.Tensor | None = None,
+        head_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T); hidden states in and out on pipeline stages.
 
-        `doc_starts` (B, T, bool) limits attention to the token's own document."""
+        `doc_starts` (B, T, bool) limits attention to the token's own document. `head_fn(hidden,
+        output matrix)` is returned in place of the logits."""
         T = tokens.size(1)
         if positions is None:
             positions = torch.arange(T, device=tokens.device).unsqueeze(0)
@@ -129,6 +131,8 @@ class ToyDecoder(nn.Module):
         if self.norm is None:
             return h
         h = self.norm(h)
+        if head_fn is not None:
+            return head_fn(h, self.head.weight if self.head is not None else self.tok_emb.weight)
         return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
 
     def trim_to_stage(self, block_ids: Sequence[int], first: bool, last: bool) -> None:
@@ -181,12 +185,31 @@ class ToyDecoder(nn.Module):
             n_kv_heads=cfg.n_kv_heads,
             tied_embeddings=cfg.tied_embeddings,
             trim_to_stage=trim,
+            takes_head_fn=True,
         )
 
 
 def sum_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss `Parallelized` expects: summed over the target tokens."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+class HiddenStateCrossEntropy:
+    """`sum_cross_entropy` that also starts from the hidden states and the output matrix (a
+    `HiddenStateLoss`), counting which form each call took."""
+
+    def __init__(self) -> None:
+        self.calls = {"logits": 0, "hidden": 0}
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self.calls["logits"] += 1
+        return sum_cross_entropy(logits, targets)
+
+    def from_hidden(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        self.calls["hidden"] += 1
+        return sum_cross_entropy(F.linear(hidden, weight), targets)
 
 
 @pytest.fixture
@@ -215,6 +238,11 @@ def toy_batch() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
 @pytest.fixture
 def loss_fn() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     return sum_cross_entropy
+
+
+@pytest.fixture
+def hidden_state_loss() -> HiddenStateCrossEntropy:
+    return HiddenStateCrossEntropy()
 
 
 @pytest.fixture(scope="module")

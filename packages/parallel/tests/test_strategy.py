@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -300,3 +301,33 @@ def test_v_pipeline_evaluate_gives_the_loss_and_leaves_gradients(
     torch.testing.assert_close(par.evaluate(tokens, targets, loss_fn), expected)
     for name, grad in grads_of(par.parts).items():
         assert torch.equal(grad, before[name]), name
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_loss_that_takes_hidden_states_gets_them_and_the_same_gradients(
+    one_process_mesh, make_toy, toy_batch, hidden_state_loss, microbatches
+):
+    model = make_toy()
+    plain = copy.deepcopy(model)
+    tokens, targets = toy_batch(4, 16)
+    par = parallelize(model, one_process_mesh, microbatches)
+    assert par.head_fn_ok
+    total = par.forward_backward(tokens, targets, hidden_state_loss, scale=1.0 / targets.numel())
+    assert hidden_state_loss.calls == {"logits": 0, "hidden": microbatches}
+    expected_loss, expected_grads = plain_mean_loss_grads(plain, tokens, targets)
+    torch.testing.assert_close(total / targets.numel(), expected_loss)
+    assert_same_grads(grads_of(par.parts), expected_grads)
+    evaluated = par.evaluate(tokens, targets, hidden_state_loss)
+    assert hidden_state_loss.calls["hidden"] == microbatches + 1
+    torch.testing.assert_close(evaluated, total)
+
+
+def test_a_model_without_head_fn_hands_the_loss_logits(
+    one_process_mesh, make_toy, toy_batch, hidden_state_loss
+):
+    description = attrs.evolve(make_toy().describe(), takes_head_fn=False)
+    par = DefaultStrategy(ParallelOptions()).parallelize(description, one_process_mesh, CPU)
+    assert not par.head_fn_ok
+    tokens, targets = toy_batch(2, 16)
+    par.forward_backward(tokens, targets, hidden_state_loss)
+    assert hidden_state_loss.calls == {"logits": 1, "hidden": 0}

@@ -120,6 +120,10 @@ class ModelDescription:
       layers only when `first`, the output layers only when `last`. A stage without input layers
       takes hidden states; one without output layers returns them. None: cannot be pipelined.
 
+    - `takes_head_fn`: `module(tokens, ..., head_fn=f)` returns `f(final hidden states,
+      output matrix)` in place of the logits, so a loss can run the output projection itself
+      (chunked, without the batch's logits).
+
     Context parallelism calls `module(tokens, positions=...)` with each token's position in its
     sequence, and replaces causal attention; a model that supports it accepts `positions`.
     """
@@ -134,6 +138,7 @@ class ModelDescription:
     n_kv_heads: int
     tied_embeddings: bool = False
     trim_to_stage: Callable[[Any, Sequence[int], bool, bool], None] | None = None
+    takes_head_fn: bool = False
 
 
 @runtime_checkable

@@ -11,6 +11,7 @@ checkpoints use; a stage without `tok_emb` takes hidden states, one without `nor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 
 from llmtrain.core_mesh.interfaces import ModelDescription
 from llmtrain.models.config import TransformerConfig
+
+# head_fn(final hidden states (..., d), output matrix (V, d)) -> what forward returns
+HeadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
@@ -208,6 +212,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
+        head_fn: HeadFn | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages.
 
@@ -216,6 +221,9 @@ class Transformer(nn.Module):
         `attention_mask` (B, T, T), with `positions`: which tokens each token sees (True) in
         place of causal attention; a row may then hold several sequences that share a prefix.
         `logits_at` (B, T) bool: the logits of only those tokens, (N, padded vocab), row-major.
+        `head_fn(hidden (B, T, d), weight (padded vocab, d))`: called in place of the output
+        projection, its result returned; a loss that needs no logits (the memory-lean
+        cross-entropy) takes the final hidden states and the output matrix this way.
         """
         B, T = tokens.shape[:2]
         if attention_mask is not None and positions is None:
@@ -255,6 +263,8 @@ class Transformer(nn.Module):
         if logits_at is not None:
             h = h[logits_at]
         h = self.norm(h)
+        if head_fn is not None:
+            return head_fn(h, self.head.weight if self.head is not None else self.tok_emb.weight)
         return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
 
     def _positions_and_mask(self, B, T, device, doc_starts, cache, start_pos):
@@ -334,6 +344,7 @@ class Transformer(nn.Module):
             n_kv_heads=cfg.kv_heads,
             tied_embeddings=cfg.tied_embeddings,
             trim_to_stage=None if cfg.tied_embeddings else type(self).trim_to_stage,
+            takes_head_fn=True,
         )
 
     def inactive_params(self) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -40,6 +40,19 @@ from llmtrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_pla
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+@runtime_checkable
+class HiddenStateLoss(Protocol):
+    """A loss that can also start from the final hidden states and the output matrix, so the
+    batch's logits need not exist (train-loop's chunked cross-entropy): where the model takes a
+    `head_fn` and no tensor or pipeline split reshapes its output, `Parallelized` uses it."""
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, /) -> torch.Tensor: ...
+
+    def from_hidden(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, /
+    ) -> torch.Tensor: ...
+
+
 @attrs.define(eq=False)
 class Parallelized:
     """A model laid out over the device mesh: the parts this rank holds and how to run a step.
@@ -59,6 +72,8 @@ class Parallelized:
     has_first_stage: bool = True
     has_last_stage: bool = True
     autocast_dtype: torch.dtype | None = None
+    # the model's forward takes `head_fn` and its output is whole on this rank (no TP, no PP)
+    head_fn_ok: bool = False
     _pp_loss: tuple[LossFn, float] | None = None
     _cp_seq_len: int = 0
     _dims: dict[str, Any] = attrs.field(factory=dict)
@@ -143,7 +158,7 @@ class Parallelized:
             if self.schedule is not None:
                 total = self._pipeline_step(tokens, targets, loss_fn, 1.0, kwargs, train=False)
             else:
-                total = loss_fn(self._logits(tokens, kwargs), targets).detach().float()
+                total = self._loss(tokens, targets, loss_fn, kwargs).detach().float()
         return self._reduce_shared(total)
 
     def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
@@ -233,6 +248,17 @@ class Parallelized:
         use = self.options.loss_parallel and self.size("tp") > 1
         return loss_parallel() if use else contextlib.nullcontext()
 
+    def _loss(self, tokens, targets, loss_fn: LossFn, kwargs: dict) -> torch.Tensor:
+        """The summed loss of one (micro-)batch: from the hidden states where the loss and the
+        layout allow (no logits of the whole batch), else from the logits."""
+        if self.head_fn_ok and isinstance(loss_fn, HiddenStateLoss):
+
+            def head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+                return loss_fn.from_hidden(hidden, weight, targets)
+
+            return self.parts[0](tokens, head_fn=head_loss, **kwargs)
+        return loss_fn(self._logits(tokens, kwargs), targets)
+
     def _logits(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
         logits = self.parts[0](tokens, **kwargs)
         if isinstance(logits, DTensor) and not self.options.loss_parallel:
@@ -255,7 +281,7 @@ class Parallelized:
         for i, (tok, tgt, *extra) in enumerate(pieces):
             if n > 1:
                 set_gradient_sync(self.parts[0], i == n - 1)
-            loss = loss_fn(self._logits(tok, dict(zip(kwargs, extra, strict=True))), tgt)
+            loss = self._loss(tok, tgt, loss_fn, dict(zip(kwargs, extra, strict=True)))
             (loss * (scale * self._grad_average)).backward()
             total = total + loss.detach().float()
         return total
@@ -344,6 +370,7 @@ class DefaultStrategy:
             has_first_stage=0 in stage_ids,
             has_last_stage=len(ranges) - 1 in stage_ids,
             autocast_dtype=self._autocast_dtype(size),
+            head_fn_ok=model.takes_head_fn and size["tp"] == 1 and size["pp"] == 1,
         )
         if size["pp"] > 1:
             result.schedule = pipeline.build_schedule(

@@ -199,7 +199,9 @@ class Trainer:
         self.model.materialize(_init_weights)
         if c.training.init == "full":
             self.model.load_full_state_dict(self._initial_weights())
-        self.loss_fn = cross_entropy_sum(c.training.z_loss)
+        # the chunked form of the loss compiles its softmax on CUDA when the run compiles
+        compiles = getattr(plugins.options_of("parallel", c.parallel), "compile", False)
+        self.loss_fn = cross_entropy_sum(c.training.z_loss, compile_chunks=bool(compiles))
 
         # optimizers (one list per model part) and the lr schedule, a pure function of the step
         self.optimizers = [
