@@ -108,3 +108,38 @@ def test_cuda_memory_metrics_and_profile(tmp_path):
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
     out = ts.run(ts.llmtrain("profile", tmp_path / "runs" / "gpu", "--top", "5"), timeout=60)
     assert " gpu " in out.stdout
+
+
+def test_chunked_loss_on_cuda_equals_the_plain_form_in_less_memory():
+    """The trainer's loss from the hidden states, its per-chunk softmax compiled, under bf16
+    autocast on a 128k vocabulary: the plain form's loss and gradients, and the peak memory above
+    the inputs a fraction of the plain form's (which holds the batch's logits several times)."""
+    import torch.nn.functional as F
+
+    from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n_tokens, dim, vocab = 4096, 1024, 128_256
+    hidden = torch.randn(1, n_tokens, dim, device="cuda", generator=g)
+    weight = torch.randn(vocab, dim, device="cuda", generator=g) * dim**-0.5
+    targets = torch.randint(0, vocab, (1, n_tokens), device="cuda", generator=g)
+    targets[0, :100] = IGNORE
+    loss = cross_entropy_sum(1e-4, compile_chunks=True)
+
+    def run(chunked: bool):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            value = loss.from_hidden(h, w, targets) if chunked else loss(F.linear(h, w), targets)
+        value.backward()
+        torch.cuda.synchronize()
+        return value.detach(), h.grad, w.grad, torch.cuda.max_memory_allocated() - base
+
+    run(chunked=True)  # compiles
+    got, expected = run(chunked=True), run(chunked=False)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-4, atol=0)
+    for g_, e_ in zip(got[1:3], expected[1:3], strict=True):
+        assert ((g_ - e_).norm() / e_.norm()).item() < 1e-2
+    assert got[3] < 0.5 * expected[3], (got[3], expected[3])
