@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -106,8 +107,17 @@ def test_cuda_memory_metrics_and_profile(tmp_path):
         (tmp_path / "runs" / "gpu" / "profiles" / "step-4" / "rank0.json").read_text()
     )
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
+    assert any(e.get("cat") == "ac2g" for e in trace["traceEvents"])
     out = ts.run(ts.llmtrain("profile", tmp_path / "runs" / "gpu", "--top", "5"), timeout=60)
-    assert " gpu " in out.stdout
+    lines = out.stdout.splitlines()
+    # the operators by the GPU time they launched, then the kernels (ablate's test_profile_cuda)
+    assert "operators by GPU time launched (CUDA trace: " in lines[0], out.stdout
+    op_rows = [m for line in lines if (m := re.match(r"^(.+?)\s+cpu\s+\d+\s+([\d.]+)\s", line))]
+    assert op_rows and float(op_rows[0][2]) > 0, out.stdout  # the top operator launched kernels
+    title = next(i for i, line in enumerate(lines) if "GPU kernels, copies and sets" in line)
+    kernels = lines[title + 2 :]
+    assert 0 < len(kernels) <= 5 and all(" gpu " in row for row in kernels), out.stdout
+    assert any(not row.rstrip().endswith(" -") for row in kernels), out.stdout  # launched by ops
 
 
 def test_chunked_loss_on_cuda_equals_the_plain_form_in_less_memory():

@@ -14,7 +14,8 @@ def llmtrain_commands(register):
     register(
         "profile",
         Command(
-            help="the top operators by self time in a run's profiler trace",
+            help="the top operators by self time in a run's profiler trace; on a CUDA trace "
+            "the GPU time each operator launched and the top kernels",
             configure=reports.configure_profile,
             run=reports.run_profile,
         ),

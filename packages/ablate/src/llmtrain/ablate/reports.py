@@ -1,14 +1,16 @@
 """Reading what a run wrote about itself: `llmtrain profile RUN` (the top operators of a
-profiler trace by self time) and `llmtrain ranks RUN` (per-rank step time, data wait and memory
-from the ranks' JSON logs, and which rank is the slowest)."""
+profiler trace by self time; on a CUDA trace the GPU time each operator launched and the top
+kernels) and `llmtrain ranks RUN` (per-rank step time, data wait and memory from the ranks' JSON
+logs, and which rank is the slowest)."""
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,12 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
 OP_CATEGORIES = ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset", "user_annotation")
+HOST_CATEGORIES = ("cpu_op", "user_annotation")
+# what runs on the GPU: kernels, copies and sets (not "gpu_user_annotation", the GPU-side span of
+# a record_function, which covers kernels already counted)
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# host-side calls that enqueue GPU work (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, ...)
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "privateuse1_runtime", "privateuse1_driver")
 STEP_MARK = re.compile(r"^ProfilerStep#\d+$")
 
 
@@ -33,29 +41,8 @@ class OpTime:
 def top_ops(trace: dict[str, Any]) -> list[OpTime]:
     """Operators of a Chrome trace (torch.profiler's export) by self time, largest first. Self
     time is the duration less that of the events nested in it on the same thread."""
-    events = [
-        e
-        for e in trace.get("traceEvents", [])
-        if e.get("ph") == "X"
-        and e.get("cat") in OP_CATEGORIES
-        and "dur" in e
-        and not STEP_MARK.match(str(e.get("name", "")))
-    ]
-    by_thread: dict[tuple, list[dict]] = defaultdict(list)
-    for e in events:  # host ops nest on their thread; device events on their stream
-        by_thread[(e.get("pid"), e.get("tid"), _device(e))].append(e)
-    self_time: dict[int, float] = {}
-    for thread in by_thread.values():
-        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict] = []
-        for e in thread:
-            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
-                stack.pop()
-            self_time[id(e)] = e["dur"]
-            if stack:
-                parent = stack[-1]
-                self_time[id(parent)] -= min(e["dur"], parent["ts"] + parent["dur"] - e["ts"])
-            stack.append(e)
+    events = [e for e in _complete(trace) if e.get("cat") in OP_CATEGORIES and not _step_mark(e)]
+    self_time, _ = _nesting(events)
     totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
     for e in events:
         row = totals[(e["name"], _device(e))]
@@ -64,6 +51,183 @@ def top_ops(trace: dict[str, Any]) -> list[OpTime]:
         row[2] += e["dur"]
     ops = [OpTime(name, dev, int(n), s, t) for (name, dev), (n, s, t) in totals.items()]
     return sorted(ops, key=lambda op: op.self_us, reverse=True)
+
+
+def _complete(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trace's complete events ("ph": "X") that have a start and a duration."""
+    return [
+        e
+        for e in trace.get("traceEvents", [])
+        if isinstance(e, dict) and e.get("ph") == "X" and "dur" in e and "ts" in e
+    ]
+
+
+def _step_mark(event: dict[str, Any]) -> bool:
+    return bool(STEP_MARK.match(str(event.get("name", ""))))
+
+
+def _nesting(events: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, dict | None]]:
+    """Self time and enclosing event (by `id`) of each event: host events nest on their thread,
+    device events on their stream."""
+    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"), _device(e))].append(e)
+    self_time: dict[int, float] = {}
+    parent: dict[int, dict | None] = {}
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for e in thread:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            self_time[id(e)] = e["dur"]
+            parent[id(e)] = stack[-1] if stack else None
+            if stack:
+                up = stack[-1]
+                self_time[id(up)] -= min(e["dur"], up["ts"] + up["dur"] - e["ts"])
+            stack.append(e)
+    return self_time, parent
+
+
+# --- GPU time on CUDA traces ---
+@attrs.frozen
+class OpGpuTime:
+    """One host operator (by name) of a CUDA trace."""
+
+    name: str
+    calls: int
+    gpu_us: float  # GPU time of the kernels, copies and sets it launched itself
+    gpu_total_us: float  # and those launched by the operators nested in it
+    cpu_self_us: float
+    cpu_total_us: float
+
+
+@attrs.frozen
+class KernelTime:
+    """One GPU kernel, copy or set (by name) of a CUDA trace."""
+
+    name: str
+    kind: str  # the trace category: kernel, gpu_memcpy or gpu_memset
+    calls: int
+    gpu_us: float
+    launched_by: str | None  # the operator that launched the most of its time (None: none did)
+
+
+@attrs.frozen
+class GpuProfile:
+    ops: list[OpGpuTime]  # by GPU time, then by CPU self time
+    kernels: list[KernelTime]  # by GPU time
+    gpu_us: float  # all kernels, copies and sets (summed over streams)
+    unattributed_us: float  # launched outside any operator (or its launch is not in the trace)
+    streams: int
+
+
+def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
+    """GPU time of a CUDA trace (torch.profiler with ProfilerActivity.CUDA), None for a trace
+    without kernels, copies or sets.
+
+    Each GPU activity is linked to the host call that launched it (`cudaLaunchKernel`,
+    `cuLaunchKernelEx`, `cudaMemcpyAsync`, ...) through their shared `args.correlation` (or,
+    where an activity has none, the "ac2g" flow event pair: "s" at the launch on the host
+    thread, "f" at the activity on its stream, one id). It counts for the innermost operator
+    (`cpu_op` or `user_annotation`, not the ProfilerStep mark) whose span on the launching
+    thread holds the launch, and in `gpu_total_us` for the operators around that one. An
+    activity whose launch is not in the trace, or in no operator's span, falls back to the
+    operator with its `External id` (kineto's link to the operator that launched it)."""
+    events = _complete(trace)
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES]
+    if not gpu:
+        return None
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES and not _step_mark(e)]
+    self_time, parent = _nesting(host)
+    threads: dict[tuple, list[dict]] = defaultdict(list)
+    for e in host:
+        threads[(e.get("pid"), e.get("tid"))].append(e)
+    starts: dict[tuple, list[float]] = {}
+    for key, spans in threads.items():
+        spans.sort(key=lambda e: (e["ts"], -e["dur"]))
+        starts[key] = [e["ts"] for e in spans]
+
+    def innermost(pid: Any, tid: Any, ts: float) -> dict | None:
+        """The innermost operator on the thread whose span holds `ts`."""
+        key = (pid, tid)
+        i = bisect.bisect_right(starts.get(key, []), ts) - 1
+        span = threads[key][i] if i >= 0 else None
+        while span is not None and span["ts"] + span["dur"] <= ts:
+            span = parent[id(span)]
+        return span
+
+    # the launch point (pid, tid, ts) of each correlation id: the runtime call, else a flow start
+    launches: dict[Any, tuple] = {}
+    flow_ends: dict[tuple, Any] = {}
+    for e in trace.get("traceEvents", []):
+        if not isinstance(e, dict) or e.get("cat") != "ac2g" or "id" not in e:
+            continue
+        if e.get("ph") == "s":
+            launches.setdefault(e["id"], (e.get("pid"), e.get("tid"), e.get("ts")))
+        elif e.get("ph") == "f":
+            flow_ends[(e.get("pid"), e.get("tid"), e.get("ts"))] = e["id"]
+    for e in events:
+        correlation = _args(e).get("correlation")
+        if e.get("cat") in LAUNCH_CATEGORIES and correlation is not None:
+            launches[correlation] = (e.get("pid"), e.get("tid"), e["ts"])
+    by_external = {
+        _args(e)["External id"]: e for e in host if _args(e).get("External id") not in (None, 0)
+    }
+
+    gpu_self: dict[int, float] = defaultdict(float)
+    gpu_total: dict[int, float] = defaultdict(float)
+    kernels: dict[tuple[str, str], list] = {}
+    unattributed = 0.0
+    for e in gpu:
+        correlation = _args(e).get("correlation")
+        if correlation is None:
+            correlation = flow_ends.get((e.get("pid"), e.get("tid"), e["ts"]))
+        point = launches.get(correlation) if correlation is not None else None
+        owner = innermost(*point) if point is not None else None
+        if owner is None:
+            owner = by_external.get(_args(e).get("External id"))
+        row = kernels.setdefault((e["name"], e["cat"]), [0, 0.0, Counter()])
+        row[0] += 1
+        row[1] += e["dur"]
+        if owner is None:
+            unattributed += e["dur"]
+            continue
+        row[2][owner["name"]] += e["dur"]
+        gpu_self[id(owner)] += e["dur"]
+        span: dict | None = owner
+        while span is not None:
+            gpu_total[id(span)] += e["dur"]
+            span = parent[id(span)]
+
+    ops: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    for e in host:
+        row = ops[e["name"]]
+        row[0] += 1
+        row[1] += gpu_self[id(e)]
+        row[2] += gpu_total[id(e)]
+        row[3] += max(self_time[id(e)], 0.0)
+        row[4] += e["dur"]
+    op_rows = [OpGpuTime(name, int(n), g, gt, s, t) for name, (n, g, gt, s, t) in ops.items()]
+    op_rows.sort(key=lambda op: (-op.gpu_us, -op.cpu_self_us, op.name))
+    kernel_rows = [
+        KernelTime(name, cat, n, us, by.most_common(1)[0][0] if by else None)
+        for (name, cat), (n, us, by) in kernels.items()
+    ]
+    kernel_rows.sort(key=lambda k: (-k.gpu_us, k.name))
+    streams = {(e.get("pid"), e.get("tid")) for e in gpu}
+    return GpuProfile(
+        ops=op_rows,
+        kernels=kernel_rows,
+        gpu_us=sum(e["dur"] for e in gpu),
+        unattributed_us=unattributed,
+        streams=len(streams),
+    )
+
+
+def _args(event: dict[str, Any]) -> dict[str, Any]:
+    args = event.get("args")
+    return args if isinstance(args, dict) else {}
 
 
 def _device(event: dict[str, Any]) -> str:
@@ -101,7 +265,13 @@ def configure_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a run directory, or a trace file (.json)")
     parser.add_argument("--step", type=int, default=None, help="the window (default: the newest)")
     parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--top", type=int, default=20, help="how many operators")
+    parser.add_argument("--top", type=int, default=20, help="how many operators (and kernels)")
+    parser.add_argument(
+        "--sort",
+        choices=("gpu", "cpu"),
+        default="gpu",
+        help="a CUDA trace's operators by the GPU time they launched (default) or by CPU self time",
+    )
 
 
 def run_profile(args: argparse.Namespace, ctx: Context) -> int:
@@ -111,6 +281,12 @@ def run_profile(args: argparse.Namespace, ctx: Context) -> int:
         trace = json.loads(trace_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{trace_file}: not a readable Chrome trace ({exc})") from None
+    if not isinstance(trace, dict):
+        raise UserError(f"{trace_file}: not a Chrome trace (no traceEvents object)")
+    gpu = gpu_profile(trace)
+    if gpu is not None:
+        _print_gpu_profile(trace_file, gpu, args.top, args.sort)
+        return 0
     ops = top_ops(trace)
     if not ops:
         raise UserError(f"{trace_file}: holds no operator events")
@@ -121,12 +297,63 @@ def run_profile(args: argparse.Namespace, ctx: Context) -> int:
         f"{'operator':<{width}}  {'device':<6}  {'calls':>7}  {'self ms':>10}  {'self %':>6}  {'total ms':>10}"
     )
     for op in ops[: args.top]:
-        name = op.name if len(op.name) <= width else op.name[: width - 1] + "…"
         print(
-            f"{name:<{width}}  {op.device:<6}  {op.calls:>7}  {op.self_us / 1e3:>10.3f}  "
-            f"{100 * op.self_us / total:>5.1f}%  {op.total_us / 1e3:>10.3f}"
+            f"{_cut(op.name, width):<{width}}  {op.device:<6}  {op.calls:>7}  "
+            f"{op.self_us / 1e3:>10.3f}  {100 * op.self_us / total:>5.1f}%  "
+            f"{op.total_us / 1e3:>10.3f}"
         )
     return 0
+
+
+def _cut(name: str, width: int) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def _print_gpu_profile(trace_file: Path, gpu: GpuProfile, top: int, sort: str) -> None:
+    """Two tables: host operators with the GPU time each launched, then the GPU kernels."""
+    total = gpu.gpu_us or 1.0
+    ops = gpu.ops
+    if sort == "cpu":
+        ops = sorted(ops, key=lambda op: (-op.cpu_self_us, op.name))
+    shown = ops[:top]
+    by = "GPU time launched" if sort == "gpu" else "CPU self time"
+    print(
+        f"{trace_file}: top {len(shown)} of {len(ops)} operators by {by} (CUDA trace: "
+        f"{gpu.gpu_us / 1e3:.3f} ms of GPU time on {gpu.streams} stream(s), each kernel, copy "
+        "and set counted for the operator that launched it)"
+    )
+    if shown:
+        width = min(max(len("operator"), *(len(op.name) for op in shown)), 60)
+        print(
+            f"{'operator':<{width}}  {'device':<6}  {'calls':>7}  {'gpu ms':>10}  {'gpu %':>6}  "
+            f"{'gpu total ms':>12}  {'cpu self ms':>11}  {'cpu total ms':>12}"
+        )
+        for op in shown:
+            print(
+                f"{_cut(op.name, width):<{width}}  {'cpu':<6}  {op.calls:>7}  "
+                f"{op.gpu_us / 1e3:>10.3f}  {100 * op.gpu_us / total:>5.1f}%  "
+                f"{op.gpu_total_us / 1e3:>12.3f}  {op.cpu_self_us / 1e3:>11.3f}  "
+                f"{op.cpu_total_us / 1e3:>12.3f}"
+            )
+    if gpu.unattributed_us:
+        print(
+            f"launched outside any operator: {gpu.unattributed_us / 1e3:.3f} ms "
+            f"({100 * gpu.unattributed_us / total:.1f}% of the GPU time)"
+        )
+    print()
+    kernels = gpu.kernels[:top]
+    print(f"top {len(kernels)} of {len(gpu.kernels)} GPU kernels, copies and sets by GPU time")
+    width = min(max(len("kernel"), *(len(k.name) for k in kernels)), 80)
+    print(
+        f"{'kernel':<{width}}  {'device':<6}  {'calls':>7}  {'gpu ms':>10}  {'gpu %':>6}  "
+        f"{'mean us':>10}  launched by"
+    )
+    for k in kernels:
+        print(
+            f"{_cut(k.name, width):<{width}}  {'gpu':<6}  {k.calls:>7}  "
+            f"{k.gpu_us / 1e3:>10.3f}  {100 * k.gpu_us / total:>5.1f}%  "
+            f"{k.gpu_us / k.calls:>10.1f}  {_cut(k.launched_by or '-', 60)}"
+        )
 
 
 # --- stragglers ---
