@@ -2,10 +2,11 @@
 families.
 
 Read top to bottom: norms and rotary positions, attention, MLP, block, the model. Attention goes
-through torch's scaled_dot_product_attention (the flash kernel on GPU). Shapes are written with
-`-1` for head counts so the same code runs when tensor parallelism shards the heads. Blocks sit
-in a ModuleDict keyed by layer index, so a pipeline stage can drop blocks and keep the names
-checkpoints use; a stage without `tok_emb` takes hidden states, one without `norm` returns them.
+through torch's scaled_dot_product_attention (the flash kernel on GPU), or FlexAttention within
+packed documents (`attention_masks`). Shapes are written with `-1` for head counts so the same
+code runs when tensor parallelism shards the heads. Blocks sit in a ModuleDict keyed by layer
+index, so a pipeline stage can drop blocks and keep the names checkpoints use; a stage without
+`tok_emb` takes hidden states, one without `norm` returns them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.models.attention_masks import attend, document_mask, positions_in_document
 from llmtrain.models.config import TransformerConfig
 
 # head_fn(final hidden states (..., d), output matrix (V, d)) -> what forward returns
@@ -123,14 +125,13 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, start_pos)
-        y = F.scaled_dot_product_attention(
+        y = attend(
             q,
             k,
             v,
-            attn_mask=mask,
+            mask,
             is_causal=mask is None and cache is None,
             dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=q.size(1) != k.size(1),
         )
         y = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_dropout(self.wo(y))
@@ -268,18 +269,13 @@ class Transformer(nn.Module):
         return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
 
     def _positions_and_mask(self, B, T, device, doc_starts, cache, start_pos):
-        """Positions (1 or B, T) and an attention mask, or None for plain causal attention."""
+        """Positions (1 or B, T) and an attention mask (a boolean tensor, or a DocumentMask that
+        every layer shares), or None for plain causal attention."""
         index = torch.arange(start_pos, start_pos + T, device=device)
         if doc_starts is not None and self.cfg.doc_masking:
             if cache is not None:
                 raise ValueError("document masking is for training; decode one document at a time")
-            starts = doc_starts.to(torch.bool).clone()
-            starts[:, 0] = True
-            last_start = torch.where(starts, index, 0).cummax(dim=1).values
-            segment = starts.cumsum(dim=1)
-            same_doc = segment.unsqueeze(2) == segment.unsqueeze(1)
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-            return index - last_start, (same_doc & causal).unsqueeze(1)
+            return positions_in_document(doc_starts), document_mask(doc_starts)
         mask = None
         if cache is not None and T > 1:
             mask = index.unsqueeze(1) >= torch.arange(start_pos + T, device=device).unsqueeze(0)
