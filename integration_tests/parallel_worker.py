@@ -36,6 +36,16 @@ def batch():
     return data[:, :-1], data[:, 1:]
 
 
+def doc_starts(cfg):
+    """Where documents begin in the batch's rows, for a model that masks documents (else None):
+    a few per row, one at a row's first token."""
+    if not cfg.doc_masking:
+        return None
+    starts = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(2)) < 0.15
+    starts[:, 0] = starts[0, 9] = starts[1, 1] = True
+    return starts
+
+
 def loss_sum(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
@@ -51,16 +61,17 @@ def bare(cfg):
     model, _ = reference_weights(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     tokens, targets = batch()
+    starts = doc_starts(cfg)
     losses, norms = [], []
     for _ in range(STEPS):
-        loss = loss_sum(model(tokens), targets) / targets.numel()
+        loss = loss_sum(model(tokens, starts), targets) / targets.numel()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        final = (loss_sum(model(tokens), targets) / targets.numel()).item()
+        final = (loss_sum(model(tokens, starts), targets) / targets.numel()).item()
     return {"losses": losses, "grad_norms": norms, "final_loss": final}
 
 
@@ -88,17 +99,22 @@ def parallel(cfg, layout):
     per_rank = BATCH // par.data_world
     rows = slice(par.data_rank * per_rank, (par.data_rank + 1) * per_rank)
     tokens, targets = tokens[rows].to(device), targets[rows].to(device)
+    starts = doc_starts(cfg)
+    starts = starts[rows].to(device) if starts is not None else None
     count = par.sum_over_data(torch.tensor(float(targets.numel()), device=device))
     trainer_loss = cross_entropy_sum(compile_chunks=options.compile)
     losses, norms = [], []
     for _ in range(STEPS):
-        local = par.forward_backward(tokens, targets, trainer_loss, scale=1.0 / count.item())
+        local = par.forward_backward(
+            tokens, targets, trainer_loss, scale=1.0 / count.item(), doc_starts=starts
+        )
         norms.append(par.clip_grad_norm_(MAX_NORM))
         losses.append((par.sum_over_data(local) / count).item())
         opt.step()
         opt.zero_grad()
     par.train(False)
-    final = (par.sum_over_data(par.evaluate(tokens, targets, trainer_loss)) / count).item()
+    final = par.evaluate(tokens, targets, trainer_loss, doc_starts=starts)
+    final = (par.sum_over_data(final) / count).item()
     result = {
         "losses": losses,
         "grad_norms": norms,

@@ -32,6 +32,9 @@ CASES = {
     ),
     "tp2_no_sp": (2, {"mesh": {"tp": 2}, "options": {"sequence_parallel": False}}),
     "fsdp2xtp2": (4, {"mesh": {"dp_shard": 2, "tp": 2}}),
+    # document masking with the heads split over ranks, and with stages handed document starts
+    "tp2_doc_masking": (2, {"mesh": {"tp": 2}, "model": {"doc_masking": True}}),
+    "pp2_doc_masking": (2, {"mesh": {"pp": 2}, "microbatches": 4, "model": {"doc_masking": True}}),
     "pp2_gpipe": (2, {"mesh": {"pp": 2}, "microbatches": 4, "options": {"pipeline": {"schedule": "GPipe"}}}),
     "pp2_1f1b": (2, {"mesh": {"pp": 2}, "microbatches": 4}),
     "pp2_interleaved1f1b": (

@@ -27,6 +27,8 @@ _ALWAYS_SAVE = {
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    # a model's FlexAttention (document masking on CUDA) is attention too
+    torch.ops.higher_order.flex_attention,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     torch.ops._c10d_functional.all_reduce.default,
 }
