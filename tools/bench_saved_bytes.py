@@ -11,7 +11,10 @@ configuration is measured twice in the same run: the loss from the logits of the
 still use) against the chunked loss from the hidden states (`from_hidden`, what a run uses
 now), each with and without document masking. bf16 autocast, as the GPU runs train.
 
-The block stack of a few layers stands for the whole: its bytes per token per layer are printed,
+The chunked loss keeps the float32 gradient of the output matrix (V x d) from the forward to the
+backward: a fixed size, so its share per token falls as the batch grows (run with the batch
+the GPU trains, `--batch 4`, to compare with TorchTitan's). The block stack of a few layers
+stands for the whole: its bytes per token per layer are printed,
 and the full model's estimate is `layers x per-layer + head`. The head's part is what the chunked
 loss changes; the block stack's is what document masking may change (its mask is built once per
 step and shared by every layer).
@@ -110,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     "loss": "chunked (from hidden states)" if chunked else "logits (before)",
                     "blocks_per_layer_per_token": saved["blocks"] / args.layers / n,
                     "head_and_loss_per_token": saved["head_and_loss"] / n,
+                    "head_and_loss_mib": saved["head_and_loss"] / 2**20,
                     "full_model_per_token": (
                         saved["blocks"] / args.layers * preset_config(args.model).n_layers
                         + saved["head_and_loss"]
@@ -121,15 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"model": args.model, "seq_len": args.seq_len, "rows": rows}))
         return 0
     print(
-        f"{args.model}, seq {args.seq_len} x batch {args.batch}, bf16 autocast: bytes saved for backward per token"
+        f"{args.model}, seq {args.seq_len} x batch {args.batch}, bf16 autocast: "
+        "bytes saved for backward per token (head+loss also in MiB for this batch)"
     )
-    print(
-        f"{'doc masking':<12} {'loss':<30} {'per layer':>12} {'head+loss':>12} {'whole model':>12}"
-    )
+    header = ("doc masking", "loss", "per layer", "head+loss", "whole model", "head+loss MiB")
+    print(f"{header[0]:<12} {header[1]:<30} " + " ".join(f"{h:>13}" for h in header[2:]))
     for r in rows:
+        numbers = (
+            r["blocks_per_layer_per_token"],
+            r["head_and_loss_per_token"],
+            r["full_model_per_token"],
+            r["head_and_loss_mib"],
+        )
         print(
-            f"{r['doc_masking']!s:<12} {r['loss']:<30} {r['blocks_per_layer_per_token']:>12,.0f} "
-            f"{r['head_and_loss_per_token']:>12,.0f} {r['full_model_per_token']:>12,.0f}"
+            f"{r['doc_masking']!s:<12} {r['loss']:<30} " + " ".join(f"{x:>13,.0f}" for x in numbers)
         )
     for masking in (False, True):
         before, after = (r for r in rows if r["doc_masking"] == masking)
