@@ -156,7 +156,7 @@ def test_import_refuses_other_architectures_and_used_directories(tmp_path, run_c
     assert code == 2 and "model_type 'gemma' (GemmaForCausalLM) is not supported" in err
 
     code, _, err = run_cli("hf", "import", tmp_path / "nothing", "-o", tmp_path / "c1")
-    assert code == 2 and "no config.json" in err
+    assert code == 2 and "does not exist; give a transformers model directory" in err
 
     gpt2_dir = hf.save_dir(hf.random_model(hf.gpt2_config(n_layer=1)), tmp_path / "gpt2")
     assert run_cli("hf", "import", gpt2_dir, "-o", tmp_path / "c2")[0] == 0

@@ -151,11 +151,17 @@ def save_tokenizer(export: TokenizerExport, out: str) -> None:
 
 def _eos_name(hf_dir: str, config: Any, tok: Any) -> str | None:
     """The end-of-sequence token of an HF directory: tokenizer_config.json's eos_token, else the
-    model config's eos_token_id."""
+    model config's eos_token_id. A tokenizer_config.json that is not a JSON object is refused."""
     path = os.path.join(hf_dir, "tokenizer_config.json")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token")
+        fix = (
+            "re-download it, or remove it (the end of document then comes from config.json's "
+            "eos_token_id)"
+        )
+        settings = _json_file(path, fix)
+        if not isinstance(settings, dict):
+            raise UserError(f"{path}: expected a JSON object of tokenizer settings: {fix}")
+        eos = settings.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and tok.token_to_id(eos) is not None:
@@ -168,42 +174,87 @@ def _eos_name(hf_dir: str, config: Any, tok: Any) -> str | None:
     return None
 
 
-def import_tokenizer(
-    hf_dir: str, out: str, config: Any, plugins: PluginManager
-) -> tuple[dict[str, Any] | None, str]:
-    """Copy HF_DIR/tokenizer.json into the checkpoint directory `out` and return the record a
-    checkpoint keeps (`info.data.tokenizer`), or None and why not."""
+def _read(path: str, fix: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}: {fix}") from None
+
+
+def _json_file(path: str, fix: str) -> Any:
+    try:
+        return json.loads(_read(path, fix).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not text (a binary or damaged file): {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}; "
+            f"damaged or cut short): {fix}"
+        ) from None
+
+
+@attrs.frozen
+class TokenizerImport:
+    """An HF directory's tokenizer.json, read and checked: its bytes, the record a checkpoint
+    keeps (its spec's path still the source's; None when not recorded) and what to tell."""
+
+    data: bytes | None
+    record: dict[str, Any] | None
+    note: str
+    eos: str | None = None
+
+
+def read_tokenizer(hf_dir: str, config: Any, plugins: PluginManager) -> TokenizerImport:
+    """HF_DIR/tokenizer.json (and its end of document) as a checkpoint will record it, read
+    without writing anything. A tokenizer.json or tokenizer_config.json that cannot be read is
+    a UserError naming it; a directory without tokenizer.json, or a tokenizer llmtrain cannot
+    use (no end-of-document token), imports without one, and the note says so."""
     from tokenizers import Tokenizer
 
     source = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.exists(source):
-        return None, (
+        return TokenizerImport(
+            None,
+            None,
             f"{hf_dir} has no tokenizer.json: no tokenizer recorded (pass --tokenizer to "
-            "`llmtrain generate`)"
+            "`llmtrain generate`)",
         )
-    with open(source, "rb") as f:
-        data = f.read()
+    fix = "re-download it, or remove it to import the model without a tokenizer"
+    data = _read(source, fix)
     try:
-        eos = _eos_name(hf_dir, config, Tokenizer.from_str(data.decode("utf-8")))
+        tok = Tokenizer.from_str(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{source} is not text (a binary or damaged file): {fix}") from None
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exception on bad files
-        return None, f"{source} is not a readable tokenizer.json ({exc}): no tokenizer recorded"
-    fs, root = fsspec.core.url_to_fs(out)
-    fs.makedirs(root, exist_ok=True)
+        detail = " ".join(str(exc).split())
+        raise UserError(f"{source} is not a readable tokenizer.json ({detail}): {fix}") from None
+    eos = _eos_name(hf_dir, config, tok)
+    spec = {"kind": "hf", "path": source, **({"eod_token": eos} if eos else {})}
+    try:
+        ours = tokenizer_from_raw(spec, plugins)
+    except TokenizerError as exc:
+        return TokenizerImport(None, None, f"tokenizer not recorded: {exc}")
+    record = {
+        "name": ours.name,
+        "fingerprint": ours.fingerprint,
+        "vocab_size": ours.vocab_size,
+        "eod_id": ours.eod_id,
+        "spec": spec,
+    }
+    return TokenizerImport(data, record, f"tokenizer: {source} (end of document: {eos!r})", eos)
+
+
+def write_tokenizer(tokenizer: TokenizerImport, out: str) -> tuple[dict[str, Any] | None, str]:
+    """Copy the tokenizer.json of `read_tokenizer` into the checkpoint directory `out`: (the
+    record with the copy's path (the fingerprint is of the content: the same), the note)."""
+    if tokenizer.data is None or tokenizer.record is None:
+        return None, tokenizer.note
     target = f"{out.rstrip('/')}/tokenizer.json"
     if "://" not in target:
         target = os.path.abspath(target)
     with fsspec.open(target, "wb") as f:
-        f.write(data)
-    spec = {"kind": "hf", "path": target, **({"eod_token": eos} if eos else {})}
-    try:
-        tok = tokenizer_from_raw(spec, plugins)
-    except TokenizerError as exc:
-        return None, f"tokenizer not recorded: {exc}"
-    record = {
-        "name": tok.name,
-        "fingerprint": tok.fingerprint,
-        "vocab_size": tok.vocab_size,
-        "eod_id": tok.eod_id,
-        "spec": spec,
-    }
-    return record, f"tokenizer: {source} copied to {target} (end of document: {eos!r})"
+        f.write(tokenizer.data)
+    source = tokenizer.record["spec"]["path"]
+    note = f"tokenizer: {source} copied to {target} (end of document: {tokenizer.eos!r})"
+    return {**tokenizer.record, "spec": {**tokenizer.record["spec"], "path": target}}, note

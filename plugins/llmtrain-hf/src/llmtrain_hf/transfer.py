@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shutil
 import warnings
 from typing import Any
 
@@ -18,21 +20,15 @@ from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
-from llmtrain.models.transformer import Transformer
-from llmtrain_hf.convert import (
-    GPT2,
-    architecture_of,
-    from_hf_model,
-    options_from_hf,
-    portable_config,
-    source_architecture,
-    to_hf_model,
-)
+from llmtrain.models.transformer import Transformer, build_model
+from llmtrain_hf.convert import GPT2, architecture_of, portable_config, to_hf_model
+from llmtrain_hf.hf_dir import HFDir, read_config, read_weights_of
 from llmtrain_hf.tokenizer import (
     TokenizerExport,
     hf_tokenizer,
-    import_tokenizer,
+    read_tokenizer,
     save_tokenizer,
+    write_tokenizer,
 )
 
 # the model kind an imported checkpoint names: every option explicit, no preset defaults
@@ -87,6 +83,8 @@ def export_checkpoint(
 
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"-o {out} is a file; give a directory for the transformers model")
     if os.path.exists(os.path.join(out, "config.json")) and not overwrite:
         raise UserError(
             f"{out} already holds a model (config.json); pass --overwrite to replace it"
@@ -110,13 +108,13 @@ def export_checkpoint(
         tok = TokenizerExport(None, "--no-tokenizer: no tokenizer files written")
     notes.append(tok.note)
     hf = to_hf_model(model, eos_token_id=tok.eos_token_id, dtype=DTYPES[dtype], architecture=arch)
-    os.makedirs(out, exist_ok=True)
-    hf.save_pretrained(out)
-    portable_config(out, cfg)
-    save_tokenizer(tok, out)
     source = f"{checkpoint.rstrip('/')}/step-{step}"
-    with open(os.path.join(out, "llmtrain.json"), "w", encoding="utf-8") as f:
-        json.dump({"source": source, "step": step, "model": info.get("model")}, f, indent=2)
+    with _staged(out) as staging:
+        hf.save_pretrained(staging)
+        portable_config(staging, cfg)
+        save_tokenizer(tok, staging)
+        with open(os.path.join(staging, "llmtrain.json"), "w", encoding="utf-8") as f:
+            json.dump({"source": source, "step": step, "model": info.get("model")}, f, indent=2)
     return Report(
         output=out,
         source=source,
@@ -125,6 +123,49 @@ def export_checkpoint(
         files=sorted(os.listdir(out)),
         notes=notes,
     )
+
+
+# files of an earlier export that a new one replaces even when it does not write them (a sharded
+# model exported again in one file): transformers would read them with the new ones
+STALE_WEIGHTS = re.compile(
+    r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)$|\.index\.json$"
+)
+
+
+@contextlib.contextmanager
+def _staged(out: str):
+    """A directory to write the export into, beside `out`, that becomes `out` when the block
+    ends (its files moved in, config.json last); removed if the block fails. A partly written
+    export never sits in `out` looking complete (config.json is what marks one)."""
+    target = os.path.abspath(out)
+    parent, name = os.path.split(target)
+    staging = os.path.join(parent, f".{name}.hf-export-partial")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)  # left by an export that was killed
+        os.makedirs(staging)
+    except OSError as exc:
+        raise UserError(f"cannot create {out}: {_os_error(exc)}") from None
+    try:
+        yield staging
+        written = sorted(os.listdir(staging), key=lambda n: n == "config.json")
+        if not os.path.isdir(target):
+            os.rename(staging, target)
+            return
+        for old in os.listdir(target):
+            if STALE_WEIGHTS.search(old) and old not in written:
+                os.remove(os.path.join(target, old))
+        for file in written:
+            os.replace(os.path.join(staging, file), os.path.join(target, file))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _os_error(exc: OSError) -> str:
+    """What went wrong with which path, in a few words ("File exists: /a/b")."""
+    if exc.strerror and exc.filename:
+        return f"{exc.strerror}: {exc.filename}"
+    return exc.strerror or str(exc)
 
 
 def _export_notes(cfg: Any, arch: str) -> list[str]:
@@ -158,52 +199,95 @@ def import_hf(
     """Read a transformers model directory (an architecture of `convert.ARCHITECTURES`) and save
     it as a committed llmtrain checkpoint at step 0 in `out` (a path or fsspec URL), with the
     model options (kind `transformer`, every option explicit) and, when HF_DIR has
-    tokenizer.json, the tokenizer: `llmtrain generate --checkpoint OUT` and `llmtrain eval` then work on it."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    tokenizer.json, the tokenizer: `llmtrain generate --checkpoint OUT` and `llmtrain eval` then work on it.
 
-    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
-        raise UserError(f"{hf_dir}: no config.json; give a transformers model directory")
+    Every file of HF_DIR is read and checked before anything is written (`hf_dir`): a missing,
+    damaged or mismatched one is a UserError naming it, and `out` is left as it was."""
+    source = HFDir.open(hf_dir)
+    cfg = read_config(source)  # refuse an unsupported model before reading its weights
     plugins = _plugins(plugins)
-    config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    where = os.path.join(hf_dir, "config.json")
-    options_from_hf(config, where=where)  # refuse before loading
-    arch = source_architecture(config, where)
-    checkpoints = Checkpointer(out)
-    existing = checkpoints.committed_steps()
-    if existing:
-        raise UserError(
-            f"{out} already holds checkpoints (steps {', '.join(map(str, existing))}); import "
-            "into an empty directory"
-        )
-    if not any(name.endswith(".safetensors") for name in os.listdir(hf_dir)):
-        raise UserError(
-            f"{hf_dir} has no .safetensors weights; hf import reads safetensors only (no "
-            "pickled pytorch_model.bin): convert them with transformers' save_pretrained first"
-        )
-    hf = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True
-    )
-    model = from_hf_model(hf)
-    del hf
-    record, note = import_tokenizer(hf_dir, out, config, plugins)
-    if record is not None and record["vocab_size"] > model.cfg.vocab_size:
-        raise UserError(
-            f"{hf_dir}: tokenizer.json has {record['vocab_size']} ids but the model's vocab_size "
-            f"is {model.cfg.vocab_size}"
-        )
-    info: dict[str, Any] = {"model": {"kind": IMPORT_KIND, **unstructure(model.cfg)}}
-    if record is not None:
-        info["data"] = {"fingerprint": record["fingerprint"], "tokenizer": record}
+    checkpoints = _empty_destination(out)
     try:
-        with _one_process():
-            checkpoints.save(0, {MODEL_PART: ModelState(model)}, info=info, blocking=True)
+        weights, _ = read_weights_of(source, cfg)
+        model = build_model(cfg.options)
+        model.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
+        del weights
+        model = model.to(torch.float32).eval()
+        tokenizer = read_tokenizer(hf_dir, cfg.config, plugins)
+        record = tokenizer.record
+        if record is not None and record["vocab_size"] > model.cfg.vocab_size:
+            raise UserError(
+                f"{hf_dir}: tokenizer.json has {record['vocab_size']} ids but the model's "
+                f"vocab_size is {model.cfg.vocab_size}"
+            )
+        with _removed_on_failure(out):
+            record, note = write_tokenizer(tokenizer, out)
+            info: dict[str, Any] = {"model": {"kind": IMPORT_KIND, **unstructure(model.cfg)}}
+            if record is not None:
+                info["data"] = {"fingerprint": record["fingerprint"], "tokenizer": record}
+            with _one_process():
+                checkpoints.save(0, {MODEL_PART: ModelState(model)}, info=info, blocking=True)
     finally:
         checkpoints.close()
     return Report(
         output=out,
         source=hf_dir,
-        architecture=arch,
+        architecture=cfg.architecture,
         parameters=sum(p.numel() for p in model.parameters()),
         files=["step-0", *(["tokenizer.json"] if record is not None else [])],
         notes=[note],
     )
+
+
+def _empty_destination(out: str) -> Checkpointer:
+    """The Checkpointer of `out`, which must be (or be able to become) a directory without
+    committed checkpoints."""
+    from fsspec.core import url_to_fs
+
+    try:
+        fs, root = url_to_fs(out)
+        is_file = fs.isfile(root)
+    except (ValueError, ImportError) as exc:  # an unknown protocol or its missing package
+        raise UserError(f"-o {out}: {exc}") from None
+    except OSError as exc:
+        raise UserError(f"-o {out}: {_os_error(exc)}") from None
+    if is_file:
+        raise UserError(f"-o {out} is a file; give a directory for the checkpoint")
+    checkpoints = Checkpointer(out)
+    try:
+        existing = checkpoints.committed_steps()
+    except OSError as exc:  # a file on the way (NotADirectoryError), no access
+        checkpoints.close()
+        raise UserError(f"-o {out}: cannot use it as a directory ({_os_error(exc)})") from None
+    if existing:
+        checkpoints.close()
+        raise UserError(
+            f"{out} already holds checkpoints (steps {', '.join(map(str, existing))}); import "
+            "into an empty directory"
+        )
+    return checkpoints
+
+
+@contextlib.contextmanager
+def _removed_on_failure(out: str):
+    """Create `out`; if what follows fails, remove what it wrote: all of `out` when this made it,
+    else the files and directories it added. A directory that cannot be created is a UserError."""
+    from fsspec.core import url_to_fs
+
+    fs, root = url_to_fs(out)
+    created = not fs.exists(root)
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create {out}: {_os_error(exc)}") from None
+    before = set() if created else set(fs.ls(root, detail=False))
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if created:
+                fs.rm(root, recursive=True)
+            else:
+                for path in set(fs.ls(root, detail=False)) - before:
+                    fs.rm(path, recursive=True)
+        raise
