@@ -4,28 +4,54 @@ with its tail and costs the steps after it nothing."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-RUNNER = Path(__file__).resolve().parents[1] / "tools" / "gpu" / "runner.py"
+KIT = Path(__file__).resolve().parents[1] / "tools" / "gpu"
+RUNNER = KIT / "runner.py"
 STEPS = [
     "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "float8-run",
-    "moe-run", "deterministic", "llama-run", "bare-loop", "torchtitan",
+    "moe-run", "deterministic", "torchtitan-b4", "llama-b4", "llama-b4-docmask",
+    "llama-b4-float8", "torchtitan-b8", "llama-b8", "bare-loop",
 ]  # fmt: skip
+TORCHTITAN = ("torchtitan-b4", "torchtitan-b8")
 
 
-def dry_run(tmp_path: Path, *args: str) -> dict:
-    """No bundle folder: the runner builds the repo's wheels offline and installs those."""
+def dry_run(tmp_path: Path, *args: str, env: dict | None = None) -> dict:
+    """No wheels in the bundle folder: the runner builds the repo's wheels offline and
+    installs those."""
     out = tmp_path / "out"
     command = [sys.executable, str(RUNNER), "--dry-run", "--bundle", str(tmp_path / "no-bundle")]
     command += ["--out", str(out), "--work", str(tmp_path / "work"), *args]
-    subprocess.run(command, capture_output=True, text=True, timeout=600)
+    env = {**os.environ, **(env or {})}
+    subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert (out / "report.md").is_file()
     return json.loads((out / "report.json").read_text())
+
+
+def torchtitan_folder(folder: Path) -> Path:
+    """What bundle.sh puts in .gpu-bundle/torchtitan/, as placeholders: the wheels named as
+    torchtitan_wheels.txt pins them (CI has no package index and no ../shared anchor)."""
+    for name in ("run_tt.sh", "llama3_1b.toml", "tt_llama1b.py", "cpu_smoke_train.py",
+                 "data/corpus.jsonl.gz", "assets/tokenizer/tokenizer.json",
+                 "assets/tokenizer/tokenizer_config.json"):  # fmt: skip
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text("placeholder")
+    for line in (KIT / "torchtitan_wheels.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            where, _, pin = line.rpartition("/")
+            name, _, version = pin.partition("==")
+            wheel = folder / "wheels" / where / f"{name}-{version}-py3-none-any.whl"
+            wheel.parent.mkdir(parents=True, exist_ok=True)
+            wheel.write_text("placeholder")
+    return folder
 
 
 @pytest.mark.slow
@@ -33,18 +59,156 @@ def test_dry_run_passes_every_step(tmp_path):
     report = dry_run(tmp_path)
     assert report["mode"] == "dry-run"
     assert [s["name"] for s in report["steps"]] == STEPS
-    status = {s["name"]: (s["status"], s["tail"][-2000:]) for s in report["steps"]}
-    assert all(s == "passed" for s, _ in list(status.values())[:-1]), status
-    assert status["torchtitan"][0] == "skipped"
+    steps = {s["name"]: s for s in report["steps"]}
+    status = {name: (s["status"], s["tail"][-2000:]) for name, s in steps.items()}
+    assert all(status[n][0] == "passed" for n in STEPS if n not in TORCHTITAN), status
     runs = {s["name"]: s["figures"] for s in report["steps"]}
     assert runs["gpt2-run"]["tokens_per_s"] > 0 and runs["bare-loop"]["tokens_per_s"] > 0
+    for name in ("llama-b4", "llama-b4-docmask", "llama-b8"):
+        assert runs[name]["steady_tokens_per_s"] > 0, name
+    # no bundle here: TorchTitan is not started (its CPU run takes ~1.5 min; by hand, README);
+    # its GPU form is checked by test_the_side_by_side_steps_as_the_gpu_gets_them
+    for name in TORCHTITAN:
+        assert steps[name]["status"] == "skipped" and "gpu-bundle" in steps[name]["reason"]
+        assert "cpu_smoke_train.py" in steps[name]["commands"][-1]
+    # the one table: our rows measured (CPU figures), TorchTitan's "not run" with the reason
+    table = {r["step"]: r for r in report["side_by_side"]["torchtitan"]["rows"]}
+    assert table["llama-b4"]["status"] == "measured"
+    assert table["llama-b4-docmask"]["ratio"] > 0
+    assert table["torchtitan-b4"]["status"].startswith("not run: torchtitan-b4 skipped")
+    goals = {g["goal"]: g["status"] for g in report["side_by_side"]["torchtitan"]["goals"]}
+    assert goals["b4: llmtrain tokens/s >= 1.0x TorchTitan's"] == "not run"
+    assert "| llmtrain b4 | llama-b4 |" in (tmp_path / "out" / "report.md").read_text()
 
 
 @pytest.mark.slow
 def test_a_failing_step_is_reported_and_the_next_steps_run(tmp_path):
-    report = dry_run(tmp_path, "--only", "gpu-tests,float8-run", "--break", "gpu-tests")
+    # a bundle with a torchtitan/ folder but no wheels of ours (those are built here), and a
+    # Python for TorchTitan that lacks what it needs: its files are checked, it is not started
+    torchtitan_folder(tmp_path / "no-bundle" / "torchtitan")
+    bare = tmp_path / "bare-python"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # no site-packages
+    bare.chmod(0o755)
+    report = dry_run(
+        tmp_path, "--only", "gpu-tests,float8-run,torchtitan-b4", "--break", "gpu-tests",
+        env={"TT_PYTHON": str(bare)},
+    )  # fmt: skip
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["install", "data", "gpu-tests", "float8-run"]
+    assert list(steps) == ["install", "data", "gpu-tests", "float8-run", "torchtitan-b4"]
     assert steps["gpu-tests"]["status"] == "failed"
     assert "gpu-tests made to fail by --break" in steps["gpu-tests"]["tail"]
     assert steps["float8-run"]["status"] == "passed", steps["float8-run"]["tail"]
+    titan = steps["torchtitan-b4"]
+    assert titan["status"] == "skipped", titan
+    assert titan["reason"].startswith("files checked; TorchTitan not started"), titan["reason"]
+    assert "lacks pip, torch, triton" in titan["reason"]
+
+
+def test_the_torchtitan_folder_check_names_what_is_missing(tmp_path):
+    folder = torchtitan_folder(tmp_path / "torchtitan")
+    check = [sys.executable, str(KIT / "side_by_side.py"), "check-torchtitan", str(folder)]
+    done = subprocess.run(check, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout
+    (folder / "assets" / "tokenizer" / "tokenizer.json").unlink()
+    (folder / "wheels" / "multiprocess-0.70.18-py3-none-any.whl").unlink()
+    done = subprocess.run(check, capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "assets/tokenizer/tokenizer.json is missing" in done.stdout
+    assert "wheels/multiprocess==0.70.18 is missing" in done.stdout
+
+
+def test_the_side_by_side_steps_as_the_gpu_gets_them(tmp_path, monkeypatch):
+    """The GPU form of the side-by-side's steps, which no CPU run starts: TorchTitan tied at
+    batch 4 and 8 from the bundle, our runs at the same shape with their options."""
+    monkeypatch.syspath_prepend(str(KIT))
+    steps = importlib.import_module("steps")  # tools/gpu/steps.py
+    bundle = tmp_path / "bundle"
+    torchtitan_folder(bundle / "torchtitan")
+    ctx = steps.Context(
+        KIT.parents[1], tmp_path / "work", "python3", False, tmp_path / "out", bundle
+    )
+    ctx.configs.mkdir(parents=True)
+    plan = {s.name: s for s in steps.plan(ctx, ["true"], str(bundle))}
+    for batch in (4, 8):
+        titan = plan[f"torchtitan-b{batch}"]
+        assert not titan.skip and not titan.checks_only
+        check, run = (" ".join(map(str, c)) for c in titan.commands)
+        assert check.endswith(f"side_by_side.py check-torchtitan {bundle / 'torchtitan'}")
+        assert "TT_TIE=1" in run and f"OUT={tmp_path / 'out' / titan.name}" in run
+        assert "TT_ENTRY" not in run and "tools/gpu/torchtitan.sh" in run
+        assert run.endswith(
+            f"--training.local_batch_size {batch} --training.seq_len 2048 --training.steps 40"
+        )
+    configs = {}
+    for name in ("llama-b4", "llama-b8", "llama-b4-docmask", "llama-b4-float8"):
+        (command,) = plan[name].commands
+        assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in command
+        configs[name] = yaml.safe_load(Path(command[-1]).read_text())
+        assert configs[name]["training"] == {"steps": 40, "log_every": 10}
+        assert configs[name]["parallel"]["compile"] is True
+    assert [configs[n]["data"]["micro_batch"] for n in ("llama-b4", "llama-b8")] == [4, 8]
+    assert configs["llama-b4-docmask"]["model"]["doc_masking"] is True
+    assert configs["llama-b4-float8"]["parallel"]["float8"] is True
+    assert "doc_masking" not in configs["llama-b4"]["model"]
+
+
+def test_two_calls_merge_into_one_table_with_goals(tmp_path):
+    """The side-by-side takes two device calls; --merge makes one report of them. Figures as
+    the first GPU session measured them (issue 35): every goal fails, the b8 float8 ratio is
+    across calls, and a row no call ran is "not run"."""
+
+    def step(name, call_figures, status="passed", reason=""):
+        return {"name": name, "status": status, "reason": reason, "figures": call_figures,
+                "seconds": 1.0, "measures": "", "commands": [], "tail": "", "budget_s": 1}  # fmt: skip
+
+    def ours(tokens_per_s, mfu, reserved, allocated):
+        return {"tokens_per_s": tokens_per_s, "steady_tokens_per_s": tokens_per_s,
+                "steady_mfu": mfu, "reserved_gib": reserved, "peak_gib": allocated}  # fmt: skip
+
+    environment = {"gpu": "NVIDIA H100 80GB HBM3"}
+    titan = {"tokens_per_s": 56518, "mfu": 0.47, "peak_reserved_gib": 30.0, "peak_flops": 9.89e14}
+    first = [
+        step("torchtitan-b4", titan),
+        step("llama-b4", ours(52656, 0.354, 38.9, 37.8)),
+        step("llama-b4-docmask", ours(46447, 0.312, 39.5, 38.3)),
+    ]
+    second = [
+        step("torchtitan-b8", {**titan, "tokens_per_s": 61901, "peak_reserved_gib": 43.9}),
+        step("llama-b8", {}, "timeout", "over its budget of 270 s"),
+        step("llama-b4-float8", ours(56167, 0.38, 34.0, 33.0)),
+    ]
+    reports = []
+    for i, steps in enumerate((first, second)):
+        reports.append(tmp_path / f"call{i}.json")
+        reports[-1].write_text(
+            json.dumps({"mode": "gpu", "environment": environment, "steps": steps})
+        )
+    out = tmp_path / "merged"
+    command = [sys.executable, str(RUNNER), "--merge", *map(str, reports), "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True)
+    doc = json.loads((out / "report.json").read_text())["side_by_side"]["torchtitan"]
+    rows = {r["step"]: r for r in doc["rows"]}
+    assert rows["llama-b4"]["ratio"] == pytest.approx(52656 / 56518)
+    assert "across_calls" not in rows["llama-b4"]
+    assert rows["llama-b4-docmask"]["ratio"] == pytest.approx(46447 / 52656)
+    assert rows["llama-b4-float8"]["across_calls"] is True
+    assert rows["llama-b8"]["status"] == "not run: llama-b8 timeout (over its budget of 270 s)"
+    assert rows["llama-b4"]["mfu_counted"] == pytest.approx(52656 * 8.2202e9 / 9.89e14, rel=1e-4)
+    goals = {g["goal"]: g for g in doc["goals"]}
+    assert [g["status"] for g in goals.values()] == [
+        "fail",
+        "fail",
+        "not run",
+        "not run",
+        "fail",
+        "fail",
+    ]
+    assert goals["b8: llmtrain tokens/s >= 1.0x TorchTitan's"]["reason"].startswith(
+        "not run: llama-b8"
+    )
+    report = (out / "report.md").read_text()
+    assert (
+        "| llmtrain b4 | llama-b4 | 52,656 | 35.4% | 43.8% | 38.9 (37.8) | 0.932 of torchtitan-b4 |"
+        in report
+    )
+    assert "0.994 of torchtitan-b4 (another call)" in report

@@ -7,6 +7,10 @@
 #   bash tools/gpu/bundle.sh [OUT]      # default OUT: .gpu-bundle in the repo's root
 #
 # Needs uv, a Python with pip (PYTHON, default python3) and the package index; see tools/README.md.
+# The side-by-side's TorchTitan goes into OUT/torchtitan/: the anchor's files (TT_ANCHOR, default
+# ../shared/torchtitan-anchor), its wheels (tools/gpu/torchtitan_wheels.txt) and its local corpus
+# and tokenizer, made by the anchor's make_assets.py with TT_ASSETS_PYTHON (default: the nox
+# integration venv's Python, which has tokenizers, numpy and torch: the corpus is their docstrings).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -62,9 +66,41 @@ if [ -s "$WORK/missing.txt" ]; then
     "$PYTHON" -m pip download -q --no-deps "${TARGET[@]}" -d "$OUT" -r "$WORK/missing.txt"
 fi
 
+echo "== TorchTitan for the side-by-side"
+ANCHOR="${TT_ANCHOR:-$ROOT/../shared/torchtitan-anchor}"
+ASSETS_PYTHON="${TT_ASSETS_PYTHON:-$ROOT/.nox/integration/bin/python}"
+[ -x "$ASSETS_PYTHON" ] || ASSETS_PYTHON="$PYTHON"
+if [ -f "$ANCHOR/run_tt.sh" ]; then
+    TT="$OUT/torchtitan"
+    mkdir -p "$TT/wheels/fallback"
+    # run_tt.sh and what it reads beside itself; cpu_smoke_train.py serves the dry run; the
+    # README and NOTES say what the comparison does and does not make equal
+    for file in run_tt.sh llama3_1b.toml tt_llama1b.py cpu_smoke_train.py README.md NOTES.md; do
+        cp "$ANCHOR/$file" "$TT/"
+    done
+    pins="$ROOT/tools/gpu/torchtitan_wheels.txt"
+    grep -v '^#' "$pins" | grep -v '^fallback/' | grep . >"$WORK/tt-wheels.txt"
+    sed -n 's|^fallback/||p' "$pins" >"$WORK/tt-fallback.txt"
+    "$PYTHON" -m pip download -q --no-deps "${TARGET[@]}" -d "$TT/wheels" -r "$WORK/tt-wheels.txt"
+    "$PYTHON" -m pip download -q --no-deps "${TARGET[@]}" -d "$TT/wheels/fallback" \
+        -r "$WORK/tt-fallback.txt"
+    if ! "$ASSETS_PYTHON" -c "import tokenizers" 2>/dev/null; then
+        echo "$ASSETS_PYTHON has no tokenizers: set TT_ASSETS_PYTHON to a Python with tokenizers" \
+            "(and numpy and torch, for the corpus the anchor's NOTES describe)" >&2
+        exit 1
+    fi
+    echo "making the corpus and tokenizer with $ASSETS_PYTHON (about a minute)"
+    "$ASSETS_PYTHON" -W ignore "$ANCHOR/make_assets.py" --out "$TT" 2>"$WORK/assets.log" |
+        tail -n 2 || { cat "$WORK/assets.log" >&2; exit 1; }
+    "$PYTHON" "$ROOT/tools/gpu/side_by_side.py" check-torchtitan "$TT"
+else
+    echo "no TorchTitan anchor at $ANCHOR (TT_ANCHOR): the torchtitan steps will be skipped" >&2
+fi
+
 size_kib="$(du -sk "$OUT" | cut -f1)"
 echo "== bundle: $OUT, $(ls "$OUT"/*.whl | wc -l) wheels, $((size_kib / 1024)) MiB"
 ls -1 "$OUT"
+[ -d "$OUT/torchtitan" ] && echo "torchtitan/: $(du -sh "$OUT/torchtitan" | cut -f1)"
 if [ "$size_kib" -gt $((LIMIT_MIB * 1024)) ]; then
     echo "bundle is over $LIMIT_MIB MiB: it would not travel with the repo (64 MiB in all)" >&2
     exit 1

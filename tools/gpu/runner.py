@@ -4,6 +4,7 @@ write one report (report.md + report.json) under --out.
 
     python tools/gpu/runner.py --bundle .gpu-bundle --out "$OUT"         # on the GPU machine
     python tools/gpu/runner.py --dry-run --out /tmp/gpu-dry              # on CPU: parse + start
+    python tools/gpu/runner.py --merge A/report.json B/report.json --out DIR   # two calls, one table
 
 --dry-run runs each step's command in a CPU form that proves it parses and starts (configs
 validated as written for the GPU, then run for two steps on CPU with a tiny model; benchmarks
@@ -28,6 +29,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import side_by_side as sbs
 import steps as kit
 from packaging.specifiers import SpecifierSet
 from packaging.tags import sys_tags
@@ -120,7 +122,7 @@ def nvidia_smi() -> str:
 
 
 # ------------------------------------------------------------------------------ running
-def run_step(step: kit.Step, env: dict, logs: Path, time_left: float) -> Result:
+def run_step(step: kit.Step, env: dict, logs: Path, out_dir: Path, time_left: float) -> Result:
     result = Result(step.name, step.measures, "passed", budget_s=step.budget_s)
     result.commands = [" ".join(map(str, c)) for c in step.commands]
     if step.skip:
@@ -140,13 +142,24 @@ def run_step(step: kit.Step, env: dict, logs: Path, time_left: float) -> Result:
                 result.status = status
                 break
     result.seconds = round(time.perf_counter() - started, 1)
-    if result.status == "passed":
+    keep(step, out_dir)
+    if result.status == "passed" and step.checks_only:
+        result.status, result.reason = "skipped", step.checks_only
+    elif result.status == "passed":
         result.figures = read_figures(step)
     else:
         result.tail = log.read_text()[-TAIL_CHARS:]
         if result.status == "timeout":
             result.reason = f"over its budget of {budget:.0f} s"
     return result
+
+
+def keep(step: kit.Step, out_dir: Path) -> None:
+    """What the step leaves for the report's folder (a run's metrics), so it comes back."""
+    for path in step.keep:
+        if path.is_file():
+            (out_dir / step.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, out_dir / step.name / path.name)
 
 
 def run_command(command: list[str], env: dict, out, timeout: float) -> str:
@@ -156,7 +169,9 @@ def run_command(command: list[str], env: dict, out, timeout: float) -> str:
         proc = subprocess.Popen(
             list(map(str, command)),
             cwd=ROOT,
-            env=env,
+            # the seconds it may take: a command that bounds itself (run_tt.sh) ends on its own
+            # terms, with its summary written, rather than being killed
+            env={**env, "GPU_KIT_BUDGET_S": str(int(max(timeout, 1)))},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # a timeout ends the command's whole process group
@@ -182,20 +197,26 @@ def read_figures(step: kit.Step) -> dict:
 
 
 # ------------------------------------------------------------------------------ reporting
-def side_by_side(results: list[Result]) -> dict:
-    """Our `llmtrain run` against the bare loop on the same model, steps and data."""
-    by_name = {r.name: r for r in results}
-    ours, bare = by_name.get("llama-run"), by_name.get("bare-loop")
-    if not (
-        ours and bare and ours.figures.get("tokens_per_s") and bare.figures.get("tokens_per_s")
+def side_by_side(steps: list[dict], environment: dict) -> dict:
+    """Our `llmtrain run` against the bare loop on the same model, steps and data; and the
+    table against TorchTitan (side_by_side.py)."""
+    by_name = {s["name"]: s for s in steps}
+    ours, bare = by_name.get("llama-b4"), by_name.get("bare-loop")
+    if (
+        ours
+        and bare
+        and ours["figures"].get("tokens_per_s")
+        and bare["figures"].get("tokens_per_s")
     ):
-        return {"ratio_to_bare": None, "note": "the llama run or the bare loop did not pass"}
-    ratio = ours.figures["tokens_per_s"] / bare.figures["tokens_per_s"]
-    return {
-        "ratio_to_bare": round(ratio, 4),
-        "goal": kit.GOAL_RATIO,
-        "met": ratio >= kit.GOAL_RATIO,
-    }
+        ratio = ours["figures"]["tokens_per_s"] / bare["figures"]["tokens_per_s"]
+        bare_loop = {
+            "ratio_to_bare": round(ratio, 4),
+            "goal": kit.GOAL_RATIO,
+            "met": ratio >= kit.GOAL_RATIO,
+        }
+    else:
+        bare_loop = {"ratio_to_bare": None, "note": "llama-b4 or the bare loop did not pass"}
+    return {"bare_loop": bare_loop, "torchtitan": sbs.table(by_name, environment)}
 
 
 def write_report(out: Path, report: dict) -> None:
@@ -213,7 +234,9 @@ def markdown(report: dict) -> str:
         figures = ", ".join(f"{k} {format_figure(v)}" for k, v in r["figures"].items())
         status = r["status"] + (f" ({r['reason']})" if r["reason"] else "")
         lines.append(f"| {r['name']} | {status} | {r['seconds']} | {figures} | {r['measures']} |")
-    lines += ["", "## Side by side", "", f"`llmtrain run` / bare loop: {report['side_by_side']}"]
+    lines += ["", *sbs.markdown(report["side_by_side"]["torchtitan"], "dry-run" in report["mode"])]
+    lines += ["", "## llmtrain against its bare loop", ""]
+    lines.append(f"`llmtrain run` / bare loop (llama-b4): {report['side_by_side']['bare_loop']}")
     for r in report["steps"]:
         if r["tail"]:
             lines += ["", f"## Tail of {r['name']}", "", "```", r["tail"], "```"]
@@ -235,6 +258,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--time-limit", type=float, default=float("inf"), help="seconds, all steps")
     p.add_argument("--break", dest="broken", default="", help="steps made to fail (tests)")
     p.add_argument("--list", action="store_true", help="print the steps and exit")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="REPORT_JSON",
+        help="write one report (--out) from the report.json of several calls; a step in a later "
+        "one replaces the same step of an earlier one",
+    )
     return p.parse_args()
 
 
@@ -248,10 +279,43 @@ def chosen(plan: list[kit.Step], args: argparse.Namespace) -> list[kit.Step]:
     return [kit.broken(s) if s.name in broken else s for s in plan if s.name in wanted]
 
 
+def merge(reports: list[Path], out: Path) -> int:
+    """One report from several calls' (one device call is at most 10 minutes, so the
+    side-by-side takes two): the steps of each, marked with their call, and the table again."""
+    docs = [json.loads(path.read_text()) for path in reports]
+    steps = {}
+    for call, doc in enumerate(docs, 1):
+        for step in doc["steps"]:
+            steps[step["name"]] = {**step, "call": call}
+    environment = dict(docs[0]["environment"])
+    for call, doc in enumerate(docs[1:], 2):
+        if doc["environment"] != docs[0]["environment"]:
+            environment[f"call {call}"] = doc["environment"]
+    report = {
+        "mode": "+".join(sorted({d["mode"] for d in docs})),
+        "merged_from": [str(p) for p in reports],
+        "environment": environment,
+        "steps": list(steps.values()),
+    }
+    report["side_by_side"] = side_by_side(report["steps"], environment)
+    write_report(out, report)
+    print(f"report: {out / 'report.md'}")
+    return 0
+
+
 def main() -> int:
     args = parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-kit-"))
-    ctx = kit.Context(root=ROOT, work=work, python=sys.executable, dry=args.dry_run)
+    ctx = kit.Context(
+        root=ROOT,
+        work=work,
+        python=sys.executable,
+        dry=args.dry_run,
+        out=args.out,
+        bundle=args.bundle,
+    )
     for folder in (ctx.site, ctx.logs, ctx.configs, ctx.data.parent):
         folder.mkdir(parents=True, exist_ok=True)
     wheels = sorted(args.bundle.glob("*.whl")) if args.bundle.is_dir() else []
@@ -271,12 +335,12 @@ def main() -> int:
     results = []
     for step in chosen(plan, args):
         print(f"== {step.name}: {step.measures}", flush=True)
-        results.append(run_step(step, env, ctx.logs, deadline - time.monotonic()))
+        results.append(run_step(step, env, ctx.logs, args.out, deadline - time.monotonic()))
         print(
             f"   {results[-1].status} in {results[-1].seconds} s {results[-1].figures}", flush=True
         )
     report["steps"] = [vars(r) for r in results]
-    report["side_by_side"] = side_by_side(results)
+    report["side_by_side"] = side_by_side(report["steps"], report["environment"])
     write_report(args.out, report)
     print(f"report: {args.out / 'report.md'}")
     return 0 if all(r.status in ("passed", "skipped") for r in results) else 1

@@ -4,21 +4,20 @@ budget, and where its figures come from; every step has a GPU form and a CPU dry
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import side_by_side as sbs
 import yaml
 
 GOAL_RATIO = 0.97  # tokens/s of `llmtrain run` against the bare loop
 # plugins bundle.sh leaves out (their third-party stacks serve no GPU check); keep in step
 LEFT_OUT_PLUGINS = {"llmtrain-lmeval", "llmtrain-wandb"}
-TORCHTITAN = (
-    "not run: TorchTitan 0.3.0's wheel would bundle, but it trains on a Hugging Face dataset and "
-    "tokenizer it downloads (the GPU machine has no network) and needs wandb and datasets "
-    "(~25 MiB more); a local-data TorchTitan config is still owed"
-)
+HERE = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -27,6 +26,8 @@ class Context:
     work: Path
     python: str
     dry: bool
+    out: Path | None = None  # the report's folder: what a step leaves there comes back
+    bundle: Path | None = None
 
     site = property(lambda self: self.work / "site")
     logs = property(lambda self: self.work / "logs")
@@ -43,6 +44,10 @@ class Step:
     budget_s: int
     figures: Callable[[], dict] | None = None
     skip: str = ""
+    # where set, the commands are checks only (a dry run that cannot start the step here): once
+    # they pass the step is reported skipped, with this reason
+    checks_only: str = ""
+    keep: list[Path] = field(default_factory=list)  # files copied to <out>/<step>/ once it ran
 
 
 def bundled_plugins() -> list[Path]:
@@ -59,7 +64,7 @@ def broken(step: Step) -> Step:
         "-c",
         f"import sys; print('{step.name} made to fail by --break'); sys.exit(3)",
     ]
-    return Step(step.name, step.measures, [fail, *step.commands], step.budget_s, step.figures)
+    return replace(step, commands=[fail, *step.commands], skip="")
 
 
 # ------------------------------------------------------------------------------ run configs
@@ -114,8 +119,10 @@ def llmtrain_run(ctx: Context, name: str, model: dict, shape, cpu_model: dict, *
 
 
 def run_figures(ctx: Context, name: str) -> Callable[[], dict]:
-    """Median tokens/s and MFU over the logged windows after the first (compilation happens
-    in it), and the last loss, from the run's metrics.jsonl."""
+    """From the run's metrics.jsonl: median tokens/s and MFU over the logged windows after the
+    first (compilation happens in it), the last loss; for the side-by-side also their means
+    over the windows TorchTitan's summary averages (ending at step >= 20), peak allocated and
+    reserved memory."""
 
     def read() -> dict:
         run = f"cpu-{name}" if ctx.dry else name
@@ -125,6 +132,16 @@ def run_figures(ctx: Context, name: str) -> Callable[[], dict]:
         figures = {"tokens_per_s": statistics.median(m["tokens_per_s"] for m in timed)}
         if all("mfu" in m for m in timed):
             figures["mfu"] = statistics.median(m["mfu"] for m in timed)
+        steady = [m for m in metrics if m["step"] >= sbs.STEADY_FROM] or timed
+        figures["steady_tokens_per_s"] = statistics.mean(m["tokens_per_s"] for m in steady)
+        if all("mfu" in m for m in steady):
+            figures["steady_mfu"] = statistics.mean(m["mfu"] for m in steady)
+        for key, figure in (
+            ("peak_memory_mib", "peak_gib"),
+            ("reserved_memory_mib", "reserved_gib"),
+        ):
+            if any(key in m for m in metrics):
+                figures[figure] = max(m.get(key, 0) for m in metrics) / 1024
         return {**figures, "last_loss": metrics[-1].get("loss"), "windows": len(timed)}
 
     return read
@@ -173,15 +190,15 @@ def plan(ctx: Context, install: list[str], bundle: str) -> list[Step]:
         float8_run(ctx),
         moe_run(ctx),
         deterministic(ctx),
-        llama_run(ctx),
+        # the side-by-side with TorchTitan (side_by_side.ROWS): each of our runs comes after
+        # the TorchTitan run it is compared with, and the b4 variants after plain b4
+        torchtitan(ctx, 4),
+        llama_side(ctx, 4),
+        llama_side(ctx, 4, "docmask"),
+        llama_side(ctx, 4, "float8"),
+        torchtitan(ctx, 8),
+        llama_side(ctx, 8),
         bare_loop(ctx),
-        Step(
-            "torchtitan",
-            "TorchTitan on the same model and steps (goal: ours >= 1.0 of it)",
-            [],
-            0,
-            skip=TORCHTITAN,
-        ),
     ]
 
 
@@ -361,17 +378,114 @@ def deterministic(ctx: Context) -> Step:
     )
 
 
-LLAMA_SHAPE = (40, 2048, 4)  # steps, seq_len, batch: the side-by-side's workload
+# the side-by-side's workload: 40 steps of seq 2048, as llama3_1b.toml's; logged every 10 steps
+SIDE_STEPS = 40
+LLAMA_SHAPE = (SIDE_STEPS, sbs.SEQ_LEN, 4)  # steps, seq_len, batch: what the bare loop repeats
 
 
-def llama_run(ctx: Context) -> Step:
-    commands = llmtrain_run(ctx, "llama-1b", {"kind": "llama-1b"}, LLAMA_SHAPE, TINY, **bf16())
+def with_env(env: dict, command: list) -> list:
+    """The command under `env`, so the report's command line shows what it was given."""
+    return ["env", *(f"{k}={v}" for k, v in env.items()), *command]
+
+
+def llama_side(ctx: Context, batch: int, variant: str = "") -> Step:
+    """Our llama-1b (tied, bf16 + per-block compile) on the side-by-side's shape at `batch`;
+    `variant` "docmask" adds model.doc_masking, "float8" parallel.float8."""
+    name = f"llama-b{batch}" + (f"-{variant}" if variant else "")
+    model, cpu_model, parallel = {"kind": "llama-1b"}, TINY, bf16()
+    if variant == "docmask":
+        model, cpu_model = {**model, "doc_masking": True}, {**TINY, "doc_masking": True}
+    elif variant == "float8":
+        parallel = bf16(float8=True)
+    shape = (SIDE_STEPS, sbs.SEQ_LEN, batch)
+    commands = llmtrain_run(ctx, name, model, shape, cpu_model, **parallel)
+    if ctx.dry and variant == "float8":  # float8 cannot start on CPU: validate, load the module
+        probe = "from llmtrain.parallel.float8 import float8_problem; print(float8_problem('cuda'))"
+        commands = [commands[0], [ctx.python, "-c", probe]]
+    # one Inductor and Triton cache for all our runs: the b4 variants share the b4 shapes and
+    # start warmer (compilation is outside the timed windows either way); the allocator setting
+    # is the one run_tt.sh gives TorchTitan, so peak memory compares like with like
+    env = {
+        "TORCHINDUCTOR_CACHE_DIR": ctx.work / "inductor-cache",
+        "TRITON_CACHE_DIR": ctx.work / "triton-cache",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+    }
+    run = f"cpu-{name}" if ctx.dry else name
+    described = {"": "", "docmask": ", model.doc_masking", "float8": ", parallel.float8"}[variant]
     return Step(
-        "llama-run",
-        "`llmtrain run` llama-1b, bf16 + compile, 40 steps: our side of the side-by-side",
+        name,
+        f"`llmtrain run` llama-1b, batch {batch}{described}, seq 2048, bf16 + compile, "
+        f"{SIDE_STEPS} steps: tokens/s, MFU, peak memory (side-by-side)",
+        [with_env(env, c) for c in commands],
+        {4: 240, 8: 270}[batch],
+        None if ctx.dry and variant == "float8" else run_figures(ctx, name),
+        keep=[ctx.runs / run / "metrics.jsonl"],
+    )
+
+
+# what run_tt.sh needs of the Python that runs it (it installs with pip and imports triton
+# first); the GPU image has them all, a CPU dry run needs a Python that has them too (TT_PYTHON)
+TT_PYTHON_NEEDS = ("pip", "torch", "triton", "numpy", "pandas", "pyarrow", "tokenizers", "einops")
+
+
+def lacking(python: str, modules: tuple[str, ...]) -> list[str]:
+    probe = (
+        "import importlib.util as u, sys; print(*[m for m in sys.argv[1:] if not u.find_spec(m)])"
+    )
+    proc = subprocess.run([python, "-c", probe, *modules], capture_output=True, text=True)
+    return proc.stdout.split() if proc.returncode == 0 else [f"a working {python}"]
+
+
+def torchtitan(ctx: Context, batch: int) -> Step:
+    """TorchTitan 0.2.2 on our llama-1b shape, tied (TT_TIE=1), seq 2048 x `batch`, 40 steps,
+    through the anchor's run_tt.sh from the bundle; its tt.log and tt_full.log land in
+    <out>/torchtitan-b<batch>/. Dry run: TorchTitan's own loop on CPU (cpu_smoke_train.py), the
+    tiny flavor, seq 256 x 2, two steps, compile off (compiling it on CPU takes minutes)."""
+    name = f"torchtitan-b{batch}"
+    bundled = (ctx.bundle or ctx.root / ".gpu-bundle") / "torchtitan"
+    out = (ctx.out or ctx.work) / name
+    python = os.environ.get("TT_PYTHON", ctx.python) if ctx.dry else ctx.python
+    check = [ctx.python, str(HERE / "side_by_side.py"), "check-torchtitan", str(bundled)]
+    knobs = {
+        "TT_TIE": "1",
+        "TT_WORK": ctx.work / name,  # run_tt.sh empties it first
+        "TT_SITE": ctx.work / "tt-site",
+        "OUT": out,
+        "PYTHON": python,
+    }
+    overrides = ["--training.local_batch_size", str(batch), "--training.seq_len"]
+    overrides += [str(sbs.SEQ_LEN), "--training.steps", str(SIDE_STEPS)]
+    commands = [check]
+    folder = bundled
+    if ctx.dry:
+        # the bundle is for the GPU machine's Python 3.12: a copy whose wheels install here
+        folder = ctx.work / "tt-stage"
+        commands.append(
+            [python, str(HERE / "side_by_side.py"), "stage-torchtitan", str(bundled), str(folder)]
+        )
+        knobs["TT_ENTRY"] = folder / "cpu_smoke_train.py"
+        overrides = ["--model.flavor", "tiny", "--training.local_batch_size", "2"]
+        overrides += ["--training.seq_len", "256", "--training.steps", "2"]
+        overrides += ["--metrics.log_freq", "1", "--compile.no-enable"]
+    commands.append(with_env(knobs, ["bash", str(HERE / "torchtitan.sh"), str(folder), *overrides]))
+    skip = checks_only = ""
+    if not bundled.is_dir():
+        skip = f"{bundled} is missing: nox -s gpu-bundle builds it from ../shared/torchtitan-anchor"
+    elif ctx.dry and (missing := lacking(python, TT_PYTHON_NEEDS)):
+        checks_only = (
+            f"files checked; TorchTitan not started: {python} lacks {', '.join(missing)} "
+            "(TT_PYTHON names a Python that has them; tools/README.md)"
+        )
+        commands = [check]
+    return Step(
+        name,
+        f"TorchTitan 0.2.2, llama-1b shape tied, batch {batch}, seq 2048, bf16 autocast + "
+        f"compile, {SIDE_STEPS} steps: tokens/s, MFU, peak memory from its log (side-by-side)",
         commands,
-        360,
-        run_figures(ctx, "llama-1b"),
+        {4: 280, 8: 300}[batch],
+        lambda: sbs.torchtitan_figures(out / "tt.log", ctx.dry),
+        skip=skip,
+        checks_only=checks_only,
     )
 
 
