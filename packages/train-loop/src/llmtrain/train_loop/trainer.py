@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -137,6 +138,7 @@ class Trainer:
         # process group, logs, seeds; from here on a failure also stops the process group
         if device_type == "cuda":
             observe.flight_recorder_env(c.debug, self.run_dir / "logs")
+            expandable_cuda_segments()
         self.device = init_distributed(self.world, device_type)
         try:
             self._build(spec, epochs, tokens_per_step, console, resume)
@@ -577,6 +579,15 @@ class Trainer:
                 log.warning("logger.close_failed", logger=type(sink).__name__, error=repr(exc))
         observe.restore_determinism(self._deterministic_before)
         shutdown_distributed()
+
+
+def expandable_cuda_segments() -> None:
+    """Let CUDA's caching allocator grow segments in place unless the user chose a setting:
+    without it, blocks freed between differently sized tensors (a step's activations, the loss's
+    chunks) fragment memory and the reserved peak runs well above the allocated one. TorchTitan's
+    launcher sets the same; read when the allocator starts, so before the first CUDA tensor."""
+    if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def provenance_header() -> str:
