@@ -66,7 +66,7 @@ def make_model(seed: int = 0, steps: int = 0, hidden: int = 2 * DIM):
     return model, optimizer
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny() -> SimpleNamespace:
     """The tiny model and its helpers: make(seed, steps, hidden), batch(seed), loss_on(model,
     tokens), train_step(model, optimizer, seed)."""

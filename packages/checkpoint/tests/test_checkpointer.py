@@ -22,12 +22,27 @@ from fsspec.implementations.local import LocalFileSystem
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, KeepPolicy
+from llmtrain.checkpoint.integrity import file_entry, seal
+from llmtrain.checkpoint.manager import (
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpointError,
+    KeepPolicy,
+)
 from llmtrain.checkpoint.preemption import Preemption
 from llmtrain.checkpoint.state import ModelState, Values
 from llmtrain.checkpoint.stream_storage import SUFFIX
 
 # -- helpers -------------------------------------------------------------------------------------
+
+
+def reseal(step_dir: Path, name: str) -> None:
+    """Rewrite the step's COMMITTED for file `name` as it is now (what a tamperer would do)."""
+    commit = json.loads((step_dir / "COMMITTED").read_text())
+    files = commit.pop("files")
+    del commit["xxh3"]
+    files[name] = file_entry((step_dir / name).read_bytes())
+    (step_dir / "COMMITTED").write_bytes(seal(commit, files))
 
 
 def snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
@@ -623,6 +638,14 @@ def test_metadata_that_names_a_foreign_global_is_refused_and_never_runs(
 
     fresh, _ = tiny.make(seed=2)
     before = snapshot(fresh)
+    # as it is, the file is not the one its commit recorded: refused before it is unpickled
+    with pytest.raises(CorruptCheckpointError) as refused:
+        Checkpointer(str(root)).load({"train": ModelState(fresh)})
+    assert refused.value.file == f"{root}/step-1/.metadata"
+    assert not marker.exists()
+    # a tamperer rewrites the commit's manifest too (its hashes are no defence against that):
+    # the allow-list refuses what the metadata names
+    reseal(root / "step-1", ".metadata")
     with pytest.raises(CheckpointError, match=r"system.*refusing"):
         Checkpointer(str(root)).load({"train": ModelState(fresh)})
     assert not marker.exists()
@@ -754,9 +777,9 @@ def test_checkpoints_command_lists_committed_and_unfinished_steps(tmp_path, run_
     code, out, _ = run_cli("checkpoints", root, "--json")
     assert code == 0
     assert json.loads(out) == [
-        {"step": 1, "committed": True},
-        {"step": 2, "committed": True},
-        {"step": 3, "committed": False},
+        {"step": 1, "committed": True, "damaged": None},
+        {"step": 2, "committed": True, "damaged": None},
+        {"step": 3, "committed": False, "damaged": None},
     ]
     code, out, _ = run_cli("checkpoints", root)
     assert code == 0

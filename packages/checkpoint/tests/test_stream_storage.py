@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from llmtrain.checkpoint.export import load_model_weights
-from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
+from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, CorruptCheckpointError
 from llmtrain.checkpoint.state import ModelState, Values
 from llmtrain.checkpoint.stream_storage import (
     FORMAT,
@@ -26,6 +26,15 @@ from llmtrain.checkpoint.stream_storage import (
 )
 
 DATA = Path(__file__).parent / "data"
+
+
+def damaged_line(root: Path | str, name: str, problem: str) -> str:
+    """The one line a damaged file `name` of step 2 in checkpoint directory `root` gets."""
+    return (
+        f"{root}/step-2/{name} {problem}: checkpoint step-2 is damaged (it was left as it is); "
+        f"use an earlier step (`llmtrain checkpoints {root}` lists them; a resume takes the "
+        "newest, so rename step-2, e.g. to step-2.damaged) or restore the file from a copy"
+    )
 
 
 def saved(tmp_path, tiny, *, threads: int = 4):
@@ -148,12 +157,17 @@ def test_a_flipped_byte_is_an_error_naming_the_file_and_the_tensor(tmp_path, tin
     data[item.offset + item.length // 2] ^= 0x10
     path.write_bytes(bytes(data))
     message = _load_error(str(step_dir.parent), tiny)
-    assert message.startswith(f"cannot load {step_dir}: {step_dir}/{item.relative_path}: ")
-    assert "'train.model.fc2.weight' does not match its checksum" in message
-    assert message.endswith("the file was damaged after the save")
+    got = xxhash.xxh3_64_intdigest(bytes(data[item.offset : item.offset + item.length]))
+    assert message == damaged_line(
+        step_dir.parent,
+        item.relative_path,
+        "does not match the checksum of 'train.model.fc2.weight' "
+        f"(XXH3 {got:016x}, written {item.xxh3:016x})",
+    )
     # the export reads through the same check
-    with pytest.raises(CheckpointError, match=r"'train\.model\.fc2\.weight' does not match"):
+    with pytest.raises(CorruptCheckpointError) as refused:
         load_model_weights(str(step_dir.parent))
+    assert str(refused.value) == message
 
 
 def test_a_truncated_shard_is_an_error_naming_the_file_and_the_tensor(tmp_path, tiny):
@@ -163,16 +177,20 @@ def test_a_truncated_shard_is_an_error_naming_the_file_and_the_tensor(tmp_path, 
     path = step_dir / last[1].relative_path
     path.write_bytes(path.read_bytes()[: last[1].offset + 10])
     message = _load_error(str(step_dir.parent), tiny)
-    assert f"{step_dir}/{last[1].relative_path} is truncated: {last[0]!r} needs bytes" in message
-    assert f"the file has {last[1].offset + 10}" in message
+    # found before any tensor is read: the file's size is not the one its commit recorded
+    recorded = last[1].offset + last[1].length
+    assert message == damaged_line(
+        step_dir.parent,
+        last[1].relative_path,
+        f"is truncated: {last[1].offset + 10} bytes, its commit recorded {recorded}",
+    )
 
 
 def test_a_missing_shard_is_an_error_naming_the_file(tmp_path, tiny):
     step_dir, _, _ = saved(tmp_path, tiny, threads=2)
     (step_dir / f"__0_1{SUFFIX}").unlink()
     message = _load_error(str(step_dir.parent), tiny)
-    assert f"{step_dir}/__0_1{SUFFIX} is missing; it holds '" in message
-    assert message.endswith("(the checkpoint is incomplete)")
+    assert message == damaged_line(step_dir.parent, f"__0_1{SUFFIX}", "is missing")
 
 
 def test_reads_land_in_the_destination_unless_it_is_a_slice_or_another_dtype():
@@ -217,8 +235,12 @@ def test_damage_on_object_storage_is_found_the_same_way(moto_s3, tiny):
     data = bytearray(fs.cat_file(f"{step}/{item.relative_path}"))
     data[item.offset + 5] ^= 0x01
     fs.pipe_file(f"{step}/{item.relative_path}", bytes(data))
-    with pytest.raises(CheckpointError) as failed:
+    with pytest.raises(CorruptCheckpointError) as failed:
         Checkpointer(moto_s3).load({"train": ModelState(fresh)})
-    assert f"{moto_s3}/step-2/{item.relative_path}: 'train.model.fc1.weight' does not match" in (
-        str(failed.value)
+    got = xxhash.xxh3_64_intdigest(bytes(data[item.offset : item.offset + item.length]))
+    assert str(failed.value) == damaged_line(
+        moto_s3,
+        item.relative_path,
+        "does not match the checksum of 'train.model.fc1.weight' "
+        f"(XXH3 {got:016x}, written {item.xxh3:016x})",
     )

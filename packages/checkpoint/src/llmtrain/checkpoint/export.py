@@ -22,7 +22,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, corruption
+from llmtrain.checkpoint.manager import (
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpointError,
+    _reason,
+    corruption,
+)
 from llmtrain.checkpoint.safe_io import SafeLoadPlanner
 
 MODEL_KEY = re.compile(r"^([^.]+)\.model\.")
@@ -55,8 +61,8 @@ def load_model_weights(
     step = checkpoints.resolve_step(step)
     if step is None:
         raise CheckpointError(f"{url} has no committed checkpoint")
-    reader = checkpoints.reader(step)
-    stored = reader.read_metadata().state_dict_metadata
+    reader, metadata = checkpoints.open_step(step)  # every file it reads checked first
+    stored = metadata.state_dict_metadata
     prefix = model_prefix(list(stored), prefix)
     tensors = {
         key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -71,9 +77,13 @@ def load_model_weights(
             dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as exc:
             corrupt = corruption(exc)
-            if corrupt is None:
-                raise
-            raise CheckpointError(f"cannot load {checkpoints.step_url(step)}: {corrupt}") from exc
+            if corrupt is not None:
+                raise CorruptCheckpointError(
+                    str(corrupt), file=corrupt.file, problem=corrupt.problem
+                ) from exc
+            raise CheckpointError(
+                f"cannot load {checkpoints.step_url(step)}: {_reason(exc)}"
+            ) from exc
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return weights, checkpoints.info(step), step
 

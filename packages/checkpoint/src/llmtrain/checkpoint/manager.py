@@ -6,6 +6,10 @@ A save: (rank 0) clear an unfinished leftover of the same step → every rank wr
 marker. DCP's own metadata rename is not atomic on object storage, so only the marker counts: a
 directory without it does not exist for `latest_step`/`load`, and is cleaned up by a later commit.
 
+The marker is also the step's manifest (`integrity`): every file with its size, and the hash of
+each file read whole; a load checks every file it reads against it before using it, and a damaged
+one is a `CorruptCheckpointError` naming the file, never a crash or wrong state.
+
 Async saves return once the state is staged in host memory; the write, the marker and the keep
 policy run in the background. At most one save is in flight: the next save, `wait()` and
 `close()` wait for it. Deletion runs only after a commit, when nothing else is in flight, and
@@ -15,11 +19,12 @@ never touches the newest committed step.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import random
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,26 +39,42 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from llmtrain.checkpoint.integrity import (
+    COMMIT_FILE,
+    INFO_FILE,
+    METADATA_FILE,
+    RNG_DIR,
+    CheckpointError,
+    Commit,
+    CorruptCheckpointError,
+    Damage,
+    NewerFormat,
+    check_bytes,
+    damaged,
+    file_entry,
+    ordered,
+    parse_json,
+    read_commit,
+    read_info,
+    reading,
+    reason,
+    seal,
+    size_problem,
+)
 from llmtrain.checkpoint.safe_io import SafeLoadPlanner, UnsafeCheckpointError
 from llmtrain.checkpoint.stream_storage import (
     DEFAULT_THREADS,
     FORMAT,
-    CorruptCheckpointError,
     StreamReader,
     StreamWriter,
 )
 from llmtrain.core_mesh.errors import UserError, naming_file, no_space, no_space_message
 
+__all__ = ["COMMIT_FILE", "INFO_FILE", "RNG_DIR", "CheckpointError", "CorruptCheckpointError"]
+
 log = structlog.get_logger("llmtrain.checkpoint")
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
-COMMIT_FILE = "COMMITTED"
-INFO_FILE = "llmtrain.json"
-RNG_DIR = "rng"
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be saved or loaded, with what exists and what to do."""
 
 
 @attrs.frozen
@@ -130,7 +151,31 @@ def _b64(state: torch.Tensor) -> str:
 
 
 def _byte_tensor(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+    return torch.frombuffer(
+        bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8
+    ).clone()
+
+
+def check_rng_state(state: Any) -> None:
+    """Raise `Damage` unless `state` is what `rng_state` writes: each generator's state is tried
+    on a scratch generator of its kind, so a resume never fails half-way through restoring."""
+    if not isinstance(state, dict) or not isinstance(state.get("torch"), str):
+        raise Damage('holds no random state (a JSON object with a "torch" state)')
+    try:
+        torch.Generator().set_state(_byte_tensor(state["torch"]))
+    except (ValueError, RuntimeError, binascii.Error) as exc:
+        raise Damage(f"holds no valid torch random state ({reason(exc)})") from None
+    if "python" in state:
+        try:
+            random.Random().setstate(_tupled(state["python"]))  # noqa: S311 - a scratch one
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise Damage(f"holds no valid Python random state ({reason(exc)})") from None
+    cuda = state.get("cuda", [])
+    try:
+        if not isinstance(cuda, list) or not all(_byte_tensor(s).numel() for s in cuda):
+            raise ValueError("not a list of states")
+    except (ValueError, TypeError, binascii.Error) as exc:
+        raise Damage(f"holds no valid CUDA random states ({reason(exc)})") from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -201,9 +246,60 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def info(self, step: int) -> dict[str, Any]:
-        """What the caller stored with the step (`info=` of `save`)."""
-        with self.fs.open(self._path(step, INFO_FILE), "rb") as f:
-            return json.loads(f.read())
+        """The step's record in llmtrain.json, with what the caller stored (`info=` of `save`)
+        under "info"; checked against the step's commit."""
+        return self._info(step, self._commit(step))
+
+    def _read(self, step: int, name: str) -> bytes:
+        self.fs.invalidate_cache(self._path(step, name).rsplit("/", 1)[0])
+        return self.fs.cat_file(self._path(step, name))
+
+    def _commit(self, step: int) -> Commit:
+        try:
+            with reading(self.step_url(step), COMMIT_FILE):
+                return read_commit(self._read(step, COMMIT_FILE), step, FORMAT)
+        except NewerFormat as newer:
+            raise self._newer(step, newer.written) from None
+
+    def _newer(self, step: int, written: Any) -> CheckpointError:
+        return CheckpointError(
+            f"{self.step_url(step)} is in checkpoint format {written}, written by a newer "
+            f"llmtrain; this one reads formats 1 to {FORMAT}: upgrade llmtrain-checkpoint"
+        )
+
+    def _info(self, step: int, commit: Commit) -> dict[str, Any]:
+        with reading(self.step_url(step), INFO_FILE):
+            data = self._read(step, INFO_FILE)
+            check_bytes(data, (commit.files or {}).get(INFO_FILE))
+            return read_info(data, commit)
+
+    def _listing(self, step: int) -> dict[str, int]:
+        """The step directory's files (relative name -> bytes), sub-directories included."""
+        base = self._path(step)
+        self.fs.invalidate_cache(base)
+        try:
+            found = self.fs.find(base, detail=True)
+        except FileNotFoundError:
+            return {}
+        prefix = base.rstrip("/") + "/"
+        return {
+            path.removeprefix(prefix): int(entry.get("size") or 0)
+            for path, entry in found.items()
+            if path.startswith(prefix) and entry.get("type", "file") == "file"
+        }
+
+    def _check_files(
+        self, step: int, commit: Commit, listing: Mapping[str, int], *, rng: bool
+    ) -> None:
+        """Every file the manifest lists is there at its recorded size (the files of the random
+        states only when `rng`: a weights-only load does not read them)."""
+        for name in ordered(commit.files or {}):
+            if name.startswith(f"{RNG_DIR}/") and not rng:
+                continue
+            recorded, got = commit.files[name]["size"], listing.get(name)
+            problem = "is missing" if got is None else size_problem(got, recorded)
+            if got != recorded:
+                raise damaged(self.step_url(step), f"{self.step_url(step)}/{name}", problem)
 
     # -- saving ---------------------------------------------------------------------------------
 
@@ -222,22 +318,31 @@ class Checkpointer:
             self._with_retries(step, lambda: self._prepare(step))
         if self.distributed:
             dist.barrier()
-        rng = rng_state(self.python_rng)
-        self._with_retries(
-            step, lambda: self._write_json(self._path(step, RNG_DIR, f"rank{self.rank}.json"), rng)
-        )
+        rng = json.dumps(rng_state(self.python_rng)).encode()
+        name = f"{RNG_DIR}/rank{self.rank}.json"
+        self._with_retries(step, lambda: self._write(self._path(step, name), rng))
+        rng_files = self._gathered({name: file_entry(rng)})
+        writer = self._writer(step)
         started = time.perf_counter()
         if run_async:
-            upload = self._async(step, dict(state))
+            upload = self._async(step, dict(state), writer)
             log.info(
                 "checkpoint.staged", step=step, seconds=round(time.perf_counter() - started, 3)
             )
             self._inflight = self._pool.submit(
-                self._finish, step, upload, dict(info or {}), started
+                self._finish, step, upload, dict(info or {}), started, writer, rng_files
             )
         else:
-            self._with_retries(step, lambda: self._dcp_save(step, dict(state)))
-            self._finish(step, None, dict(info or {}), started)
+            self._with_retries(step, lambda: self._dcp_save(step, dict(state), writer))
+            self._finish(step, None, dict(info or {}), started, writer, rng_files)
+
+    def _gathered(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's manifest entries (each rank writes its own random states)."""
+        if not self.distributed:
+            return entry
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, entry)
+        return {name: e for part in everyone for name, e in part.items()}
 
     def _prepare(self, step: int) -> None:
         dirs = self._step_dirs()
@@ -253,23 +358,46 @@ class Checkpointer:
         return StreamWriter(self.step_url(step), threads=self.io_threads, **self.storage_options)
 
     def reader(self, step: int) -> StreamReader:
-        """The DCP reader of committed step `step` (format 2, and format 1 of earlier versions);
-        a checkpoint of a newer format is refused, naming it."""
-        written = self.info(step).get("format", 1)
-        if not isinstance(written, int) or written > FORMAT:
-            raise CheckpointError(
-                f"{self.step_url(step)} is in checkpoint format {written}, written by a newer "
-                f"llmtrain; this one reads formats 1 to {FORMAT}: upgrade llmtrain-checkpoint"
-            )
-        return StreamReader(self.step_url(step), threads=self.io_threads, **self.storage_options)
+        """The DCP reader of committed step `step` (format 2, and format 1 of earlier versions),
+        which checks the metadata against the step's commit; a checkpoint of a newer format is
+        refused, naming it."""
+        commit = self._commit(step)
+        return self._reader(step, commit, self._info(step, commit))
 
-    def _dcp_save(self, step: int, state: dict[str, Any]) -> None:
-        dcp.save(state, storage_writer=self._writer(step))
+    def _reader(self, step: int, commit: Commit, info: Mapping[str, Any]) -> StreamReader:
+        written = info.get("format", 1)
+        if written > FORMAT:
+            raise self._newer(step, written)
+        return StreamReader(
+            self.step_url(step),
+            threads=self.io_threads,
+            manifest=commit.files,
+            **self.storage_options,
+        )
 
-    def _async(self, step: int, state: dict[str, Any]) -> Future:
+    def open_step(self, step: int, *, rng: bool = False) -> tuple[StreamReader, Any]:
+        """(reader, metadata) of committed step `step`, once every file a load reads is checked:
+        the commit, each listed file's size (the random states' only with `rng`), llmtrain.json
+        and the metadata against their hashes, the data files against the items they hold. No
+        tensor is read yet; a damaged file is a `CorruptCheckpointError` naming it."""
+        commit = self._commit(step)
+        listing = self._listing(step)
+        self._check_files(step, commit, listing, rng=rng)
+        reader = self._reader(step, commit, self._info(step, commit))
+        try:
+            metadata = reader.read_metadata()
+        except UnsafeCheckpointError as exc:
+            raise CheckpointError(f"{self.step_url(step)}: {exc}") from None
+        reader.check_sizes(metadata, listing)
+        return reader, metadata
+
+    def _dcp_save(self, step: int, state: dict[str, Any], writer: StreamWriter) -> None:
+        dcp.save(state, storage_writer=writer)
+
+    def _async(self, step: int, state: dict[str, Any], writer: StreamWriter) -> Future:
         response = dcp.async_save(
             state,
-            storage_writer=self._writer(step),
+            storage_writer=writer,
             process_group=self._group,
             async_stager=self._stager,
         )
@@ -317,7 +445,15 @@ class Checkpointer:
             "from the newest"
         )
 
-    def _finish(self, step: int, upload: Future | None, info: dict, started: float) -> None:
+    def _finish(
+        self,
+        step: int,
+        upload: Future | None,
+        info: dict,
+        started: float,
+        writer: StreamWriter,
+        rng_files: dict[str, Any],
+    ) -> None:
         if upload is not None:
             try:
                 upload.result()
@@ -335,12 +471,12 @@ class Checkpointer:
                 "time": time.time(),
                 "format": FORMAT,
             }
+            described = json.dumps({**record, "info": info}).encode()
+            self._with_retries(step, lambda: self._write(self._path(step, INFO_FILE), described))
+            written = writer.written or self._written_from_storage(step)
+            files = {**written, **rng_files, INFO_FILE: file_entry(described)}
             self._with_retries(
-                step,
-                lambda: self._write_json(self._path(step, INFO_FILE), {**record, "info": info}),
-            )
-            self._with_retries(
-                step, lambda: self._write_json(self._path(step, COMMIT_FILE), record)
+                step, lambda: self._write(self._path(step, COMMIT_FILE), seal(record, files))
             )
             log.info(
                 "checkpoint.committed",
@@ -350,10 +486,19 @@ class Checkpointer:
             )
             self.prune()
 
-    def _write_json(self, path: str, value: Any) -> None:
+    def _write(self, path: str, data: bytes) -> None:
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a no-op on object storage
         with naming_file(path), self.fs.open(path, "wb") as f:
-            f.write(json.dumps(value).encode())
+            f.write(data)
+
+    def _written_from_storage(self, step: int) -> dict[str, Any]:
+        """The manifest entries of the metadata and data files as stored, for a save whose
+        writer did not report them (DCP ran the coordinator's `finish` on another copy)."""
+        files = {METADATA_FILE: file_entry(self._read(step, METADATA_FILE))}
+        for name, size in self._listing(step).items():
+            if "/" not in name and name.startswith("__"):
+                files[name] = {"size": size}
+        return files
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise its error if it failed."""
@@ -409,15 +554,14 @@ class Checkpointer:
         """Load the newest committed step (or `step`) into `state`, in place; None if none.
 
         Works at another world size or parallel layout: DCP reshards. `restore_rng=False` keeps
-        this process's random states (loading weights into another run, not resuming one)."""
+        this process's random states (loading weights into another run, not resuming one).
+
+        Every file the load reads is checked before the first tensor moves (`open_step`), and by
+        every rank alike: when one rank finds damage (its own random states), all raise it."""
         step = self.resolve_step(step)
         if step is None:
             return None
-        reader = self.reader(step)
-        try:
-            metadata = reader.read_metadata()
-        except UnsafeCheckpointError as exc:
-            raise CheckpointError(f"{self.step_url(step)}: {exc}") from None
+        reader, metadata, rng = self._agreed(lambda: self._prepare_load(step, restore_rng))
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         check_compatible(plain, metadata, self.step_url(step))
         try:
@@ -425,7 +569,9 @@ class Checkpointer:
         except CheckpointException as exc:
             corrupt = corruption(exc)
             if corrupt is not None:
-                raise CheckpointError(f"cannot load {self.step_url(step)}: {corrupt}") from exc
+                raise CorruptCheckpointError(
+                    str(corrupt), file=corrupt.file, problem=corrupt.problem
+                ) from exc
             raise CheckpointError(
                 f"cannot load {self.step_url(step)}: {_reason(exc)} (values are loaded with "
                 "weights_only: tensors, numbers, strings and plain containers only)"
@@ -434,22 +580,106 @@ class Checkpointer:
             if isinstance(value, Stateful):
                 value.load_state_dict(plain[key])
         if restore_rng:
-            self._restore_rng(step)
+            self._restore_rng(step, rng)
         log.info("checkpoint.loaded", step=step, url=self.step_url(step))
         return step
 
-    def _restore_rng(self, step: int) -> None:
-        rng = self._path(step, RNG_DIR, f"rank{self.rank}.json")
-        if self.fs.exists(rng):
-            with self.fs.open(rng, "rb") as f:
-                set_rng_state(json.loads(f.read()), self.python_rng)
-        else:
+    def _prepare_load(self, step: int, restore_rng: bool) -> tuple[StreamReader, Any, Any]:
+        reader, metadata = self.open_step(step, rng=restore_rng)
+        rng = self._read_rng(step) if restore_rng else None
+        return reader, metadata, rng
+
+    def _agreed(self, check: Callable[[], Any]) -> Any:
+        """`check()` on every rank; a failure on any rank is raised on all of them (a rank that
+        went on alone would wait in DCP's collectives for the one that stopped)."""
+        try:
+            result, error = check(), None
+        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised
+            result, error = None, exc
+        if self.distributed:
+            verdict = None
+            if error is not None:
+                verdict = (
+                    self.rank,
+                    str(error) if isinstance(error, UserError) else _reason(error),
+                    isinstance(error, UserError),
+                    getattr(error, "file", None),
+                    getattr(error, "problem", ""),
+                )
+            verdicts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(verdicts, verdict)
+            first = next((v for v in verdicts if v is not None), None)
+            if error is None and first is not None:
+                rank, message, by_user, file, problem = first
+                if not by_user:  # a bug or a storage failure there, not a damaged file
+                    raise RuntimeError(f"rank {rank} failed to open the checkpoint: {message}")
+                if file is None:
+                    raise CheckpointError(message)
+                raise CorruptCheckpointError(message, file=file, problem=problem)
+        if error is not None:
+            raise error
+        return result
+
+    def _read_rng(self, step: int) -> dict[str, Any] | None:
+        """This rank's saved random states, checked; None when the saving run had no such rank
+        (it had fewer ranks than this one). A rank it had whose file is gone is damage."""
+        commit = self._commit(step)
+        saved = commit.world_size
+        if saved is not None and self.rank >= saved:
+            return None
+        name = f"{RNG_DIR}/rank{self.rank}.json"
+        with reading(self.step_url(step), name):
+            try:
+                data = self._read(step, name)
+            except FileNotFoundError:
+                if saved is None:  # a commit of an early version, which did not say
+                    return None
+                plural = "s" if saved != 1 else ""
+                raise Damage(
+                    f"is missing (the step was saved by {saved} rank{plural}, each with its file)"
+                ) from None
+            check_bytes(data, (commit.files or {}).get(name))
+            state = parse_json(data, "a random state")
+            check_rng_state(state)
+        return state
+
+    def _restore_rng(self, step: int, state: dict[str, Any] | None) -> None:
+        if state is None:
             log.warning(
                 "checkpoint.no_rng_state",
                 rank=self.rank,
                 step=step,
-                hint="saved with fewer ranks; this rank keeps its own seeding",
+                hint="the step was saved by fewer ranks; this rank keeps its own seeding",
             )
+            return
+        set_rng_state(state, self.python_rng)
+
+    def damage(self, step: int, *, full: bool = False) -> CorruptCheckpointError | None:
+        """What is damaged in committed step `step`, or None. Quick: the commit, every listed
+        file's size, llmtrain.json. `full`: also the metadata, every rank's random states and
+        every data item's bytes against its hash (reads the whole step)."""
+        try:
+            commit = self._commit(step)
+            listing = self._listing(step)
+            self._check_files(step, commit, listing, rng=True)
+            info = self._info(step, commit)
+            if full:
+                reader = self._reader(step, commit, info)
+                try:
+                    metadata = reader.read_metadata()
+                except UnsafeCheckpointError as exc:
+                    where = f"{self.step_url(step)}/{METADATA_FILE}"
+                    raise damaged(self.step_url(step), where, str(exc)) from None
+                reader.check_sizes(metadata, listing)
+                for name in sorted(n for n in listing if n.startswith(f"{RNG_DIR}/")):
+                    with reading(self.step_url(step), name):
+                        data = self._read(step, name)
+                        check_bytes(data, (commit.files or {}).get(name))
+                        check_rng_state(parse_json(data, "a random state"))
+                reader.verify_items(metadata)
+        except CorruptCheckpointError as exc:
+            return exc
+        return None
 
 
 def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> None:

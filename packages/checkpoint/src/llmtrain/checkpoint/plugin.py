@@ -58,19 +58,43 @@ def _export(args: argparse.Namespace, ctx: Context) -> int:
 def _list_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoints", help="the checkpoint directory (path or URL)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--verify", action="store_true", help="also check every byte of each committed step "
+        "against its hashes (reads the whole checkpoint); exit 2 if one is damaged",
+    )  # fmt: skip
 
 
 def _list(args: argparse.Namespace, ctx: Context) -> int:
-    from llmtrain.checkpoint.manager import Checkpointer
+    from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
 
-    dirs = Checkpointer(args.checkpoints)._step_dirs()
+    checkpoints = Checkpointer(args.checkpoints)
+    dirs = checkpoints._step_dirs()
+    # each committed step's files against its commit (sizes and the small files' hashes; with
+    # --verify every byte): a damaged step is shown, never removed
+    damage = {s: checkpoints.damage(s, full=args.verify) for s, done in dirs.items() if done}
+    what = {s: f"{d.file} {d.problem}" for s, d in damage.items() if d is not None}
     if args.json:
-        print(json.dumps([{"step": s, "committed": c} for s, c in dirs.items()]))
+        print(
+            json.dumps(
+                [{"step": s, "committed": c, "damaged": what.get(s)} for s, c in dirs.items()]
+            )
+        )
     else:
         for step, committed in dirs.items():
-            print(f"step-{step}  {'committed' if committed else 'unfinished (ignored)'}")
+            state = "committed" if committed else "unfinished (ignored)"
+            print(f"step-{step}  {state}{f', DAMAGED: {what[step]}' if step in what else ''}")
         if not dirs:
             print(f"no checkpoints in {args.checkpoints}")
+        if what:
+            newest = max(what)
+            print(
+                "damaged steps are left as they are; a resume takes the newest committed step, "
+                f"so rename a damaged one (e.g. step-{newest} to step-{newest}.damaged) to resume "
+                "from the step before it"
+            )
+    if what and args.verify:
+        steps = ", ".join(f"step-{s}" for s in sorted(what))
+        raise CheckpointError(f"{checkpoints.url}: damaged: {steps} (see the list above)")
     return 0
 
 

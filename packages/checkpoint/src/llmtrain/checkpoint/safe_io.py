@@ -21,9 +21,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from llmtrain.checkpoint.integrity import METADATA_FILE  # noqa: F401 - also importable here
 from llmtrain.core_mesh.errors import UserError
-
-METADATA_FILE = ".metadata"
 
 _ALLOWED_ELSEWHERE = {
     ("torch", "Size"),

@@ -23,7 +23,9 @@ DCP keeps the planning, the resharding and the metadata; this layer only moves b
   through an fsspec file in `REMOTE_BLOCK` parts.
 
 A missing file, a truncated one or a wrong checksum is a `CorruptCheckpointError` naming the
-file and the tensor. Format-1 items in a checkpoint are read by DCP's own reader.
+file and the tensor. The metadata is read whole and checked before it is unpickled: against the
+size and hash its commit recorded (`integrity`), then for the shape of checkpoint metadata. Format-1
+items in a checkpoint are read by DCP's own reader.
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ import xxhash
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -57,8 +67,19 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from llmtrain.checkpoint.safe_io import METADATA_FILE, SafeFsspecReader
-from llmtrain.core_mesh.errors import UserError, naming_file
+from llmtrain.checkpoint.integrity import (
+    METADATA_FILE,
+    CorruptCheckpointError,
+    Damage,
+    check_bytes,
+    damaged,
+    file_entry,
+    plain_path,
+    reading,
+    reason,
+)
+from llmtrain.checkpoint.safe_io import SafeFsspecReader, UnsafeCheckpointError, load_metadata
+from llmtrain.core_mesh.errors import naming_file
 
 FORMAT = 2
 SUFFIX = ".bin"
@@ -72,10 +93,6 @@ DEFAULT_THREADS = max(1, min(4, os.cpu_count() or 1))
 # thread); larger ones stream in REMOTE_BLOCK parts
 REMOTE_WHOLE = 512 * 2**20
 REMOTE_BLOCK = 64 * 2**20
-
-
-class CorruptCheckpointError(UserError):
-    """A checkpoint file that is missing, truncated or holds other bytes than were written."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +117,10 @@ def _memory(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpointError(f"checkpoint metadata names an unknown dtype {name!r}")
-    return dtype
+def _dtype(name: str) -> torch.dtype | None:
+    """The torch dtype named `name` (`torch.float32`), or None."""
+    dtype = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 class _Files:
@@ -209,12 +225,16 @@ class StreamWriter(StorageWriter):
         self.storage_options = storage_options
         self.files = _Files(self.url, storage_options)
         self.save_id = uuid.uuid4().hex
+        # on the coordinator, once `finish` wrote the metadata: the manifest entries of the
+        # metadata (size, hash) and of every data file (size) for the step's COMMITTED
+        self.written: dict[str, dict[str, Any]] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
             self.url = str(checkpoint_id).rstrip("/")
             self.files = _Files(self.url, self.storage_options)
         self.save_id = uuid.uuid4().hex
+        self.written = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass  # the global plan names each rank's files
@@ -276,12 +296,18 @@ class StreamWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        written: dict[str, dict[str, Any]] = {}
+        for stored in metadata.storage_data.values():  # each file holds its items back to back
+            end = stored.offset + stored.length
+            written[stored.relative_path] = {"size": max(end, _size(written, stored))}
+        data = pickle.dumps(metadata)
         path = self.files.path(METADATA_FILE)
         with naming_file(path), self.files.fs.open(path, "wb") as f:
-            pickle.dump(metadata, f)
+            f.write(data)
             if self.sync_files and self.files.local:
                 f.flush()
                 os.fsync(f.fileno())
+        self.written = {METADATA_FILE: file_entry(data), **written}
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
@@ -293,6 +319,10 @@ class StreamWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
+
+
+def _size(written: dict[str, dict[str, Any]], stored: StoredItem) -> int:
+    return written.get(stored.relative_path, {}).get("size", 0)
 
 
 def _balanced(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -333,13 +363,87 @@ def _item_bytes(item: WriteItem) -> int:
 
 class StreamReader(SafeFsspecReader):
     """DCP `StorageReader` of format 2 (and, through DCP's reader, format 1) at `url`, with the
-    metadata through the allow-listed unpickler."""
+    metadata checked against `manifest` (the step's COMMITTED manifest, when it has one) and
+    unpickled through the allow-list. A damaged file is a `CorruptCheckpointError`."""
 
-    def __init__(self, url: str, *, threads: int = DEFAULT_THREADS, **storage_options: Any):
+    def __init__(
+        self,
+        url: str,
+        *,
+        threads: int = DEFAULT_THREADS,
+        manifest: dict[str, dict[str, Any]] | None = None,
+        **storage_options: Any,
+    ):
         super().__init__(url, **storage_options)
         self.url = url.rstrip("/")
         self.threads = max(1, threads)
+        self.manifest = manifest
         self.files = _Files(self.url, storage_options)
+        self._checked: bytes | None = None  # the metadata's bytes, once they passed the checks
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._checked is not None:  # DCP reads it again: the same checked bytes
+            metadata = load_metadata(io.BytesIO(self._checked))
+            metadata.storage_meta = metadata.storage_meta or StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+        with reading(self.url, METADATA_FILE):
+            data = self.files.fs.cat_file(self.files.path(METADATA_FILE))
+            check_bytes(data, (self.manifest or {}).get(METADATA_FILE))
+            if not data:
+                raise Damage("is empty")
+            try:
+                metadata = load_metadata(io.BytesIO(data))
+            except UnsafeCheckpointError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure to unpickle: damaged bytes
+                raise Damage(f"is not checkpoint metadata (unpickling: {reason(exc)})") from None
+            problem = metadata_problem(metadata)
+            if problem is not None:
+                raise Damage(f"is not checkpoint metadata ({problem})")
+        self._checked = data
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def check_sizes(self, metadata: Metadata, sizes: dict[str, int]) -> None:
+        """Every data file the metadata names is in `sizes` (name -> bytes: the step directory's
+        listing) and long enough for its items: found before a tensor is read."""
+        needed: dict[str, tuple[int, str]] = {}
+        for index, stored in metadata.storage_data.items():
+            end = stored.offset + stored.length
+            if end >= needed.get(stored.relative_path, (-1, ""))[0]:
+                needed[stored.relative_path] = (end, index.fqn)
+        for name in sorted(needed):
+            end, fqn = needed[name]
+            where = f"{self.url}/{name}"
+            if name not in sizes:
+                raise damaged(self.url, where, f"is missing (it holds {fqn!r})")
+            if sizes[name] < end:
+                raise damaged(
+                    self.url,
+                    where,
+                    f"is truncated: {fqn!r} needs bytes up to {end}, the file has {sizes[name]}",
+                )
+
+    def verify_items(self, metadata: Metadata) -> None:
+        """Every stored item's bytes against its hash, reading the whole step (format-1 items
+        carry no hash of their own and are skipped)."""
+        by_file: dict[str, list[tuple[str, StoredItem]]] = {}
+        for index, stored in metadata.storage_data.items():
+            if isinstance(stored, StoredItem):
+                by_file.setdefault(stored.relative_path, []).append((index.fqn, stored))
+
+        def verify(name: str) -> None:
+            items = sorted(by_file[name], key=lambda item: item[1].offset)
+            end = max(stored.offset + stored.length for _, stored in items)
+            with reading(self.url, name), self.files.open(name, items[0][1].offset, end) as f:
+                for fqn, stored in items:
+                    _read_checked(f, stored, None, self.url, fqn)
+
+        workers = max(1, min(self.threads, len(by_file)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="llmtrain-ckpt-verify") as pool:
+            list(pool.map(verify, sorted(by_file)))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         streamed, older = [], []
@@ -347,7 +451,15 @@ class StreamReader(SafeFsspecReader):
             stored = self.storage_data[req.storage_index]
             (streamed if isinstance(stored, StoredItem) else older).append(req)
         if older:  # format 1: DCP's reader (torch.load with weights_only)
-            super().read_data(dataclasses.replace(plan, items=older), planner).wait()
+            try:
+                super().read_data(dataclasses.replace(plan, items=older), planner).wait()
+            except Exception as exc:
+                if "GLOBAL" in str(exc):  # not damage: a value weights_only refused by name
+                    raise
+                names = sorted({self.storage_data[r.storage_index].relative_path for r in older})
+                where = f"{self.url}/{names[0]}"
+                others = f" (or another of its {len(names)} data files)" if len(names) > 1 else ""
+                raise damaged(self.url, where, f"cannot be read{others}: {reason(exc)}") from exc
         # tensors by file, read by the pool; the small pickled values meanwhile in this thread
         # (their unpickling is CPU work that overlaps the pool's I/O instead of following it)
         tensors: dict[str, list[ReadItem]] = {}
@@ -377,29 +489,29 @@ class StreamReader(SafeFsspecReader):
             size = self.files.size(name)
             f = self.files.open(name, lowest.offset, min(size, highest.offset + highest.length))
         except FileNotFoundError:
-            raise CorruptCheckpointError(
-                f"{where} is missing; it holds {reqs[0].storage_index.fqn!r} (the checkpoint is "
-                "incomplete)"
-            ) from None
+            problem = f"is missing (it holds {reqs[0].storage_index.fqn!r})"
+            raise damaged(self.url, where, problem) from None
         with f:
             for req in reqs:
                 stored: StoredItem = self.storage_data[req.storage_index]
                 fqn = req.storage_index.fqn
                 if stored.offset + stored.length > size:
-                    raise CorruptCheckpointError(
-                        f"{where} is truncated: {fqn!r} needs bytes {stored.offset}.."
-                        f"{stored.offset + stored.length}, the file has {size}"
+                    raise damaged(
+                        self.url,
+                        where,
+                        f"is truncated: {fqn!r} needs bytes up to {stored.offset + stored.length}, "
+                        f"the file has {size}",
                     )
                 if req.type == LoadItemType.BYTE_IO:
                     buffer = bytearray(stored.length)
-                    _read_checked(f, stored, memoryview(buffer), where, fqn)
+                    _read_checked(f, stored, memoryview(buffer), self.url, fqn)
                     with lock:
                         planner.load_bytes(req, io.BytesIO(buffer))
                     continue
                 with lock:
                     target = planner.resolve_tensor(req).detach()
                 source = _landing(target, req, stored)
-                _read_checked(f, stored, _memory(source), where, fqn)
+                _read_checked(f, stored, _memory(source), self.url, fqn)
                 if source is not target:
                     target.copy_(narrow_tensor_by_index(source, req.storage_offsets, req.lengths))
                 with lock:
@@ -410,28 +522,111 @@ def _landing(target: torch.Tensor, req: ReadItem, stored: StoredItem) -> torch.T
     """Where the stored chunk's bytes are read to: the destination itself when it is the whole
     chunk, on CPU, contiguous and of the stored dtype; else a buffer of the chunk."""
     dtype = _dtype(stored.dtype or "")
+    if dtype is None:  # the metadata's check refuses such an item first
+        raise CorruptCheckpointError(f"checkpoint metadata names an unknown dtype {stored.dtype!r}")
     whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == stored.shape
     if whole and target.is_cpu and target.is_contiguous() and target.dtype == dtype:
         return target
     return torch.empty(stored.shape or (), dtype=dtype)
 
 
-def _read_checked(f: Any, stored: StoredItem, into: memoryview, where: str, fqn: str) -> None:
-    """Read the item's bytes into `into`, checking their length and hash."""
+def _read_checked(f: Any, stored: StoredItem, into: memoryview | None, url: str, fqn: str) -> None:
+    """Read the item's bytes into `into` (None: only hash them), checking their length and hash
+    (`url`: the step's)."""
+    where = f"{url}/{stored.relative_path}"
     f.seek(stored.offset)
     digest, done = xxhash.xxh3_64(), 0
+    scratch = memoryview(bytearray(min(SLICE, stored.length))) if into is None else None
     while done < stored.length:
-        piece = into[done : min(done + SLICE, stored.length)]
+        if scratch is not None:
+            piece = scratch[: min(SLICE, stored.length - done)]
+        else:
+            piece = into[done : min(done + SLICE, stored.length)]
         got = f.readinto(piece)
         if not got:
-            raise CorruptCheckpointError(
-                f"{where} is truncated: {fqn!r} ends at byte {stored.offset + done}, "
-                f"{stored.length - done} bytes short"
+            raise damaged(
+                url,
+                where,
+                f"is truncated: {fqn!r} ends at byte {stored.offset + done}, "
+                f"{stored.length - done} bytes short",
             )
         digest.update(piece[:got])
         done += got
     if digest.intdigest() != stored.xxh3:
-        raise CorruptCheckpointError(
-            f"{where}: {fqn!r} does not match its checksum (XXH3 {digest.intdigest():016x}, "
-            f"written {stored.xxh3:016x}): the file was damaged after the save"
+        raise damaged(
+            url,
+            where,
+            f"does not match the checksum of {fqn!r} (XXH3 {digest.intdigest():016x}, written "
+            f"{stored.xxh3:016x})",
         )
+
+
+# --- the shape of checkpoint metadata -------------------------------------------------------------
+
+
+def metadata_problem(metadata: Any) -> str | None:
+    """What makes an unpickled `.metadata` something other than checkpoint metadata (the
+    allow-list admits its classes, not their contents), or None."""
+    if not isinstance(metadata, Metadata):
+        return f"a {type(metadata).__name__}, not Metadata"
+    state = metadata.state_dict_metadata
+    if not isinstance(state, dict) or not state:
+        return "no saved values"
+    for fqn, meta in state.items():
+        problem = _value_problem(meta)
+        if not isinstance(fqn, str) or problem is not None:
+            return f"value {fqn!r}: {problem or 'not named by a string'}"
+    items = metadata.storage_data
+    if not isinstance(items, dict) or not items:
+        return "no storage records"
+    for index, stored in items.items():
+        if not isinstance(index, MetadataIndex) or index.fqn not in state:
+            return f"a storage record of {getattr(index, 'fqn', index)!r}, which is no saved value"
+        problem = _stored_problem(stored)
+        if problem is not None:
+            return f"the storage record of {index.fqn!r}: {problem}"
+    if not isinstance(metadata.storage_meta, StorageMeta | None):
+        return "a storage_meta that is not one"
+    return None
+
+
+def _counts(values: Any) -> bool:
+    return isinstance(values, tuple | list) and all(type(v) is int and v >= 0 for v in values)
+
+
+def _value_problem(meta: Any) -> str | None:
+    if isinstance(meta, BytesStorageMetadata):
+        return None
+    if not isinstance(meta, TensorStorageMetadata):
+        return f"a {type(meta).__name__}"
+    if not _counts(meta.size) or not isinstance(
+        getattr(meta.properties, "dtype", None), torch.dtype
+    ):
+        return "a tensor without a shape or dtype"
+    for chunk in meta.chunks if isinstance(meta.chunks, list) else [None]:
+        if not isinstance(chunk, ChunkStorageMetadata) or not (
+            _counts(chunk.offsets)
+            and _counts(chunk.sizes)
+            and len(chunk.offsets) == len(chunk.sizes) == len(meta.size)
+        ):
+            return "a chunk that does not fit its tensor"
+    return None
+
+
+def _stored_problem(stored: Any) -> str | None:
+    if not isinstance(stored, StoredItem | _StorageInfo):
+        return f"a {type(stored).__name__}"
+    if not plain_path(stored.relative_path) or "/" in stored.relative_path:
+        return f"file {stored.relative_path!r}, which is not a file of the step"
+    if type(stored.offset) is not int or type(stored.length) is not int:
+        return "no byte range"
+    if stored.offset < 0 or stored.length < 0:
+        return "a negative byte range"
+    if isinstance(stored, StoredItem):
+        if type(stored.xxh3) is not int:
+            return "no checksum"
+        if stored.dtype is not None and _dtype(stored.dtype) is None:
+            return f"an unknown dtype {stored.dtype!r}"
+        if stored.shape is not None and not _counts(stored.shape):
+            return f"shape {stored.shape!r}"
+    return None

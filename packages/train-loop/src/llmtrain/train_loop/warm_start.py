@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmtrain.checkpoint.export import model_prefix
-from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
+from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, CorruptCheckpointError
 from llmtrain.checkpoint.safe_io import UnsafeCheckpointError
 from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
@@ -217,6 +217,8 @@ def _load_checkpoint(
     state = {prefix.removesuffix(".model."): ModelState(model.parts)}
     try:
         checkpoints.load(state, step=step, restore_rng=False)
+    except CorruptCheckpointError:  # a damaged file: its own line says which and what to do
+        raise
     except CheckpointError as exc:
         raise WarmStartError(
             f"init.from: {exc}; init.from must hold this run's model (`model:` as the source's)"
