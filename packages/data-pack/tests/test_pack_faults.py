@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -409,39 +410,152 @@ def _finish(proc: subprocess.Popen, files: list, tmp_path) -> tuple[int, str]:
     return code, (tmp_path / "stderr.txt").read_text(errors="replace")
 
 
+def _descendants(proc: subprocess.Popen) -> list[psutil.Process]:
+    """Every process the pack has started (its workers, multiprocessing's helpers)."""
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _assert_all_gone(processes: list[psutil.Process], timeout: float = 120) -> None:
+    """Wait (generously: a loaded machine is slow) for processes the pack started to end: only
+    then is what they did final. Fails on one that outlives the pack, killing it first."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout)
+    for process in alive:  # so a failure leaves no orphans behind
+        process.kill()
+    assert alive == [], f"processes outlived the pack: {alive}"
+
+
 def test_killed_worker_fails_the_pack(tmp_path, tokenizer_json, texts):
     proc, files = _start_pack(tmp_path, tokenizer_json, texts, megabytes=16)
     try:
         workers = _wait_for_busy_workers(proc, 2, timeout=300)
+        started = _descendants(proc)
         victim = workers[0]
         victim.send_signal(signal.SIGKILL)
     except BaseException:
         proc.kill()
         raise
     code, stderr = _finish(proc, files, tmp_path)
+    # no worker outlives the failed pack; what is on disk is judged once all are gone
+    _assert_all_gone([*workers, *started])
     assert code == 2, stderr
     assert "error: a worker process died while tokenizing" in stderr
     assert "nothing was written" in stderr
     _assert_nothing_written(tmp_path, tmp_path / "ds")
-    # no worker outlives the failed pack
-    _, alive = psutil.wait_procs(workers, timeout=10)
-    assert alive == []
 
 
 def test_interrupted_pack_commits_nothing(tmp_path, tokenizer_json, texts):
     proc, files = _start_pack(tmp_path, tokenizer_json, texts, megabytes=16)
     try:
         workers = _wait_for_busy_workers(proc, 2, timeout=300)
+        started = _descendants(proc)
         proc.send_signal(signal.SIGINT)
     except BaseException:
         proc.kill()
         raise
     code, stderr = _finish(proc, files, tmp_path)
+    # the pack's process and every process it started are gone before the folder is listed:
+    # what is left then stays (a staging directory among it is a pack's bug, not a slow one)
+    _assert_all_gone([*workers, *started])
     assert code == 130, stderr
     assert "interrupted" in stderr
     _assert_nothing_written(tmp_path, tmp_path / "ds")
-    _, alive = psutil.wait_procs(workers, timeout=10)
-    assert alive == []
+
+
+class _Interrupt(BaseException):
+    """Stands for Ctrl-C in this process (a KeyboardInterrupt would stop pytest)."""
+
+
+@pytest.fixture
+def interrupt_main(monkeypatch):
+    """interrupt_main() from any thread: _Interrupt is raised in the main thread at once, also
+    while it waits (a real signal, delivered to the main thread)."""
+
+    def handler(*_):
+        raise _Interrupt
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    main = threading.main_thread().ident
+    yield lambda: signal.pthread_kill(main, signal.SIGUSR2)
+    signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_write_under_way_at_an_interrupt_leaves_no_staging(
+    tmp_path, texts, monkeypatch, interrupt_main
+):
+    """zarr writes chunks in threads of its own, which an interrupt of the main thread does not
+    stop. A chunk write still running when the pack gives up must be waited for before staging
+    is removed: finishing later, it would make the staging directory again (a chunk's parent
+    directories are made on write) and leave it behind once the process is gone."""
+    from zarr.storage import _local
+
+    real_put = _local._put
+    under_way, finished = threading.Event(), threading.Event()
+
+    def slow_put(path, value, exclusive=False):
+        if under_way.is_set() or "/c/" not in str(path):
+            return real_put(path, value, exclusive=exclusive)
+        under_way.set()
+        interrupt_main()  # the pack is interrupted while this chunk is being written
+        [staging] = [p for p in path.parents if ".tmp-" in p.name]
+        deadline = time.monotonic() + 1  # give the pack time to remove staging, if it would
+        while staging.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            return real_put(path, value, exclusive=exclusive)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(_local, "_put", slow_put)
+    data = tmp_path / "corpus.jsonl"
+    _write_lines(data, _corpus_lines(texts))
+    out = tmp_path / "ds"
+    with pytest.raises(_Interrupt):
+        pack([str(data)], str(out), BYTES, workers=1, chunk_tokens=1024)
+    assert under_way.is_set()
+    assert finished.wait(timeout=60)  # the write is over: what it did is on disk
+    _assert_nothing_written(tmp_path, out)
+
+
+def test_no_write_reaches_staging_after_the_pack_gave_up(tmp_path):
+    import zarr
+
+    from llmtrain.data_pack.staging import StagingClosedError
+    from llmtrain.data_pack.store import Output
+
+    out = Output(str(tmp_path / "ds"), overwrite=False)
+    store = out.array_store("tokens")
+    out.abort()
+    with pytest.raises(StagingClosedError, match="a write after the pack ended"):
+        zarr.create_array(store=store, shape=(4,), dtype="uint16", zarr_format=3)
+    assert os.listdir(tmp_path) == []
+
+
+def test_an_interrupt_between_the_commits_renames_keeps_the_old_dataset(
+    tmp_path, texts, monkeypatch
+):
+    """Replacing a dataset takes two renames (the old one aside, the new one in). Interrupted
+    between them, the old one is put back under its name; nothing else stays."""
+    old_data, new_data = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+    _write_lines(old_data, _corpus_lines(texts[:10]))
+    _write_lines(new_data, _corpus_lines(texts[10:40]))
+    out = tmp_path / "ds"
+    pack([str(old_data)], str(out), BYTES, workers=1)
+    real_rename = os.rename
+
+    def rename_then_interrupt(src, dst, *args, **kwargs):
+        real_rename(src, dst, *args, **kwargs)
+        if ".old-" in os.fspath(dst):
+            raise _Interrupt
+
+    monkeypatch.setattr(os, "rename", rename_then_interrupt)
+    with pytest.raises(_Interrupt):
+        pack([str(new_data)], str(out), BYTES, workers=1, overwrite=True)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert sorted(os.listdir(tmp_path)) == ["ds", "new.jsonl", "old.jsonl"]
+    assert PackedDataset(str(out)).n_documents == 10
 
 
 @pytest.mark.parametrize(

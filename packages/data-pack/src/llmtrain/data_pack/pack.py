@@ -397,17 +397,18 @@ def pack(
             _check_template(chat, tok)
         encoder = _choose_encoder(tok, raw, sources, settings, storage_options)
         out = Output(output, overwrite=overwrite, storage_options=storage_options)
-        log.info(
-            "pack.start",
-            inputs=len(sources),
-            bytes=total_bytes,
-            workers=len(pool),
-            tokenizer=tok.name,
-            encoder=encoder.name,
-            output=output,
-        )
-        meter = Progress(progress, total_bytes, event="pack.progress", desc="packing")
-        try:
+        meter = None
+        try:  # from the moment the staging directory exists: an interrupt anywhere removes it
+            log.info(
+                "pack.start",
+                inputs=len(sources),
+                bytes=total_bytes,
+                workers=len(pool),
+                tokenizer=tok.name,
+                encoder=encoder.name,
+                output=output,
+            )
+            meter = Progress(progress, total_bytes, event="pack.progress", desc="packing")
             writer = DatasetWriter(
                 out,
                 token_type,
@@ -467,7 +468,8 @@ def pack(
             out.abort(exc)
             raise
         finally:
-            meter.close()
+            if meter is not None:
+                meter.close()
     c = counts["counts"]
     summary = PackSummary(
         output,

@@ -1,22 +1,35 @@
-"""The temporaries of killed packs: which pack owns each, and removing those whose pack is gone.
+"""Where a pack writes before it commits: the temporaries of killed packs (which pack owns each,
+and removing those whose pack is gone), and the gate every write into the staging area passes.
 
 A pack on a local disk writes under `<output>.tmp-<id>` and renames it into place; one killed
 first leaves it behind. The staging directory holds a small owner record (pid, host, boot, process
 start), and the next pack or merge of the same output removes the temporaries whose owner is no
 longer running.
+
+zarr writes in threads of its own (its event loop, and the threads that loop hands file writes
+to): an interrupt (Ctrl-C) ends the wait of the pack's main thread, not a write under way. Such a
+write, finishing after the pack removed its staging directory, would make it again (a chunk's
+parent directories are created on write) and leave it behind once the process is gone. So every
+write goes through a `WriteGate` (`GatedStore`), and an abandoned pack closes the gate (later
+writes are refused; those under way are waited for) before it removes anything.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import shutil
 import socket
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from typing import Any
 
 import structlog
+from zarr.abc.store import Store
+from zarr.core.buffer import Buffer
+from zarr.storage import WrapperStore
 
 OWNER_FILE = ".llmtrain-owner.json"  # in a local staging directory: which process writes it
 _TEMPORARY_SUFFIX = re.compile(r"\.tmp-[0-9a-f]{8}")
@@ -147,3 +160,93 @@ def remove_stale_temporaries(final: str) -> list[str]:
         log.info("output.stale_temporary_removed", path=staged)
         removed.append(staged)
     return removed
+
+
+class StagingClosedError(RuntimeError):
+    """A write into a staging area after its pack ended (committed or abandoned)."""
+
+
+class WriteGate:
+    """Counts the writes under way into one staging area. `close()` refuses every later write and
+    waits for those under way, so that what is removed (or renamed) next stays as it is."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self._changed = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def enter(self) -> None:
+        with self._changed:
+            if self._closed:
+                raise StagingClosedError(f"{self.where}: a write after the pack ended")
+            self._active += 1
+
+    def leave(self) -> None:
+        with self._changed:
+            self._active -= 1
+            self._changed.notify_all()
+
+    @property
+    def active(self) -> int:
+        with self._changed:
+            return self._active
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse later writes and wait up to `timeout` seconds (None: as long as it takes) for
+        those under way; False if some were still running then."""
+        with self._changed:
+            self._closed = True
+            return self._changed.wait_for(lambda: self._active == 0, timeout)
+
+
+class GatedStore(WrapperStore):
+    """A zarr store whose every change (and a local store's opening, which makes its directory)
+    passes through a `WriteGate`. The gate is left when the change is done, also if the coroutine
+    that waits for it is cancelled (the file write in its thread goes on regardless)."""
+
+    def __init__(self, store: Store, gate: WriteGate):
+        super().__init__(store)
+        self.gate = gate
+
+    def _with_store(self, store: Store) -> GatedStore:
+        return type(self)(store, self.gate)
+
+    async def _through_gate(self, start: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+        self.gate.enter()
+        try:
+            task = asyncio.ensure_future(start())
+        except BaseException:
+            self.gate.leave()
+            raise
+        task.add_done_callback(self._done)
+        return await asyncio.shield(task)
+
+    def _done(self, task: asyncio.Future) -> None:
+        self.gate.leave()
+        if not task.cancelled():
+            task.exception()  # retrieved: its waiter (if still there) raises it, else nobody
+
+    async def _open(self) -> None:
+        await self._through_gate(self._store._open)
+
+    async def _ensure_open(self) -> None:
+        await self._through_gate(self._store._ensure_open)
+
+    async def set(self, key: str, value: Buffer) -> None:
+        await self._through_gate(lambda: self._store.set(key, value))
+
+    async def set_if_not_exists(self, key: str, value: Buffer) -> None:
+        await self._through_gate(lambda: self._store.set_if_not_exists(key, value))
+
+    async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
+        await self._through_gate(lambda: self._store._set_many(values))
+
+    async def delete(self, key: str) -> None:
+        await self._through_gate(lambda: self._store.delete(key))
+
+    async def delete_dir(self, prefix: str) -> None:
+        await self._through_gate(lambda: self._store.delete_dir(prefix))
+
+    async def clear(self) -> None:
+        await self._through_gate(self._store.clear)

@@ -40,6 +40,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import structlog
 import zarr
 from fsspec.core import url_to_fs
 from zarr.abc.store import Store
@@ -63,7 +64,15 @@ from llmtrain.data_pack.integrity import (
     size_problem,
     stored_sizes,
 )
-from llmtrain.data_pack.staging import OWNER_FILE, remove_stale_temporaries, write_owner
+from llmtrain.data_pack.staging import (
+    OWNER_FILE,
+    GatedStore,
+    WriteGate,
+    remove_stale_temporaries,
+    write_owner,
+)
+
+log = structlog.get_logger("llmtrain.data_pack")
 
 FORMAT = "llmtrain-tokens"
 FORMAT_VERSION = 2  # 2: chat datasets (a loss mask; readers of version 1 would ignore it)
@@ -72,6 +81,9 @@ META_KEY = "llmtrain"
 DEFAULT_COMPRESSION = "none"
 HEAD_TOKENS = 8192  # first tokens of each chunk kept in `chunk_heads` (windows up to 8191 long)
 HEADS_PER_CHUNK = 64
+# how long an abandoned (or committing) pack waits for writes under way in zarr's threads before
+# it removes (or renames) its staging area: a local chunk write takes milliseconds
+STAGING_WRITES_TIMEOUT = 120.0
 ORIGIN_ARRAYS = ("doc_source", "doc_row", "doc_id_offsets", "doc_id_bytes")
 ARRAYS = ("tokens", "doc_offsets", "chunk_docs", "chunk_heads", "loss_mask", *ORIGIN_ARRAYS)
 # what zarr raises on a metadata file that is there but unreadable: not JSON (JSONDecodeError is a
@@ -230,6 +242,9 @@ class Output:
         self.overwrite = overwrite
         self.chunks: dict[str, dict[str, list[int]]] = {}  # array -> chunk key -> [bytes, crc]
         self.staging = f"{self.url}.tmp-{uuid.uuid4().hex[:8]}" if self.local else self.url
+        # every write into staging passes it; closed before staging is removed or renamed
+        self.gate = WriteGate(self.staging)
+        self._old: str | None = None  # the local dataset the commit replaces, while it does
         if not self.local and self.fs.exists(self.path):
             # object storage has no rename: the old dataset goes first, the new one's metadata
             # is written last, so a crash in between leaves no complete-looking dataset
@@ -237,16 +252,27 @@ class Output:
         if self.local:
             remove_stale_temporaries(_local_path(self.url))
             staged = _local_path(self.staging)
-            os.makedirs(staged, exist_ok=False)
-            write_owner(staged)
+            try:  # an interrupt right after the directory is made leaves nothing either
+                os.makedirs(staged, exist_ok=False)
+                write_owner(staged)
+            except FileExistsError:
+                raise  # another pack's (the same id): not ours to remove
+            except BaseException:
+                shutil.rmtree(staged, ignore_errors=True)
+                raise
 
     def array_url(self, name: str) -> str:
         return _join(self.staging, name)
 
     def array_store(self, name: str) -> Store:
         """The store to create array `name` in; what is written there is recorded."""
-        store = _store(self.array_url(name), self.storage_options, read_only=False)
-        return RecordingStore(store, self.chunks.setdefault(name, {}))
+        return RecordingStore(
+            self._writable(self.array_url(name)), self.chunks.setdefault(name, {})
+        )
+
+    def _writable(self, url: str) -> Store:
+        """A store under staging, written through the gate."""
+        return GatedStore(_store(url, self.storage_options, read_only=False), self.gate)
 
     def integrity(self) -> dict[str, Any]:
         return {
@@ -259,33 +285,55 @@ class Output:
 
     def commit(self, attributes: Mapping[str, Any]) -> None:
         zarr.create_group(
-            store=_store(self.staging, self.storage_options, read_only=False),
+            store=self._writable(self.staging),
             attributes={
                 META_KEY: {**attributes, INTEGRITY_KEY: self.integrity(), "complete": True}
             },
             zarr_format=3,
         )
+        self._settle()  # nothing more is written, and no write is still under way
         if not self.local:
             return
         final, staged = _local_path(self.url), _local_path(self.staging)
         os.remove(os.path.join(staged, OWNER_FILE))  # it only marks a staging directory
-        old = f"{final}.old-{uuid.uuid4().hex[:8]}"
         if os.path.exists(final):
-            os.rename(final, old)
+            self._old = f"{final}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(final, self._old)
         os.rename(staged, final)
-        if os.path.exists(old):
-            shutil.rmtree(old, ignore_errors=True)
+        if self._old is not None:
+            shutil.rmtree(self._old, ignore_errors=True)
+            self._old = None
+
+    def _settle(self) -> None:
+        """Close the gate: later writes into staging are refused, and those under way (in
+        zarr's threads, which an interrupt of this thread does not stop) are waited for."""
+        if not self.gate.close(timeout=STAGING_WRITES_TIMEOUT):
+            log.warning(
+                "output.writes_still_running",
+                path=self.staging,
+                writes=self.gate.active,
+                waited_s=STAGING_WRITES_TIMEOUT,
+            )
 
     def abort(self, error: BaseException | None = None) -> None:
-        """Remove what was staged (after `error`, if one ended the pack). A full disk is then
-        raised as one line naming the output (a chunk write that fails names no file), with the
-        space given back."""
+        """Remove what was staged (after `error`, if one ended the pack), once no write into it
+        is under way. A full disk is then raised as one line naming the output (a chunk write
+        that fails names no file), with the space given back. Interrupted within the commit's
+        renames, the dataset it replaced is put back (or, once the new one is in place, removed).
+        """
+        self._settle()
         try:
             fs, path = url_to_fs(self.staging, **self.storage_options)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
         except OSError:
             pass
+        if self._old is not None and os.path.exists(self._old):
+            final = _local_path(self.url)
+            if os.path.exists(final):
+                shutil.rmtree(self._old, ignore_errors=True)
+            else:
+                os.rename(self._old, final)
         if error is not None and (full := no_space(error)) is not None:
             raise DatasetError(
                 f"{self.url}: {no_space_message(full)}; nothing was written"
