@@ -245,9 +245,35 @@ def load_crash_state(checkpoints: Checkpointer, mib: int, step: int | None = Non
     return loaded, tensors, counters["step"]
 
 
+def settle(url: str, quiet_s: float = 1.0, timeout: float = 120) -> None:
+    """Wait until nothing under `url` changes any more. The S3 server answers the requests of a
+    saver in threads of its own: one the saver had sent whole before its SIGKILL still lands
+    after the kill, so the store is listed only once it has been still for `quiet_s`. A local
+    disk needs no wait: a killed process writes nothing more."""
+    if "://" not in url:
+        return
+    fs, root = fsspec.core.url_to_fs(url)
+
+    def listing() -> list[tuple[str, int]]:
+        fs.invalidate_cache()
+        return sorted(
+            (path, info.get("size", 0)) for path, info in fs.find(root, detail=True).items()
+        )
+
+    seen, since = listing(), time.monotonic()
+    deadline = since + timeout
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"{url} still changed {timeout} s after the kill"
+        time.sleep(0.1)
+        now = listing()
+        if now != seen:
+            seen, since = now, time.monotonic()
+
+
 def check_after_kill(url: str, previous: int, mib: int) -> tuple[int, bool]:
     """Everything a restarted run could load is exactly what its step wrote; returns the newest
     committed step and whether an unfinished save was left behind."""
+    settle(url)
     checkpoints = Checkpointer(url)
     committed = checkpoints.committed_steps()
     latest = checkpoints.latest_step()
