@@ -1,9 +1,11 @@
 """Shared test setup for downstream: one torch thread, the installed plugins, task files written
-in their published layouts, the bytes tokenizer, a tiny model and a by-hand scorer."""
+in their published layouts (the rows: downstream_layouts.py), the bytes tokenizer, a tiny model
+and a by-hand scorer."""
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,10 @@ from llmtrain.core_mesh.config import Choice, structure
 from llmtrain.core_mesh.interfaces import TaskItem
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.data_pack.tokenizer import ENDOFTEXT, BytesOptions, BytesTokenizer
+
+# the tests import the published rows from downstream_layouts.py beside this file (pytest's
+# importlib mode puts no test folder on sys.path)
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")

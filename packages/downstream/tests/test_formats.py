@@ -3,12 +3,23 @@ same rows, the gold index, `where` (file:line), and one-line errors for bad inpu
 
 from __future__ import annotations
 
-import csv
 import json
 import re
 
 import attrs
 import pytest
+from downstream_layouts import (
+    ARC_STEM,
+    ARC_TEXTS,
+    HELLASWAG_ROWS,
+    LAMBADA_TEXT,
+    PIQA_ROWS,
+    SCIQ_ROWS,
+    WINOGRANDE_ROWS,
+    arc_flat,
+    arc_nested,
+    write_mmlu_csv,
+)
 
 from llmtrain.core_mesh.config import Choice, ConfigError, structure
 from llmtrain.core_mesh.errors import UserError
@@ -23,46 +34,6 @@ def task_items(plugins, kind: str, path: str, **options) -> list[TaskItem]:
     assert task.name == kind
     assert task.scoring == BUILTIN_TASKS[kind][1]
     return list(task.items())
-
-
-# rows as the datasets publish them (hellaswag_val.jsonl lines 1 and 2 in layout; the second is
-# a WikiHow row with the bracketed tags the harness strips)
-HELLASWAG_ROWS = [
-    {
-        "ind": 24,
-        "activity_label": "Roof shingle removal",
-        "ctx_a": "A man is sitting on a roof.",
-        "ctx_b": "he",
-        "ctx": "A man is sitting on a roof. he",
-        "split": "val",
-        "split_type": "indomain",
-        "label": 3,
-        "endings": [
-            "is using wrap to wrap a pair of skis.",
-            "is ripping level tiles off.",
-            "is holding a rubik's cube.",
-            "starts pulling up roofing on a roof.",
-        ],
-        "source_id": "activitynet~v_-JhWjGDPHMY",
-    },
-    {
-        "ind": 4,
-        "activity_label": "Home and Garden",
-        "ctx_a": "[header] How to clean a grill [title] Turn the grill on high.",
-        "ctx_b": "[step] LET it heat for 15 minutes.",
-        "ctx": "[header] How to clean a grill [title] Turn the grill on high. [step] LET it heat.",
-        "split": "val",
-        "split_type": "zeroshot",
-        "label": "0",
-        "endings": [
-            "[substeps] Scrub the grates with a brush.",
-            "Pour water [title] on the coals.",
-            "Walk away.",
-            "Eat the grill.",
-        ],
-        "source_id": "wikihow~1234",
-    },
-]
 
 
 def test_hellaswag_prompts_as_the_harness(plugins, write_jsonl):
@@ -85,36 +56,6 @@ def test_hellaswag_prompts_as_the_harness(plugins, write_jsonl):
     assert (second.gold, second.where) == (0, f"{path}:2")
 
 
-ARC_STEM = "Which is the most likely effect of a faster rotation of a planet?"
-ARC_TEXTS = [
-    "Planetary density will decrease.",
-    "Planetary years will become longer.",
-    "Planetary days will become shorter.",
-    "Planetary gravity will become stronger.",
-]
-
-
-def arc_nested(key: str = "C", labels: str = "ABCD", **changes) -> dict:
-    return {
-        "id": "Mercury_7175875",
-        "question": {
-            "stem": ARC_STEM,
-            "choices": [{"text": t, "label": x} for t, x in zip(ARC_TEXTS, labels, strict=True)],
-        },
-        "answerKey": key,
-        **changes,
-    }
-
-
-def arc_flat(key: str = "C", labels: str = "ABCD") -> dict:
-    return {
-        "id": "Mercury_7175875",
-        "question": ARC_STEM,
-        "choices": {"text": ARC_TEXTS, "label": list(labels)},
-        "answerKey": key,
-    }
-
-
 @pytest.mark.parametrize("kind", ["arc_easy", "arc_challenge"])
 def test_arc_both_layouts(plugins, write_jsonl, kind):
     nested = write_jsonl("ARC-Easy-Test.jsonl", [arc_nested(), arc_nested("3", "1234")])
@@ -131,16 +72,6 @@ def test_arc_both_layouts(plugins, write_jsonl, kind):
         f"{flat}:1",
         f"{flat}:2",
     ]
-
-
-PIQA_ROWS = [
-    {
-        "goal": "How do I ready a guinea pig cage for it's new occupants?",
-        "sol1": "Provide the guinea pig with a cage full of bedding made of ripped paper strips.",
-        "sol2": "Provide the guinea pig with a cage full of bedding made of ripped jeans material.",
-    },
-    {"goal": "dresser", "sol1": "replace drawer with bobby pin ", "sol2": "finish, woodgrain with"},
-]
 
 
 def test_piqa_with_its_labels_file(plugins, write_jsonl, tmp_path):
@@ -161,23 +92,7 @@ def test_piqa_with_its_labels_file(plugins, write_jsonl, tmp_path):
 
 
 def test_winogrande_partial_scoring(plugins, write_jsonl):
-    rows = [
-        {
-            "qID": "3QHITW7OYO7Q6B6ISU2UMJB84ZLAQE-2",
-            "sentence": "Sarah was a much better surgeon than Maria so _ always got the harder cases.",
-            "option1": "Sarah",
-            "option2": "Maria",
-            "answer": "1",
-        },
-        {
-            "qID": "3QHITW7OYO7Q6B6ISU2UMJB84ZLAQE-1",
-            "sentence": "Sarah was a much better surgeon than Maria so _ always got the easier cases.",
-            "option1": "Sarah",
-            "option2": "Maria",
-            "answer": "2",
-        },
-    ]
-    path = write_jsonl("dev.jsonl", rows)
+    path = write_jsonl("dev.jsonl", WINOGRANDE_ROWS)
     first, second = task_items(plugins, "winogrande", path)
     head = "Sarah was a much better surgeon than Maria so "
     assert first.contexts == (head + "Sarah", head + "Maria")
@@ -187,14 +102,6 @@ def test_winogrande_partial_scoring(plugins, write_jsonl):
     assert second.where == f"{path}:2"
 
 
-LAMBADA_TEXT = (
-    "In my palm is a clear stone, and inside it is a small ivory statuette. A guardian angel.\n\n"
-    "\"Figured if you're going to be out at night getting hit by cars, you might as well have "
-    'some backup."\n\nI look at him, feeling stunned. But as I stare at Harlin, his mouth '
-    "curved in a confident grin, I don't care about signs"
-)
-
-
 def test_lambada_last_word(plugins, write_jsonl):
     path = write_jsonl("lambada_test.jsonl", [{"text": LAMBADA_TEXT}, {"text": "two words"}])
     first, second = task_items(plugins, "lambada", path)
@@ -202,27 +109,6 @@ def test_lambada_last_word(plugins, write_jsonl):
     assert first.choices == ("signs",)
     assert first.delimiter == " "  # the harness's continuation is " signs"
     assert (second.contexts, second.choices, second.where) == (("two",), ("words",), f"{path}:2")
-
-
-SCIQ_ROWS = [
-    {
-        "question": "What type of organism is commonly used in preparation of foods such as "
-        "cheese and yogurt?",
-        "distractor3": "viruses",
-        "distractor1": "protozoa",
-        "distractor2": "gymnosperms",
-        "correct_answer": "mesophilic organisms",
-        "support": "  Mesophiles grow best in moderate temperature.",
-    },
-    {
-        "question": "What is the least dangerous radioactive decay?",
-        "distractor3": "zeta decay",
-        "distractor1": "beta decay",
-        "distractor2": "gamma decay",
-        "correct_answer": "alpha decay",
-        "support": "",
-    },
-]
 
 
 @pytest.mark.parametrize("indent", [None, 2])
@@ -242,20 +128,9 @@ def test_sciq_json_array(plugins, tmp_path, indent):
     assert [first.where, second.where] == [f"{path}:{n}" for n in starts]
 
 
-MMLU_ROWS = [
-    ["Find the degree for the given field extension Q(sqrt(2), sqrt(3)) over Q.", "0", "4", "2", "6", "B"],
-    ["Let p = (1, 2, 5, 4)(2, 3) in S_5.\nFind the index of <p> in S_5.", "8", "2", "24", "120", "C"],
-    ["Statement 1 | A factor group of a non-Abelian group is non-Abelian.", "True, True", "False, False", "True, False", "False, True", "d"],
-]  # fmt: skip
 MMLU_DESCRIPTION = (
     "The following are multiple choice questions (with answers) about abstract algebra.\n\n"
 )
-
-
-def write_mmlu_csv(path) -> str:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows(MMLU_ROWS)
-    return str(path)
 
 
 def test_mmlu_hendrycks_csv(plugins, tmp_path):
@@ -393,7 +268,7 @@ def test_bad_json_line(plugins, write_jsonl):
     assert message.startswith(f"{path}:3: not a JSON line")
     array = write_jsonl("lambada_test.jsonl", ['["a b"]'])
     assert (
-        one_line_error(plugins, "lambada", array) == f"{array}:1: expected a JSON object, got list"
+        one_line_error(plugins, "lambada", array) == f"{array}:1: expected a JSON object, got array"
     )
 
 
@@ -433,13 +308,16 @@ def test_piqa_label_count_mismatch(plugins, write_jsonl, tmp_path):
     labels = tmp_path / "valid-labels.lst"
     labels.write_text("0\n")
     message = one_line_error(plugins, "piqa", path)
-    assert str(labels) in message and "1 labels for 2 questions" in message
+    assert message == (
+        f"{labels}: 1 labels for 2 questions in {path}; give the labels file of the same split "
+        "(labels_path)"
+    )
     labels.write_text("0\n2\n")
     assert one_line_error(plugins, "piqa", path) == (
         f"{labels}:2: field 'label': '2' is not the index of one of 2 choices"
     )
     labels.unlink()
-    assert one_line_error(plugins, "piqa", path) == f"{labels}: no such task file"
+    assert one_line_error(plugins, "piqa", path) == f"{labels}: no such task file; check the path"
 
 
 def test_mmlu_csv_bad_rows(plugins, tmp_path):
@@ -456,12 +334,18 @@ def test_mmlu_csv_bad_rows(plugins, tmp_path):
 
 def test_missing_and_empty_files(plugins, tmp_path):
     missing = tmp_path / "nope.jsonl"
-    assert one_line_error(plugins, "hellaswag", str(missing)) == f"{missing}: no such task file"
+    assert one_line_error(plugins, "hellaswag", str(missing)) == (
+        f"{missing}: no such task file; check the path"
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
-    assert (
-        one_line_error(plugins, "lambada", str(empty)) == f"{empty}: no items in the file (lambada)"
+    assert one_line_error(plugins, "lambada", str(empty)) == (
+        f"{empty}: the file is empty; check the path or download it again"
     )
+    # a file with no items for the task: an empty array of SciQ's layout
+    array = tmp_path / "test.json"
+    array.write_text("[\n]\n")
+    assert one_line_error(plugins, "sciq", str(array)) == f"{array}: no items in the file (sciq)"
 
 
 # --- choosing a task in config ------------------------------------------------------------------

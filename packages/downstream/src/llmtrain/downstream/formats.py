@@ -11,6 +11,7 @@ import re
 from pathlib import PurePosixPath
 
 import attrs
+from fsspec.utils import infer_compression
 
 from llmtrain.core_mesh.interfaces import TaskItem
 from llmtrain.downstream.task_files import (
@@ -64,12 +65,15 @@ def arc(path: str, options: TaskOptions) -> list[TaskItem]:
             listed = field(record, "question.choices", list, where)
             if not listed:
                 raise TaskFileError(f"{where}: field 'question.choices' must be a non-empty list")
-            texts = [field(c, "text", str, where) for c in listed if isinstance(c, dict)]
-            labels = [
-                str(field(c, "label", (str, int), where)) for c in listed if isinstance(c, dict)
-            ]
-            if len(texts) != len(listed):
+            if not all(isinstance(c, dict) for c in listed):
                 raise TaskFileError(f"{where}: field 'question.choices' must hold objects")
+            texts = [
+                field(record, f"question.choices.{i}.text", str, where) for i in range(len(listed))
+            ]
+            labels = [
+                str(field(record, f"question.choices.{i}.label", (str, int), where))
+                for i in range(len(listed))
+            ]
         else:
             stem = question
             texts = list(
@@ -103,11 +107,11 @@ def piqa(path: str, options: TaskOptions) -> list[TaskItem]:
     records = list(json_lines(path, options))
     labels = None
     if records and "label" not in records[0][1]:
-        labels = _piqa_labels(path, options)
+        labels_path, labels = _piqa_labels(path, options)
         if len(labels) != len(records):
             raise TaskFileError(
-                f"{labels[0][0].rsplit(':', 1)[0] if labels else path}: {len(labels)} labels for "
-                f"{len(records)} questions in {path}"
+                f"{labels_path}: {len(labels)} labels for {len(records)} questions in {path}; "
+                "give the labels file of the same split (labels_path)"
             )
     items = []
     for i, (where, record) in enumerate(records):
@@ -121,7 +125,7 @@ def piqa(path: str, options: TaskOptions) -> list[TaskItem]:
     return items
 
 
-def _piqa_labels(path: str, options: TaskOptions) -> list[tuple[str, str]]:
+def _piqa_labels(path: str, options: TaskOptions) -> tuple[str, list[tuple[str, str]]]:
     # labels_path belongs to `options.path`; a few-shot file's labels lie beside it
     labels_path = getattr(options, "labels_path", None) if path == options.path else None
     if labels_path is None:
@@ -129,9 +133,9 @@ def _piqa_labels(path: str, options: TaskOptions) -> list[tuple[str, str]]:
             raise TaskFileError(f"{path}: records have no 'label'; give labels_path")
         labels_path = path[: -len(".jsonl")] + "-labels.lst"
     text = read_text(labels_path, options)
-    return [
+    return labels_path, [
         (f"{labels_path}:{n}", line.strip())
-        for n, line in enumerate(text.splitlines(), 1)
+        for n, line in enumerate(text.split("\n"), 1)
         if line.strip()
     ]
 
@@ -193,6 +197,12 @@ class MultipleChoiceOptions(TaskOptions):
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
+def _layout_name(path: str) -> PurePosixPath:
+    """The file's name without a URL's query or a compression suffix (`x_test.csv.gz`)."""
+    name = PurePosixPath(path.split("?")[0])
+    return name.with_suffix("") if infer_compression(name.name) else name
+
+
 def mmlu_prompt(question: str, choices: tuple[str, ...], gold: int, where: str) -> TaskItem:
     lines = [question.strip()] + [f"{LETTERS[i]}. {c}" for i, c in enumerate(choices)]
     context = "\n".join(lines) + "\nAnswer:"
@@ -204,7 +214,7 @@ def mmlu(path: str, options: TaskOptions) -> list[TaskItem]:
     choices, the answer letter), or JSON lines of `question`, `choices` (a list) and `answer`
     (an index or a letter): the lettered prompt MMLU uses, scored on the answer letter."""
     items = []
-    if PurePosixPath(path.split("?")[0]).suffix.lower() == ".csv":
+    if _layout_name(path).suffix.lower() == ".csv":
         for where, row in csv_rows(path, options):
             if len(row) < 4:
                 raise TaskFileError(
@@ -229,7 +239,7 @@ def mmlu(path: str, options: TaskOptions) -> list[TaskItem]:
 def mmlu_description(options: TaskOptions, path: str) -> str:
     subject = getattr(options, "subject", None)
     if subject is None:
-        stem = PurePosixPath(path.split("?")[0]).stem
+        stem = _layout_name(path).stem
         match = re.fullmatch(r"(.+)_(dev|val|test)", stem)
         subject = match.group(1) if match else None
     if not subject:
