@@ -28,12 +28,16 @@ PACKAGES = [
 ]
 SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint", "ablate", "downstream"]}
 # siblings a package's own tests use (not its code): downstream's tests score a real model
-# with a real tokenizer
-TEST_SIBLINGS = {"downstream": ["data-pack", "models"]}
+# with a real tokenizer, and send bad task files through `llmtrain eval-tasks` (train-loop, with
+# the siblings it needs installed from this tree)
+TEST_SIBLINGS = {
+    "downstream": ["data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
+}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
 EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot]"}
 TEST_GROUPS = {
     "data-pack": ["object-store", "formats"],
+    "downstream": ["object-store"],
     "checkpoint": ["object-store"],
     "train-loop": ["object-store"],
 }
