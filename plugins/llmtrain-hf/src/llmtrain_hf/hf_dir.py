@@ -39,6 +39,7 @@ from llmtrain_hf.convert import (
     source_architecture,
     to_hf_state_dict,
 )
+from llmtrain_hf.tokenizer import json_of
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -125,16 +126,7 @@ class HFDir:
 
     def read_json(self, name: str, fix: str = REDOWNLOAD) -> Any:
         """The JSON value of the file `name`; `fix` says what to do when it is not JSON."""
-        where, data = self.where(name), self.read_bytes(name)
-        try:
-            return json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise UserError(f"{where} is not text (a binary or damaged file): {fix}") from None
-        except json.JSONDecodeError as exc:
-            raise UserError(
-                f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}; "
-                f"damaged or cut short): {fix}"
-            ) from None
+        return json_of(self.read_bytes(name), self.where(name), fix)
 
 
 def _kind(value: Any) -> str:

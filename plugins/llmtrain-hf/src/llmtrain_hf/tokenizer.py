@@ -183,13 +183,19 @@ def _read(path: str, fix: str) -> bytes:
 
 
 def _json_file(path: str, fix: str) -> Any:
+    return json_of(_read(path, fix), path, fix)
+
+
+def json_of(data: bytes, where: str, fix: str) -> Any:
+    """The JSON value of a file's bytes; one line naming the file (`where`) and `fix` when they
+    are not UTF-8 JSON."""
     try:
-        return json.loads(_read(path, fix).decode("utf-8"))
+        return json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
-        raise UserError(f"{path} is not text (a binary or damaged file): {fix}") from None
+        raise UserError(f"{where} is not text (a binary or damaged file): {fix}") from None
     except json.JSONDecodeError as exc:
         raise UserError(
-            f"{path} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}; "
+            f"{where} is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}; "
             f"damaged or cut short): {fix}"
         ) from None
 
