@@ -22,13 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from llmtrain.checkpoint.manager import (
-    Checkpointer,
-    CheckpointError,
-    CorruptCheckpointError,
-    _reason,
-    corruption,
-)
+from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, load_failure
 from llmtrain.checkpoint.safe_io import SafeLoadPlanner
 
 MODEL_KEY = re.compile(r"^([^.]+)\.model\.")
@@ -76,14 +70,7 @@ def load_model_weights(
         try:
             dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as exc:
-            corrupt = corruption(exc)
-            if corrupt is not None:
-                raise CorruptCheckpointError(
-                    str(corrupt), file=corrupt.file, problem=corrupt.problem
-                ) from exc
-            raise CheckpointError(
-                f"cannot load {checkpoints.step_url(step)}: {_reason(exc)}"
-            ) from exc
+            raise load_failure(exc, checkpoints.step_url(step)) from exc
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
     return weights, checkpoints.info(step), step
 

@@ -567,14 +567,11 @@ class Checkpointer:
         try:
             dcp.load(plain, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointException as exc:
-            corrupt = corruption(exc)
-            if corrupt is not None:
-                raise CorruptCheckpointError(
-                    str(corrupt), file=corrupt.file, problem=corrupt.problem
-                ) from exc
-            raise CheckpointError(
-                f"cannot load {self.step_url(step)}: {_reason(exc)} (values are loaded with "
-                "weights_only: tensors, numbers, strings and plain containers only)"
+            raise load_failure(
+                exc,
+                self.step_url(step),
+                " (values are loaded with weights_only: tensors, numbers, strings and plain "
+                "containers only)",
             ) from exc
         for key, value in state.items():
             if isinstance(value, Stateful):
@@ -705,6 +702,15 @@ def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> Non
                     f"{tuple(value.shape)} in this model; the checkpoint is from a different model "
                     "shape"
                 )
+
+
+def load_failure(exc: BaseException, step_url: str, note: str = "") -> CheckpointError:
+    """The error to raise for a failed DCP load of `step_url`: the damaged file's own line when
+    a rank found one, else what went wrong (and `note`)."""
+    corrupt = corruption(exc)
+    if corrupt is not None:
+        return CorruptCheckpointError(str(corrupt), file=corrupt.file, problem=corrupt.problem)
+    return CheckpointError(f"cannot load {step_url}: {_reason(exc)}{note}")
 
 
 def corruption(exc: BaseException) -> CorruptCheckpointError | None:
