@@ -12,7 +12,13 @@
   error messages all use the YAML key.
 
 Options classes raise `ConfigValueError(field, message)` from `__attrs_post_init__` for checks
-that span fields, so the error names the right path.
+that span fields, so the error names the right path (`field` may be a path below the class:
+`("train", 0, "weight")`).
+
+A config file is read as UTF-8 text (`read_config_text`): a binary or otherwise undecodable file
+is one problem naming the file. A field that names a path of the run directory is checked by
+`inside_run_dir("file" | "directory")`, which also marks it (`RUN_PATH` metadata) so that the
+paths a run will write can be checked before it starts.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import math
 import re
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
@@ -39,6 +45,9 @@ PathParts = tuple[str | int, ...]
 # attrs field metadata: the key the field has in YAML when it differs from the attribute name
 # (a Python keyword such as `from`)
 YAML_KEY = "llmtrain.yaml_key"
+# attrs field metadata: the field is a path relative to the run directory ("file" or
+# "directory"), set by `inside_run_dir`
+RUN_PATH = "llmtrain.run_path"
 
 
 def yaml_key(field: attrs.Attribute) -> str:
@@ -76,28 +85,39 @@ class Problem:
         return format_path(self.path)
 
     def __str__(self) -> str:
-        prefix = f"{self.where}: " if self.where else ""
-        return f"{prefix}{self.dotted or '<top>'}: {self.message}"
+        # a problem of the whole file (unreadable, invalid YAML, not a mapping) names no key
+        parts = [self.where, self.dotted, self.message]
+        return ": ".join(part for part in parts if part)
 
 
 class ConfigError(UserError):
-    """One or more config problems; `str()` lists them all."""
+    """One or more config problems; `str()` is one line for one problem (`file:line: path:
+    message`), else a count and one line per problem."""
 
     def __init__(self, problems: Sequence[Problem], source: str | None = None):
         self.problems = list(problems)
         self.source = source
         head = f"{source}: " if source else ""
         n = len(self.problems)
+        if n == 1:
+            [problem] = self.problems
+            # named once: the problem's own `file:line` names the file already
+            named = source and problem.where and problem.where.startswith(source)
+            super().__init__(str(problem) if named else f"{head}{problem}")
+            return
         lines = [f"{head}{n} config problem{'s' if n != 1 else ''}:"]
         lines += [f"  {p}" for p in self.problems]
         super().__init__("\n".join(lines))
 
 
 class ConfigValueError(ValueError):
-    """Raised by options classes for a bad value; `field` names the offending key."""
+    """Raised by options classes for a bad value; `field` names the offending key (or a path
+    below the class, `("train", 0, "weight")`; `path` is always the tuple and `field` its
+    dotted form)."""
 
-    def __init__(self, field: str, message: str):
-        self.field = field
+    def __init__(self, field: str | PathParts, message: str):
+        self.path: PathParts = tuple(field) if isinstance(field, tuple) else (field,)
+        self.field = format_path(self.path)
         super().__init__(message)
 
 
@@ -169,11 +189,21 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
     """Parse YAML (safe subset) keeping line numbers; syntax errors become a ConfigError."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow (a NUL byte)
+        line = text.count("\n", 0, exc.position) + 1
+        problem = f"character {exc.character!r} is not allowed in YAML (a binary file?)"
+        raise ConfigError([Problem((), problem, f"{source}:{line}")], source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
-        problem = getattr(exc, "problem", None) or str(exc)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError([Problem((), f"invalid YAML: {problem}", where)], source) from None
+
+
+def line_of(raw: Any, path: PathParts) -> int | None:
+    """The line (1-based) of the key at `path` in YAML parsed by `parse_yaml` (of the deepest
+    key on the path that is there), or None."""
+    return _line_of(raw, path)
 
 
 def _line_of(raw: Any, path: PathParts) -> int | None:
@@ -353,15 +383,21 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
                     obj = base(value, cls)
                 except BaseValidationError as exc:
                     # report the fields that did structure but fail their validators too
-                    failed = {
-                        _key_of(cls, getattr(note, "name", None))
-                        for _, note in exc.group_exceptions()[0]
-                    }
-                    problems = list(_problems_from(exc, (), None))
-                    problems += _field_problems(conv, cls, value, skip=failed)
-                    raise _NestedProblems(problems) from None
+                    with_notes, without = exc.group_exceptions()
+                    failed = {_key_of(cls, getattr(note, "name", None)) for _, note in with_notes}
+                    own = _field_problems(conv, cls, value, skip=failed)
+                    problems = list(_noted_problems(exc, ()))
+                    for sub in without:
+                        # __attrs_post_init__'s own errors are left out when a field fails its
+                        # validator: the check ran on a value already refused (validators are
+                        # off while structuring) and would only repeat it (`integer modulo by
+                        # zero`); unknown keys are always said
+                        if not own or isinstance(sub, ForbiddenExtraKeysError):
+                            problems += _problems_from(sub, (), None)
+                    raise _NestedProblems(problems + own) from None
                 except ConfigValueError as exc:  # a cross-field check in __attrs_post_init__
-                    raise _NestedProblems([Problem((exc.field,), str(exc))]) from None
+                    own = _field_problems(conv, cls, value, skip=set())
+                    raise _NestedProblems(own or [Problem(exc.path, str(exc))]) from None
             problems = []
             for a in validated:
                 try:
@@ -435,7 +471,24 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
 
         return structure
 
+    def tuple_hook(cls: Any) -> Any:
+        args = typing.get_args(cls)
+        fixed = bool(args) and args[-1] is not Ellipsis
+
+        def structure(value: Any, _: type) -> Any:
+            # cattrs would take a string as its characters, and name a short list's length
+            # only as "not enough values"
+            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+                raise _expect(f"a list of {len(args)}" if fixed else "a list", value)
+            items = list(value)
+            if fixed and len(items) != len(args):
+                raise ValueError(f"expected a list of {len(args)}, got {_shown(items)}")
+            return conv._structure_tuple(items, cls)
+
+        return structure
+
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_hook)
+    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is tuple, tuple_hook)
     conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is Literal, literal_hook)
     conv.register_structure_hook_factory(is_attrs, attrs_hook)
     conv.register_unstructure_hook_factory(
@@ -479,6 +532,17 @@ def _validator_message(exc: Exception) -> str:
     return first if isinstance(first, str) else str(exc)
 
 
+def _noted_problems(exc: BaseValidationError, path: PathParts) -> Iterator[Problem]:
+    """The problems of the sub-exceptions cattrs noted with a field or an index."""
+    for sub, note in exc.group_exceptions()[0]:
+        step = getattr(note, "name", None)
+        if step is None:
+            step = getattr(note, "index", None)
+        else:
+            step = _key_of(getattr(exc, "cl", None), step)
+        yield from _problems_from(sub, (*path, step) if step is not None else path, None)
+
+
 def _problems_from(
     exc: BaseException, path: PathParts, schema_fields: type | None
 ) -> Iterator[Problem]:
@@ -491,18 +555,11 @@ def _problems_from(
             hint = did_you_mean(str(key), known)
             yield Problem((*path, key), f"unknown key{hint}; allowed: {', '.join(known)}")
     elif isinstance(exc, BaseValidationError):
-        with_notes, without = exc.group_exceptions()
-        for sub, note in with_notes:
-            step = getattr(note, "name", None)
-            if step is None:
-                step = getattr(note, "index", None)
-            else:
-                step = _key_of(getattr(exc, "cl", None), step)
-            yield from _problems_from(sub, (*path, step) if step is not None else path, None)
-        for sub in without:
+        yield from _noted_problems(exc, path)
+        for sub in exc.group_exceptions()[1]:
             yield from _problems_from(sub, path, None)
     elif isinstance(exc, ConfigValueError):
-        yield Problem((*path, exc.field), str(exc))
+        yield Problem((*path, *exc.path), str(exc))
     elif isinstance(exc, KeyError):
         yield Problem(path, "required key is missing")
     else:
@@ -520,13 +577,20 @@ def structure(
     source: str | None = None,
     overridden: Mapping[PathParts, str] | None = None,
     converter: cattrs.Converter | None = None,
+    check: Callable[[T], Iterable[Problem]] | None = None,
 ) -> T:
-    """Structure parsed YAML into `schema`, raising one ConfigError with every problem."""
+    """Structure parsed YAML into `schema`, raising one ConfigError with every problem.
+    `check` looks at the structured config and returns its problems (by config path), which
+    are raised located like the others (`file:line`)."""
     conv = converter or make_converter(plugins)
     try:
-        return conv.structure({} if raw is None else raw, schema)
+        config = conv.structure({} if raw is None else raw, schema)
     except (BaseValidationError, _NestedProblems, TypeError) as exc:
         problems = list(_problems_from(exc, (), schema))
+    else:
+        problems = list(check(config)) if check is not None else []
+        if not problems:
+            return config
     located = [_locate(p, raw, source, overridden or {}) for p in problems]
     raise ConfigError(located, source) from None
 
@@ -543,6 +607,31 @@ def _locate(
     return attrs.evolve(problem, where=f"{source}:{line}" if line else source)
 
 
+def read_config_text(path: str | Path) -> str:
+    """A config file's text: a file that cannot be read, or is not UTF-8 text (a binary file, a
+    UTF-16 one), is one ConfigError naming it."""
+    source = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            [Problem((), f"cannot read the config file: {exc.strerror or exc}")], source
+        ) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [
+                Problem(
+                    (),
+                    f"not a YAML text file: byte 0x{data[exc.start]:02x} at offset {exc.start} "
+                    "is not UTF-8 (a binary file, or text in another encoding?)",
+                )
+            ],
+            source,
+        ) from None
+
+
 def load_config(
     path: str | Path,
     schema: type[T],
@@ -550,22 +639,64 @@ def load_config(
     plugins: PluginManager | None = None,
     overrides: Sequence[str] = (),
     prepare: Callable[[Any], Any] | None = None,
+    check: Callable[[T], Iterable[Problem]] | None = None,
 ) -> T:
     """Read a YAML file, apply overrides, and structure it strictly into `schema`. `prepare`
     turns the parsed, overridden YAML into what is structured (a schema's own expansions, such
-    as a run's `model: {from: PATH}`)."""
+    as a run's `model: {from: PATH}`). `check` looks at the structured config and returns its
+    problems (by config path), which are raised located like the others (`file:line`)."""
     source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(
-            [Problem((), f"cannot read the config file: {exc.strerror or exc}")], source
-        ) from None
-    raw = parse_yaml(text, source)
+    raw = parse_yaml(read_config_text(path), source)
     raw, overridden = apply_overrides(raw, overrides)
     if prepare is not None:
         raw = prepare(raw)
-    return structure(raw, schema, plugins=plugins, source=source, overridden=overridden)
+    return structure(
+        raw, schema, plugins=plugins, source=source, overridden=overridden, check=check
+    )
+
+
+# -- paths of the run directory ----------------------------------------------------------------
+
+
+def inside_run_dir(kind: Literal["file", "directory"] = "file") -> Callable[..., None]:
+    """An attrs validator for an option that names a file (or directory) of the run directory:
+    a relative path may not leave it (`../x` is refused), an absolute one is a choice made on
+    purpose. A directory may be `.` (the run directory itself). The validator marks the field
+    `RUN_PATH` when used as `attrs.field(validator=..., metadata=run_path(kind))`."""
+
+    def check(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+        if value is None:
+            return
+        path = PurePath(value)
+        if not value.strip():
+            raise ValueError(f"must name a {kind}, got {value!r}")
+        if kind == "file" and path.name in ("", ".", ".."):
+            raise ValueError(f"must name a file, got {value!r}")
+        if not path.is_absolute() and ".." in path.parts:
+            raise ValueError(
+                f"{value!r} leaves the run directory; give a path inside it, or an absolute "
+                "path to write elsewhere on purpose"
+            )
+
+    return check
+
+
+def run_path(kind: Literal["file", "directory"] = "file") -> dict[str, str]:
+    """The attrs metadata that marks a field as a path of the run directory (see
+    `inside_run_dir`)."""
+    return {RUN_PATH: kind}
+
+
+def run_paths(options: Any) -> Iterator[tuple[str, str, str]]:
+    """(YAML key, kind, value) of each field of an options object marked `RUN_PATH` that has a
+    value."""
+    if options is None or not attrs.has(type(options)):
+        return
+    for field in attrs.fields(type(options)):
+        kind = field.metadata.get(RUN_PATH)
+        value = getattr(options, field.name)
+        if kind and isinstance(value, str):
+            yield yaml_key(field), kind, value
 
 
 def unstructure(config: Any, *, converter: cattrs.Converter | None = None) -> Any:
