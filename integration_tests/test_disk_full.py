@@ -6,6 +6,7 @@ resumes from its newest checkpoint."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,36 @@ def test_a_disk_full_from_the_start_is_one_line_naming_the_file(data, tmp_path, 
     done = ts.run(ts.llmtrain("run", path), timeout=600, check=False)
     assert done.returncode == 2, done.stderr[-3000:]
     _assert_one_clear_error(done.stderr, str(disk / "runs" / "run"))
+
+
+def test_a_disk_the_run_fills_with_its_metrics_still_gets_its_summary(data, tmp_path, small_disk):  # noqa: F811
+    """The disk fills while the run trains (its metrics and logs grow): one error line naming
+    the file, at most one warning about the full disk before it, no traceback, and summary.json
+    says how the run ended (its space was taken when the run started)."""
+    disk = small_disk("1m")
+    runs = disk / "runs"
+    runs.mkdir()
+    with open(disk / "filler", "wb") as f:  # all but 48 KiB: the setup fits, the steps do not
+        f.write(b"\0" * (shutil.disk_usage(disk).free - (48 << 10)))
+    config = ts.run_config(data, runs)
+    config["training"].update(steps=100_000, checkpoint_every=None)
+    config["data"].pop("eval")
+    path = ts.write_config(tmp_path / "run.yaml", config)
+    run_dir = runs / "run"
+
+    done = ts.run(ts.llmtrain("run", path), timeout=1200, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    line = _assert_one_clear_error(done.stderr, str(run_dir))
+    about_the_disk = [
+        text
+        for text in done.stderr.splitlines()
+        if "no space left" in text.lower() and text != line
+    ]
+    assert len(about_the_disk) <= 1 and all("warning" in t for t in about_the_disk), about_the_disk
+    assert "callback.failed" not in done.stderr and "close_failed" not in done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed", summary
+    assert "No space left on device" in summary["error"], summary
+    assert 0 < summary["step"] < 100_000
+    assert not list(run_dir.glob("*.tmp"))
+    assert not (run_dir / "checkpoints").exists() or not list(run_dir.rglob("COMMITTED"))

@@ -463,7 +463,7 @@ def test_failed_runs_are_reported_and_the_others_finish(failed):
     assert "is not finite" in report["lr=1e+09,seq_len=16"]
     assert "exit code 2: " in report["lr=0.002,seq_len=100"]
     assert (
-        "data.seq_len=100 is longer than the model's max_seq_len (64)"
+        "data.seq_len: 100 is longer than the model's max_seq_len (64)"
         in report["lr=0.002,seq_len=100"]
     )
     assert "finished runs are skipped" in err
@@ -480,7 +480,7 @@ def test_failed_runs_are_reported_and_the_others_finish(failed):
 
     summary = summary_of(long)
     assert summary["status"] == "failed" and summary["step"] == 0 and summary["exit_code"] == 2
-    assert "data.seq_len=100 is longer than the model's max_seq_len (64)" in summary["error"]
+    assert "data.seq_len: 100 is longer than the model's max_seq_len (64)" in summary["error"]
     assert not (long / "metrics.jsonl").exists() or not ts.read_metrics(long)
 
     rows = list(csv.DictReader(compare(failed.dir, "--format", "csv").stdout.splitlines()))

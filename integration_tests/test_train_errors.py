@@ -57,7 +57,7 @@ def refused(run_cli, *argv) -> str:  # noqa: F811
         ),
         (
             ["data.seq_len=128"],
-            "data.seq_len=128 is longer than the model's max_seq_len (64); raise "
+            "data.seq_len: 128 is longer than the model's max_seq_len (64); raise "
             "model.max_seq_len or shorten data.seq_len",
         ),
         (

@@ -272,6 +272,49 @@ def test_options_are_validated_with_the_config_path(data, tmp_path, run_cli):
     assert "bad.yaml:36: loggers[1].dir: expected str, got int" in err, err
 
 
+ELSEWHERE = "; give a path inside it, or an absolute path to write elsewhere on purpose"
+
+
+@pytest.mark.parametrize(
+    ("directory", "says"),
+    [
+        ("../../x", "'../../x' leaves the run directory" + ELSEWHERE),
+        ("tb/../../x", "'tb/../../x' leaves the run directory" + ELSEWHERE),
+        ("", "must name a directory, got ''"),
+        (
+            "checkpoints/tb",
+            "'checkpoints/tb' is inside the run's own checkpoints/ directory; name another place",
+        ),
+    ],
+)
+def test_the_directory_stays_in_the_run_as_jsonls_file_does(
+    data, tmp_path, run_cli, directory, says
+):
+    """Refused before the run starts (as the jsonl logger's `../x.jsonl` is): nothing is
+    written, inside the run or out of it."""
+    bad = config(data, tmp_path)
+    bad["loggers"][1].update(dir=directory)
+    path = ts.write_config(tmp_path / "bad.yaml", bad)
+    for command in (("config", "validate"), ("run",)):
+        code, _, err = run_cli(*command, path)
+        assert (code, err) == (2, f"error: {path}:36: loggers[1].dir: {says}\n"), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+    assert not (tmp_path.parent / "x").exists()
+
+
+def test_a_directory_taken_by_a_file_is_refused_before_the_run(data, tmp_path, run_cli):
+    (tmp_path / "taken").write_text("a file\n")
+    bad = config(data, tmp_path)
+    bad["loggers"][1].update(dir=str(tmp_path / "taken"))  # absolute: elsewhere on purpose
+    path = ts.write_config(tmp_path / "bad.yaml", bad)
+    code, _, err = run_cli("run", path)
+    assert (code, err) == (
+        2,
+        f"error: {path}:36: loggers[1].dir: {tmp_path}/taken exists and is not a directory\n",
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 def test_python_loader_reads_every_logged_metric_and_the_config(finished_run):
     metrics = ts.read_metrics(finished_run)
     assert [m["step"] for m in metrics] == list(range(1, 31))

@@ -100,6 +100,34 @@ def test_options_are_validated_with_the_config_path(data, tmp_path, run_cli):
     assert "loggers[1].projekt: unknown key" in err, err
 
 
+ELSEWHERE = "; give a path inside it, or an absolute path to write elsewhere on purpose"
+
+
+@pytest.mark.parametrize(
+    ("directory", "says"),
+    [
+        ("../../x", "'../../x' leaves the run directory" + ELSEWHERE),
+        ("w/../../../x", "'w/../../../x' leaves the run directory" + ELSEWHERE),
+        ("", "must name a directory, got ''"),
+    ],
+)
+def test_the_directory_stays_in_the_run_as_jsonls_file_does(
+    data, tmp_path, run_cli, directory, says
+):
+    """Refused before the run starts (as the jsonl logger's `../x.jsonl` is): no W&B run, and
+    nothing written inside the run directory or out of it."""
+    bad = config(data, tmp_path)
+    bad["loggers"][1].update(dir=directory)
+    path = ts.write_config(tmp_path / "bad.yaml", bad)
+    for command in (("config", "validate"), ("run",)):
+        code, _, err = run_cli(*command, path)
+        assert code == 2, err
+        assert err.startswith(f"error: {path}:") and f": loggers[1].dir: {says}\n" in err, err
+        assert len(err.splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+    assert not (tmp_path.parent / "x").exists()
+
+
 def test_offline_run_logs_every_step_and_the_config(data, tmp_path):
     path = ts.write_config(tmp_path / "run.yaml", config(data, tmp_path))
     done = ts.run(ts.llmtrain("run", path), timeout=600)

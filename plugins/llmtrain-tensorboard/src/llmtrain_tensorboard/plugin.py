@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import yaml
 
+from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.core_mesh.redact import redact
@@ -21,7 +22,11 @@ from llmtrain.core_mesh.redact import redact
 
 @attrs.frozen(kw_only=True)
 class TensorBoardOptions:
-    dir: str = "tensorboard"  # relative to the run directory; an absolute path is used as is
+    # relative to the run directory, which it may not leave (`../x` is refused, as for the jsonl
+    # logger's file); an absolute path writes elsewhere on purpose
+    dir: str = attrs.field(
+        default="tensorboard", validator=inside_run_dir("directory"), metadata=run_path("directory")
+    )
 
 
 def tag_of(metric: str) -> str:

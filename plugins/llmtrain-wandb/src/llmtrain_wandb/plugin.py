@@ -17,6 +17,7 @@ from typing import Literal
 
 import attrs
 
+from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.plugins import hookimpl
@@ -37,7 +38,12 @@ class WandbOptions:
     notes: str | None = None
     # None: wandb decides ($WANDB_MODE, then `wandb offline` / `wandb online`, then online)
     mode: Literal["online", "offline", "disabled"] | None = None
-    dir: str | None = None  # wandb writes <dir>/wandb/; relative to the run dir; None: the run dir
+    # wandb writes <dir>/wandb/; relative to the run directory, which it may not leave (`../x` is
+    # refused, as for the jsonl logger's file); an absolute path writes elsewhere on purpose;
+    # None: the run directory
+    dir: str | None = attrs.field(
+        default=None, validator=inside_run_dir("directory"), metadata=run_path("directory")
+    )
 
 
 def tag_of(metric: str) -> str:

@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any
 
+import structlog
 import torch
 
 from llmtrain.core_mesh.errors import naming_file
@@ -31,6 +32,8 @@ PEAK_TFLOPS = {
 }
 ORIGIN = "llmtrain-train-loop (built in)"
 
+log = structlog.get_logger("llmtrain.train")
+
 
 def builtin_callbacks(run: Any) -> list[Named]:
     callbacks = [
@@ -44,13 +47,24 @@ def builtin_callbacks(run: Any) -> list[Named]:
     return [Named(key, callback, ORIGIN) for key, callback in callbacks]
 
 
+# the space `summary.json` is written into, taken when the run starts: a run that fills its
+# disk still says how it ended
+SUMMARY_RESERVE_BYTES = 16 << 10
+
+
 class Summary(Callback):
     """`summary.json` beside the metrics, written by rank 0 when the run ends (finished,
-    stopped, failed or interrupted); absent while the run runs (sweeps skip finished runs)."""
+    stopped, failed or interrupted); absent while the run runs (sweeps skip finished runs).
+
+    Its space is taken when the run starts (`summary.json.tmp`, filled with blanks), and the
+    summary is written over it: on a disk the run has filled, the run still records how it
+    ended. A failed run whose summary cannot be written anyway says so in one warning line;
+    the run's own error is what ends it."""
 
     def on_run_start(self, run: Any) -> None:
         if run.world.is_main:
             (run.run_dir / "summary.json").unlink(missing_ok=True)
+            _reserve(run.run_dir / "summary.json.tmp", SUMMARY_RESERVE_BYTES)
 
     def on_run_end(self, run: Any, status: str) -> None:
         self._write(run, status)
@@ -59,7 +73,14 @@ class Summary(Callback):
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         # errors echo what they were given (a signed URL, a client's arguments)
         text = redact_text(f"{type(error).__name__}: {error}", getattr(run, "secrets", ()))
-        self._write(run, status, error=text)
+        try:
+            self._write(run, status, error=text)
+        except OSError as exc:  # the run's own error matters more: one line, no traceback
+            log.warning(
+                "summary.not_written",
+                message=f"{run.run_dir / 'summary.json'} could not be written: "
+                f"{exc.strerror or exc}",
+            )
 
     def _write(self, run: Any, status: str, error: str | None = None) -> None:
         if not run.world.is_main:
@@ -78,15 +99,31 @@ class Summary(Callback):
             "non_embedding_params": run.description.n_non_embedding_params,
             "flops_per_token": run.description.flops_per_token(run.config.data.seq_len),
         }
-        run.run_dir.mkdir(parents=True, exist_ok=True)
+        data = (json.dumps(summary, indent=1) + "\n").encode()
         tmp = run.run_dir / "summary.json.tmp"
         try:
             with naming_file(run.run_dir / "summary.json"):
-                tmp.write_text(json.dumps(summary, indent=1) + "\n")
+                run.run_dir.mkdir(parents=True, exist_ok=True)
+                if tmp.is_file() and tmp.stat().st_size >= len(data):
+                    with tmp.open("r+b") as f:  # over the reserved space: no new blocks needed
+                        f.write(data)
+                        f.truncate()
+                else:
+                    tmp.write_bytes(data)
         except OSError:
             tmp.unlink(missing_ok=True)  # a full disk: no half-written summary left behind
             raise
         tmp.replace(run.run_dir / "summary.json")
+
+
+def _reserve(path: Any, size: int) -> None:
+    """Take `size` bytes of disk at `path` (best effort: a disk already full gets none)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("wb") as f:
+            f.write(b" " * size)
+    except OSError:
+        path.unlink(missing_ok=True)
 
 
 class ClosedAtTheEnd(Callback):

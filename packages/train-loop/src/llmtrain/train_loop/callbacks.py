@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import structlog
 
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, no_space
 from llmtrain.core_mesh.interfaces import CALLBACK_EVENTS, Callback
 from llmtrain.core_mesh.plugins import PluginManager
 
@@ -61,7 +61,9 @@ class Callbacks:
             try:
                 getattr(named.callback, event)(*args)
             except Exception as exc:
-                log.error("callback.failed", callback=named.key, at=event, exc_info=True)
+                # a full disk is the user's, said in one line by the command: no traceback
+                traced = no_space(exc) is None
+                log.error("callback.failed", callback=named.key, at=event, exc_info=traced)
                 raise CallbackError(
                     f"callback {named.key!r} of {named.origin} failed in {event}: "
                     f"{type(exc).__name__}: {exc}"

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import math
+import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.config import run_paths
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions
+from llmtrain.core_mesh.world import World
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
 
@@ -44,12 +51,21 @@ def run_run(args: argparse.Namespace, ctx: Context) -> int:
     try:
         from llmtrain.train_loop.trainer import Trainer
 
-        config = load_run_config(args.config, ctx.plugins, args.overrides)
-        trainer = Trainer(config, ctx.plugins, resume=args.resume, preemption=preemption)
-        try:
-            step = trainer.train()
-        finally:
-            trainer.close()
+        # the places the run writes and the layout of this launch are checked with the rest of
+        # the config, before it starts
+        config = load_run_config(
+            args.config,
+            ctx.plugins,
+            args.overrides,
+            paths="writable",
+            world_size=World.from_env().world_size,
+        )
+        with _run_paths_named(args.config, config):
+            trainer = Trainer(config, ctx.plugins, resume=args.resume, preemption=preemption)
+            try:
+                step = trainer.train()
+            finally:
+                trainer.close()
     finally:
         # a rank that fails waits in the CLI for torchrun's SIGTERM to end it (see cli.py):
         # from here on a signal ends the process again
@@ -57,6 +73,60 @@ def run_run(args: argparse.Namespace, ctx: Context) -> int:
     if trainer.world.is_main:
         print(f"{config.name}: {step} steps; run directory {trainer.run_dir}", file=sys.stderr)
     return 0
+
+
+# what the file system answers a run whose directories cannot be (a path made impossible after
+# the config was checked, a file system that refuses): the user's to fix, not a bug
+_PATH_ERRNOS = frozenset(
+    (
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.ENOENT,
+    )
+)
+
+
+@contextlib.contextmanager
+def _run_paths_named(config_file: str, config: Any) -> Iterator[None]:
+    """An OSError about a path under the run directory, a local checkpoint.dir or a logger's
+    path becomes one line naming the config key and the path."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in _PATH_ERRNOS or not exc.filename:
+            raise
+        key = _key_of_path(config, Path(os.fsdecode(exc.filename)))
+        if key is None:
+            raise
+        raise UserError(f"{config_file}: {key}: {exc.filename}: {exc.strerror}") from exc
+
+
+def _key_of_path(config: Any, path: Path) -> str | None:
+    """The config key whose place holds `path` (the innermost), or whose place `path` was on
+    the way to (a directory that could not be made); None when `path` is none of the run's."""
+    run = Path(config.run_dir) / config.name
+    places = [("run_dir", run)]
+    checkpoint = config.checkpoint.dir
+    if checkpoint and ("://" not in checkpoint or checkpoint.startswith("file://")):
+        places.append(("checkpoint.dir", Path(checkpoint.removeprefix("file://"))))
+    for i, choice in enumerate(config.loggers):
+        places += [
+            (f"loggers[{i}].{key}", run / value) for key, _, value in run_paths(choice.options)
+        ]
+    path = path.absolute()
+    inside, above = [], []
+    for key, place in places:
+        place = place.absolute()
+        if path == place or place in path.parents:
+            inside.append((len(place.parts), key))
+        elif path in place.parents:
+            above.append((len(path.parts), key))
+    found = inside or above
+    return max(found)[1] if found else None
 
 
 def _checkpoint_args(parser: argparse.ArgumentParser) -> None:

@@ -8,10 +8,11 @@ import json
 import math
 import sys
 from collections.abc import Mapping
-from pathlib import Path, PurePath
+from pathlib import Path
 
 import attrs
 
+from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.errors import naming_file
 from llmtrain.core_mesh.interfaces import RunInfo
 
@@ -21,23 +22,13 @@ class ConsoleOptions:
     progress_bar: bool = True  # a tqdm bar; false: one plain line per logged step
 
 
-def _inside_the_run(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    """A relative path stays inside the run directory; an absolute one is a choice made on
-    purpose."""
-    path = PurePath(value)
-    if not value.strip() or path.name in ("", ".", ".."):
-        raise ValueError(f"must name a file, got {value!r}")
-    if not path.is_absolute() and ".." in path.parts:
-        raise ValueError(
-            f"{value!r} leaves the run directory; give a path inside it, or an absolute path to "
-            "write elsewhere on purpose"
-        )
-
-
 @attrs.frozen(kw_only=True)
 class JsonlOptions:
-    # relative to the run directory
-    file: str = attrs.field(default="metrics.jsonl", validator=_inside_the_run)
+    # relative to the run directory, which it may not leave; an absolute path writes elsewhere
+    # on purpose (the tensorboard and wandb loggers' `dir` is checked the same way)
+    file: str = attrs.field(
+        default="metrics.jsonl", validator=inside_run_dir("file"), metadata=run_path("file")
+    )
 
 
 def _fmt(key: str, value: float) -> str:
@@ -97,15 +88,25 @@ class JsonlSink:
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)
         self.file = self.path.open("a")
+        self.failed = False
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         with naming_file(self.path):
-            self.file.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+                self.file.flush()
+            except OSError:
+                self.failed = True  # the run ends with this error
+                raise
 
     def close(self) -> None:
-        with naming_file(self.path):
-            self.file.close()
+        try:
+            with naming_file(self.path):
+                self.file.close()
+        except OSError:
+            # closing retries the write that failed (a full disk): that error was the run's
+            if not self.failed:
+                raise
 
 
 def _step_of(line: str) -> int | None:

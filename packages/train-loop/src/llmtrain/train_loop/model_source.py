@@ -17,27 +17,52 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from llmtrain.core_mesh.config import load_config
+from llmtrain.core_mesh.config import line_of, load_config
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.core_mesh.redact import refuse_redacted
-from llmtrain.train_loop.run_config import InitConfig, RunConfig
+from llmtrain.train_loop.run_config import (
+    InitConfig,
+    RunConfig,
+    layout_problems,
+    run_path_problems,
+)
 
 FROM = "from"
 
 
-def load_run_config(path: str, plugins: PluginManager, overrides: Sequence[str] = ()) -> RunConfig:
+def load_run_config(
+    path: str,
+    plugins: PluginManager,
+    overrides: Sequence[str] = (),
+    *,
+    paths: Literal["exist", "writable"] | None = None,
+    world_size: int | None = None,
+) -> RunConfig:
     """A run config file with its overrides applied and `model: {from: ...}` expanded. A run's
     written config.yaml whose credentials were redacted is refused before anything (the model
-    source included) could send them."""
+    source included) could send them. `paths`: also check the places the run writes
+    (`run_path_problems`): that none exists as the wrong kind, and with "writable" that this
+    process can write them; and the data section against the model and, with `world_size`,
+    the launch (`layout_problems`). Every problem with its file and line."""
+
+    def check(config: RunConfig) -> list:
+        if paths is None:
+            return []
+        return [
+            *layout_problems(config, plugins, world_size=world_size),
+            *run_path_problems(config, plugins, writable=paths == "writable"),
+        ]
+
     return load_config(
         path,
         RunConfig,
         plugins=plugins,
         overrides=overrides,
         prepare=lambda raw: with_model_source(refuse_redacted(raw, path), plugins, path),
+        check=check,
     )
 
 
@@ -47,7 +72,11 @@ def with_model_source(raw: Any, plugins: PluginManager, config_file: str) -> Any
     try:
         return _expanded(raw, plugins)
     except UserError as exc:
-        raise UserError(f"{config_file}: {exc}") from None
+        # at the line of the section the source was named in
+        model = raw.get("model") if isinstance(raw, Mapping) else None
+        named = ("model",) if isinstance(model, Mapping) and FROM in model else ("init", FROM)
+        line = line_of(raw, named)
+        raise UserError(f"{config_file}{f':{line}' if line else ''}: {exc}") from None
 
 
 def _expanded(raw: Any, plugins: PluginManager) -> Any:

@@ -57,9 +57,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, ctx: Context) -> int:
-    config = load_run_config(args.file, ctx.plugins, args.overrides)
+    # validate also checks that the run's paths are not taken by files or directories of the
+    # wrong kind (not that they are writable: a config may be checked on another machine)
+    validate = args.action == "validate"
+    config = load_run_config(
+        args.file,
+        ctx.plugins,
+        args.overrides,
+        paths="exist" if validate else None,
+        world_size=args.world_size if validate else None,
+    )
     config = resolved(config, ctx.plugins)
-    if args.world_size is not None:
+    if not validate and args.world_size is not None:
         try:
             dp = config.mesh.resolve(args.world_size).dp
         except MeshError as exc:
@@ -67,7 +76,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
         try:
             config.data.batch_sizes(dp)
         except ConfigValueError as exc:
-            problem = Problem(("data", exc.field), str(exc), args.file)
+            problem = Problem(("data", *exc.path), str(exc), args.file)
             raise ConfigError([problem], args.file) from None
     if args.action == "show":
         # as config.yaml has it: without credentials (terminals are shared and scrolled back)

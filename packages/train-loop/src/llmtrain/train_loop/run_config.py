@@ -8,15 +8,26 @@ Checks that need several sections at once (batch arithmetic, steps or tokens) li
 
 from __future__ import annotations
 
+import os
+from fnmatch import fnmatch
+from pathlib import Path, PurePath
 from typing import Any, Literal
 
 import attrs
 
-from llmtrain.core_mesh.config import YAML_KEY, Choice, ConfigValueError
+from llmtrain.core_mesh.config import (
+    YAML_KEY,
+    Choice,
+    ConfigValueError,
+    PathParts,
+    Problem,
+    run_paths,
+)
 from llmtrain.core_mesh.conformance import protocol_mismatches
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions
-from llmtrain.core_mesh.mesh import MeshSpec
+from llmtrain.core_mesh.mesh import MeshError, MeshSpec
+from llmtrain.data_pack.sampling import MIN_WEIGHT
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
@@ -27,6 +38,30 @@ def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
     if value is not None and value < 0:
         raise ValueError(f"must be at least 0, got {value}")
+
+
+def _positive_number(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"must be more than 0, got {value}")
+
+
+# what a seed may be: Python, NumPy's SeedSequence and torch.manual_seed all take it
+SEED_LIMIT = 2**64
+
+
+def _seed(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and not 0 <= value < SEED_LIMIT:
+        raise ValueError(f"must be a whole number from 0 to 2**64 - 1, got {value}")
+
+
+def _not_blank(instance: object, attribute: attrs.Attribute, value: str) -> None:
+    if not value.strip():
+        raise ValueError("must be a path or URL, got an empty string")
+
+
+def _path_or_null(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ValueError("must be a path or URL (null for the default), got an empty string")
 
 
 def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
@@ -43,7 +78,7 @@ def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
 class DatasetRef:
     """A packed dataset (`llmtrain data pack`) and its share of a mixture."""
 
-    path: str
+    path: str = attrs.field(validator=_not_blank)
     # 0 leaves the dataset out of the mixture (a sweep can switch datasets off)
     weight: float = attrs.field(default=1.0, validator=_non_negative)
 
@@ -54,7 +89,7 @@ class EvalData:
     and, with `at_end`, after the last step (the loss a run ends at: what scaling-law fits and
     compare's final_eval_loss read)."""
 
-    path: str
+    path: str = attrs.field(validator=_not_blank)
     every: int = attrs.field(default=100, validator=_positive)
     batches: int = attrs.field(default=10, validator=_positive)
     at_end: bool = True
@@ -73,7 +108,7 @@ class DataConfig:
     global_batch: int | None = attrs.field(default=None, validator=_positive)
     global_batch_tokens: int | None = attrs.field(default=None, validator=_positive)
     eval: EvalData | None = None
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None, validator=_seed)
     shuffle: bool = True
     cache_mib: int = attrs.field(default=512, validator=_positive)
     storage_options: dict[str, str] = attrs.Factory(dict)
@@ -81,6 +116,22 @@ class DataConfig:
     def __attrs_post_init__(self) -> None:
         if not self.train:
             raise ConfigValueError("train", "needs at least one dataset")
+        weights = [d.weight for d in self.train]
+        if all(w == 0 for w in weights):
+            raise ConfigValueError(
+                ("train", 0, "weight"),
+                "at least one dataset needs a positive weight (a weight of 0 leaves a dataset "
+                "out of the mixture)",
+            )
+        total = sum(w for w in weights if w > 0)
+        for i, w in enumerate(weights):
+            if 0 < w < MIN_WEIGHT * total:
+                raise ConfigValueError(
+                    ("train", i, "weight"),
+                    f"{w:g} is below {MIN_WEIGHT:g} of the total weight {total:g}: the dataset "
+                    "would be sampled less than once per million samples; raise it, or 0 to "
+                    "leave the dataset out",
+                )
         given = [
             name
             for name in ("grad_accum", "global_batch", "global_batch_tokens")
@@ -137,10 +188,12 @@ class TrainingConfig:
     tokens: int | None = attrs.field(default=None, validator=_positive)
     log_every: int = attrs.field(default=10, validator=_positive)
     checkpoint_every: int | None = attrs.field(default=None, validator=_positive)
+    # null: measure the norm only (0 clips every gradient to nothing: a zero update, on purpose)
     max_grad_norm: float | None = attrs.field(default=1.0, validator=_non_negative)
     z_loss: float = attrs.field(default=0.0, validator=_non_negative)
     non_finite: NonFinite = attrs.Factory(NonFinite)
-    peak_tflops: float | None = attrs.field(default=None, validator=_non_negative)  # MFU reference
+    # the MFU reference; null: known GPUs by name, else no MFU
+    peak_tflops: float | None = attrs.field(default=None, validator=_positive_number)
     # full: every process initialises the whole model on CPU from the seed and keeps its shards,
     # so the initial weights are the same at any layout (host memory: one model per process);
     # sharded: each process initialises only its shards on the device (light, layout-dependent)
@@ -159,7 +212,7 @@ class TrainingConfig:
 class CheckpointConfig:
     """Where and how checkpoints go; `dir` defaults to `<run dir>/checkpoints` (any fsspec URL)."""
 
-    dir: str | None = None
+    dir: str | None = attrs.field(default=None, validator=_path_or_null)
     keep_last: int | None = attrs.field(default=3, validator=_positive)
     keep_every: int | None = attrs.field(default=None, validator=_positive)
     async_save: bool = False
@@ -187,12 +240,20 @@ class ProfileConfig:
     with_stack: bool = False
 
     def __attrs_post_init__(self) -> None:
+        for i, rank in enumerate(self.ranks or []):
+            if rank < 0:
+                raise ConfigValueError(("ranks", i), f"a rank is 0 or more, got {rank}")
         if self.warmup + self.active > self.every:
             raise ConfigValueError(
                 "every",
                 f"a window of warmup {self.warmup} + active {self.active} steps does not fit "
                 f"in every {self.every} steps",
             )
+
+
+def _more_than_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value <= 1:
+        raise ValueError(f"must be more than 1, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -202,10 +263,11 @@ class WatchdogConfig:
     steps have run, and during eval and saves, the limit is `startup_seconds`."""
 
     enabled: bool = True
-    multiple: float = attrs.field(default=10.0, validator=_non_negative)
+    # at most 1 would call every other ordinary step a hang
+    multiple: float = attrs.field(default=10.0, validator=_more_than_one)
     min_seconds: float = attrs.field(default=60.0, validator=_non_negative)
     warmup_steps: int = attrs.field(default=3, validator=_positive)
-    startup_seconds: float = attrs.field(default=900.0, validator=_non_negative)
+    startup_seconds: float = attrs.field(default=900.0, validator=_positive_number)
 
 
 @attrs.frozen(kw_only=True)
@@ -218,11 +280,6 @@ class DebugConfig:
     memory_history: bool = False
     # NCCL: keep a ring of recent collectives and dump it on a timeout (off: no trace on hangs)
     flight_recorder: bool = True
-
-
-def _not_blank(instance: object, attribute: attrs.Attribute, value: str) -> None:
-    if not value.strip():
-        raise ValueError("must be a path or URL, got an empty string")
 
 
 @attrs.frozen(kw_only=True)
@@ -252,8 +309,8 @@ def _default_loggers():
 @attrs.frozen(kw_only=True)
 class RunConfig:
     name: str = attrs.field(validator=_name)
-    seed: int = 0
-    run_dir: str = "runs"
+    seed: int = attrs.field(default=0, validator=_seed)
+    run_dir: str = attrs.field(default="runs", validator=_not_blank)
     device: Literal["auto", "cpu", "cuda"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "cpu", "cuda"))
     )
@@ -319,3 +376,125 @@ def checked_model_options(plugins: Any, choice: Any) -> ModelOptions:
             "class must provide them (llmtrain.core_mesh.interfaces.ModelOptions)"
         )
     return options
+
+
+def layout_problems(config: RunConfig, plugins: Any, *, world_size: int | None) -> list[Problem]:
+    """What the model and the launch make of the data section: `data.seq_len` against the
+    model's `max_seq_len`, and with `world_size` the mesh and the batch arithmetic (what the
+    Trainer checks again, found here with the file and line)."""
+    problems = []
+    try:
+        max_len = plugins.options_of("model", config.model).max_seq_len
+    except (AttributeError, UserError):  # a model plugin without it: the Trainer names it
+        max_len = None
+    if isinstance(max_len, int) and config.data.seq_len > max_len:
+        problems.append(
+            Problem(
+                ("data", "seq_len"),
+                f"{config.data.seq_len} is longer than the model's max_seq_len ({max_len}); "
+                "raise model.max_seq_len or shorten data.seq_len",
+            )
+        )
+    if world_size is not None:
+        try:
+            dp = config.mesh.resolve(world_size).dp
+        except MeshError as exc:
+            return [*problems, Problem(("mesh",), str(exc))]
+        try:
+            config.data.batch_sizes(dp)
+        except ConfigValueError as exc:
+            problems.append(Problem(("data", *exc.path), str(exc)))
+    return problems
+
+
+# what a run writes in its directory itself (ARCHITECTURE.md's layout): a logger may not write
+# over these. Its own directories are refused whole but for `logs/`, whose names the patterns say
+RUN_FILES = frozenset({"config.yaml", "summary.json", "summary.json.tmp", "output.log"})
+RUN_DIRS = frozenset({"checkpoints", "profiles"})
+RUN_LOGS = ("logs/rank*.jsonl", "logs/stacks-rank*.txt", "logs/nccl_trace_rank_*")
+
+
+def run_path_problems(config: RunConfig, plugins: Any, *, writable: bool) -> list[Problem]:
+    """What is wrong with the places the run will write, found before it starts: the run
+    directory (`run_dir`, `name`), a local `checkpoint.dir` and each logger's file or directory
+    (fields marked `RUN_PATH`). A path that exists as the wrong kind (a file where a directory
+    goes, or the reverse) is refused, and so is a logger path onto the run's own files; with
+    `writable`, so is a place this process cannot create or write (`llmtrain run`: `config
+    validate` may check a config on another machine than the one that runs it)."""
+    problems: list[Problem] = []
+
+    def check(path: PathParts, where: Path, kind: str) -> None:
+        message = place_problem(where, kind, writable=writable)
+        if message is not None:
+            problems.append(Problem(path, message))
+
+    run_dir = Path(config.run_dir)
+    check(("run_dir",), run_dir, "directory")
+    if not problems:
+        check(("name",), run_dir / config.name, "directory")
+    checkpoint_dir = config.checkpoint.dir
+    if checkpoint_dir is not None and _local(checkpoint_dir):
+        check(("checkpoint", "dir"), Path(checkpoint_dir.removeprefix("file://")), "directory")
+    run, run_ok = run_dir / config.name, not problems
+    for i, choice in enumerate(config.loggers):
+        options = choice.options or plugins.options_of("logger", choice)
+        for key, kind, value in run_paths(options):
+            own = _onto_the_runs_own(value, kind)
+            if own is not None:
+                problems.append(Problem(("loggers", i, key), own))
+            elif run_ok:  # a logger's path inside a run directory that cannot be: said once
+                check(("loggers", i, key), run / value, kind)
+    return problems
+
+
+def _local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def _onto_the_runs_own(value: str, kind: str) -> str | None:
+    """Why a logger's path (relative to the run directory) would write over the run's own
+    files, or None."""
+    path = PurePath(value)
+    if path.is_absolute():
+        return None
+    parts = [p for p in path.parts if p != "."]
+    within = "/".join(parts)
+    if kind == "file" and (
+        within in RUN_FILES | RUN_DIRS | {"logs"} or any(fnmatch(within, p) for p in RUN_LOGS)
+    ):
+        return f"{value!r} is a file or directory the run writes itself; name another"
+    if parts and parts[0] in RUN_DIRS and (kind == "file" or parts[0] == "checkpoints"):
+        return f"{value!r} is inside the run's own {parts[0]}/ directory; name another place"
+    return None
+
+
+def place_problem(path: Path, kind: str, *, writable: bool) -> str | None:
+    """Why a run cannot write `path` (a "file" or a "directory"), or None: it exists as the
+    other kind, or it cannot be created under its nearest existing parent, or (`writable`)
+    that parent is read-only or not this process's to write."""
+    if path.exists():
+        if kind == "directory" and not path.is_dir():
+            return f"{path} exists and is not a directory"
+        if kind == "file" and path.is_dir():
+            return f"{path} is a directory, not a file"
+        target = path if path.is_dir() else path.parent
+    else:
+        target = path.parent
+        while not target.exists() and target != target.parent:
+            target = target.parent
+        if not target.is_dir():
+            return f"{target} is not a directory, so {path} cannot be created"
+    if writable and not _writable(target):
+        return f"{target} is not writable, so the run cannot write {path}"
+    if writable and kind == "file" and path.is_file() and not os.access(path, os.W_OK):
+        return f"{path} is not writable"
+    return None
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        if os.statvfs(directory).f_flag & os.ST_RDONLY:
+            return False
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK | os.X_OK)

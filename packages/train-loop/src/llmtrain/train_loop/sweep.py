@@ -44,6 +44,7 @@ from llmtrain.core_mesh.config import (
     make_converter,
     parse_override,
     parse_yaml,
+    read_config_text,
     set_value,
     structure,
 )
@@ -52,7 +53,12 @@ from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.redact import redact, redacted_paths, refuse_redacted
 from llmtrain.train_loop import ladder
 from llmtrain.train_loop.model_source import load_run_config, with_model_source
-from llmtrain.train_loop.run_config import RunConfig, resolved
+from llmtrain.train_loop.run_config import (
+    RunConfig,
+    place_problem,
+    resolved,
+    run_path_problems,
+)
 
 WEIGHTS = "data.weights"  # one list per run: the weight of each dataset in data.train, in order
 MAX_ID = 100
@@ -208,11 +214,7 @@ def plan(
 ) -> list[PlannedRun]:
     """Every run's resolved config, all checked; one ConfigError lists every problem.
     `overrides` (`KEY=VALUE`, as `llmtrain run` takes them) change the base before the axes."""
-    try:
-        text = Path(base).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([Problem((), f"cannot read the config file: {exc}")], base) from None
-    base_raw = parse_yaml(text, base) or {}
+    base_raw = parse_yaml(read_config_text(base), base) or {}
     if not isinstance(base_raw, dict):
         raise ConfigError([Problem((), "a run config is a mapping")], base)
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
@@ -235,7 +237,14 @@ def plan(
             _refuse_credentials(raw, base)
             _place(raw, run_id, sweep_dir)
             raw = with_model_source(raw, plugins, base)
-            config = structure(raw, RunConfig, plugins=plugins, source=base, overridden=overridden)
+            config = structure(
+                raw,
+                RunConfig,
+                plugins=plugins,
+                source=base,
+                overridden=overridden,
+                check=lambda config: _place_problems(config, plugins),
+            )
             config = resolved(config, plugins)
             _check_layout(config, world_size, base)
         except ConfigError as exc:
@@ -248,6 +257,24 @@ def plan(
     if problems:
         raise ConfigError(list(problems.values()), f"sweep {name} (base {base})")
     return planned
+
+
+def _place_problems(config: RunConfig, plugins: Any) -> list[Problem]:
+    """What is wrong with where a run of the sweep writes, but its directory (the sweep's, which
+    `check_sweep_dir` checks against --dir): a logger's path, a local checkpoint.dir."""
+    problems = run_path_problems(config, plugins, writable=False)
+    return [p for p in problems if p.path[:1] not in (("run_dir",), ("name",))]
+
+
+def check_sweep_dir(
+    planned: Sequence[PlannedRun], sweep_dir: Path, flag: str, *, writable: bool
+) -> None:
+    """The sweep's directory and each run's directory in it can be (and, `writable`, can be
+    written here), before anything is written."""
+    for path in (sweep_dir, *(run.path(sweep_dir) for run in planned)):
+        message = place_problem(path, "directory", writable=writable)
+        if message is not None:
+            raise UserError(f"{flag}: {message}")
 
 
 def _refuse_credentials(raw: dict, source: str) -> None:
@@ -656,6 +683,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         world_size=world,
         overrides=args.overrides,
     )
+    # dry runs write nothing: the places only must not be taken by files
+    check_sweep_dir(planned, sweep_dir, f"--dir {args.dir}", writable=not args.dry_run)
     say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
     if rungs:
@@ -800,7 +829,7 @@ def _base_name(config: str, overrides: Sequence[str]) -> str:
     """The base config's `name` (a `name=...` override included), else the file's stem."""
     try:
         raw = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # plan() names what is wrong with the file
         raw = None
     name = raw.get("name") if isinstance(raw, dict) else None
     for text in overrides:
