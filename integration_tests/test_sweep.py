@@ -7,6 +7,7 @@ subprocesses; the sweeps are shared by the tests through module-scoped fixtures.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -16,6 +17,7 @@ import shutil
 import statistics
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -379,7 +381,7 @@ def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_p
                 assert time.monotonic() < deadline, "no checkpoint at step 6 after 600 s"
                 time.sleep(0.002)
         finally:
-            ts.stop_group(proc)  # the sweep and its run (which lives in a session of its own)
+            ts.stop_group(proc)  # the sweep and its run, each by its pid
             proc.communicate(timeout=30)
         check_killed_sweep_resumes(killed, sweeps, run_dir)
         whole_sweep = ts.finish(uninterrupted, timeout=600)
@@ -394,20 +396,22 @@ def test_a_killed_sweep_resumes_its_run_to_the_uninterrupted_losses(bases, tmp_p
     ts.assert_close_runs(whole, got, RTOL, KEYS)
 
 
-def check_killed_sweep_resumes(killed: list[str], sweeps: Path, run_dir: Path) -> None:
+def check_killed_sweep_resumes(
+    killed: list[str], sweeps: Path, run_dir: Path, name: str = "cut"
+) -> None:
     """The killed sweep left its first run unfinished and its second unstarted; run again, it
     resumes the first and runs the second."""
     assert not (run_dir / "summary.json").exists()
     assert ts.last_logged_step(run_dir / "metrics.jsonl") < 60, "killed too late"
     assert max(ts.committed_steps(run_dir / "checkpoints")) < 60
-    assert not (sweeps / "cut" / "seed=1" / "summary.json").exists()
+    assert not (sweeps / name / "seed=1" / "summary.json").exists()
 
     resumed = ts.run(killed, timeout=600)
     assert f"[1/2] seed=0: resuming (output: {run_dir.resolve()}/output.log)" in resumed.stderr
     assert "[2/2] seed=1: running" in resumed.stderr
-    assert "sweep cut: all 2 runs finished" in resumed.stderr
+    assert f"sweep {name}: all 2 runs finished" in resumed.stderr
     for seed in (0, 1):
-        summary = summary_of(sweeps / "cut" / f"seed={seed}")
+        summary = summary_of(sweeps / name / f"seed={seed}")
         assert summary["status"] == "finished" and summary["step"] == 60
     starts = [
         line
@@ -419,9 +423,94 @@ def check_killed_sweep_resumes(killed: list[str], sweeps: Path, run_dir: Path) -
     assert [e["step"] for e in events if e["event"] == "run.resumed"][-1] >= 6
 
 
+def _start_in_own_group(cmd: list[str]) -> subprocess.Popen:
+    """A sweep in a process group of its own, as a shell starts a job."""
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def _wait_mid_run(proc: subprocess.Popen, run_dir: Path) -> None:
+    """Until the sweep's first run has committed step 6 and logged a step past it."""
+    deadline = time.monotonic() + 600
+    while not (
+        6 in ts.committed_steps(run_dir / "checkpoints")
+        and ts.last_logged_step(run_dir / "metrics.jsonl") > 6
+    ):
+        assert proc.poll() is None, f"the sweep ended ({proc.returncode}) before step 7"
+        assert time.monotonic() < deadline, "no step 7 after 600 s"
+        time.sleep(0.01)
+
+
+def test_sigkill_of_the_sweeps_process_group_ends_its_run_and_the_sweep_resumes(bases, tmp_path):
+    """The run is in the sweep's process group: `kill -9 -PGID` ends it with the sweep (before,
+    it lived in a session of its own and trained on alone); the same sweep run again resumes
+    the run and runs the other."""
+    import psutil
+
+    sweeps = tmp_path / "sweeps"
+    cmd = sweep_cmd(bases.long, sweeps, "--seeds", 2, "--name", "grp")
+    run_dir = sweeps / "grp" / "seed=0"
+    proc = _start_in_own_group(cmd)
+    family: list = []
+    try:
+        _wait_mid_run(proc, run_dir)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family and all(os.getpgid(p.pid) == proc.pid for p in family), family
+        os.killpg(proc.pid, 9)
+        proc.communicate(timeout=120)
+        _, alive = psutil.wait_procs(family, timeout=120)
+        assert not alive, f"still running after the sweep's group was killed: {alive}"
+    finally:
+        ts.stop_group(proc)
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    check_killed_sweep_resumes(cmd, sweeps, run_dir, name="grp")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent-death signal: Linux")
+def test_sigkill_of_the_sweep_alone_stops_its_run_with_a_checkpoint_and_it_resumes(bases, tmp_path):
+    """Only the sweep's own process is killed: its run gets SIGTERM (a parent-death signal),
+    saves and stops instead of training on; the sweep run again resumes it from there."""
+    import psutil
+
+    sweeps = tmp_path / "sweeps"
+    cmd = sweep_cmd(bases.long, sweeps, "--seeds", 1, "--name", "alone")
+    run_dir = sweeps / "alone" / "seed=0"
+    proc = _start_in_own_group(cmd)
+    family: list = []
+    try:
+        _wait_mid_run(proc, run_dir)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        assert family, "the sweep has no run process"
+        os.kill(proc.pid, 9)
+        proc.communicate(timeout=120)
+        _, alive = psutil.wait_procs(family, timeout=600)
+        assert not alive, f"still running 600 s after the sweep was killed: {alive}"
+    finally:
+        ts.stop_group(proc)
+        for p in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    summary = summary_of(run_dir)
+    assert summary["status"] == "stopped" and 6 < summary["step"] < 60, summary
+    assert ts.committed_steps(run_dir / "checkpoints")[-1] == summary["step"]
+    assert ts.last_logged_step(run_dir / "metrics.jsonl") == summary["step"]
+
+    resumed = ts.run(cmd, timeout=600)
+    assert "[1/1] seed=0: resuming" in resumed.stderr, resumed.stderr[-3000:]
+    assert "sweep alone: all 1 runs finished" in resumed.stderr
+    assert summary_of(run_dir)["status"] == "finished"
+    assert list(metrics_of(run_dir)) == list(range(1, 61))
+    events = [json.loads(line) for line in (run_dir / "logs" / "rank0.jsonl").open()]
+    assert [e["step"] for e in events if e["event"] == "run.resumed"] == [summary["step"]]
+
+
 def test_sigterm_to_the_sweep_stops_its_run_with_a_checkpoint(bases, tmp_path):
-    """The run lives in a session of its own; the sweep passes SIGTERM on, the run saves and
-    stops, the sweep exits with 130 and nothing is left running."""
+    """The sweep passes SIGTERM on to its run (which ignores the terminal's SIGINT: Ctrl-C is
+    the sweep's to answer the same way), the run saves and stops, the sweep exits with 130 and
+    nothing is left running."""
     import psutil
 
     sweeps = tmp_path / "sweeps"

@@ -17,6 +17,7 @@ from llmtrain.core_mesh.config import run_paths
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.world import World
+from llmtrain.train_loop.lifetime import die_with_the_sweep
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
 
@@ -48,6 +49,8 @@ def run_run(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.checkpoint.preemption import Preemption
 
     preemption = Preemption()
+    # a run a sweep started stops when the sweep ends (lifetime.py); nothing otherwise
+    die_with_the_sweep()
     try:
         from llmtrain.train_loop.trainer import Trainer
 

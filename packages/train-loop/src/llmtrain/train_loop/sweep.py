@@ -7,7 +7,8 @@ Every run gets its own resolved config in `<dir>/<sweep>/<run-id>/config.yaml` (
 alone: `llmtrain run` on it resumes or repeats it) and the sweep a `manifest.json`. All
 configs are checked before anything runs. Then the runs go one after another here, or their
 torchrun commands are printed, or a SLURM job-array script is written. A run whose
-`summary.json` says finished is skipped; one with checkpoints resumes.
+`summary.json` says finished is skipped; one with checkpoints resumes. A run started here dies
+with the sweep (`lifetime.py`), so a killed sweep run again resumes its unfinished runs.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.redact import redact, redacted_paths, refuse_redacted
-from llmtrain.train_loop import ladder
+from llmtrain.train_loop import ladder, lifetime
 from llmtrain.train_loop.model_source import load_run_config, with_model_source
 from llmtrain.train_loop.run_config import (
     RunConfig,
@@ -507,8 +508,15 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
             out.write(("\n" if cut else "") + f"# {time.strftime('%Y-%m-%d %H:%M:%S')} ")
             out.write(f"{shlex.join(command)}\n")
             out.flush()
+            # the run stays in the sweep's process group and, on Linux, gets SIGTERM when the
+            # sweep ends: it never trains on alone (lifetime.py)
             proc = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=lifetime.child_environment(),
+                # calls only prctl and signal, both looked up before the fork
+                preexec_fn=lifetime.child_preexec(),
             )
             try:
                 with _signals_interrupt():
@@ -516,7 +524,7 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
             except KeyboardInterrupt:
                 # the run saves a checkpoint on SIGTERM; the next `llmtrain sweep` resumes it
                 say(f"{prefix}: interrupted; stopping the run (it saves, then exits)")
-                os.killpg(proc.pid, signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)  # torchrun passes it on to its ranks
                 proc.wait()
                 raise
         seconds = time.perf_counter() - started
@@ -537,7 +545,7 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
 @contextlib.contextmanager
 def _signals_interrupt():
     """SIGTERM and SIGHUP stop the sweep like Ctrl-C, so the running run is stopped with it
-    (it runs in a session of its own and would not get the signal)."""
+    (with SIGTERM: it saves, then exits; it ignores the terminal's SIGINT)."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
