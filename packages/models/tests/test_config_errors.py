@@ -205,3 +205,23 @@ def test_bad_choice_value_is_reported_at_its_path(plugins):
 def test_choice_fields_rejected_in_python_too(field, value):
     with pytest.raises(ValueError, match=field):
         TransformerConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [
+        ("init_std", -1.0, "must be a positive number, got -1.0"),
+        ("init_std", 0.0, "must be a positive number, got 0.0"),
+        ("norm_eps", 0.0, "must be a positive number, got 0.0"),
+        ("norm_eps", -1e-5, "must be a positive number, got -1e-05"),
+        ("rope_base", 0.0, "must be a number above 1, got 0.0"),
+        ("rope_base", 1.0, "must be a number above 1, got 1.0"),
+    ],
+)
+def test_numbers_that_cannot_train_are_refused_at_their_path(plugins, key, value, says):
+    """A negative init std used to end in a raw RuntimeError, a zero norm eps trained on, and a
+    RoPE base of 0 surfaced only as a NaN loss."""
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "tiny", key: value}}, Schema, plugins=plugins)
+    assert [p.path for p in info.value.problems] == [("model", key)]
+    assert says in str(info.value)

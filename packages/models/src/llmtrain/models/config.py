@@ -29,6 +29,12 @@ def _positive_float(instance: object, attribute: attrs.Attribute, value: float) 
         raise ValueError(f"must be a positive number, got {value}")
 
 
+def _above_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    # RoPE's wavelengths grow as powers of the base: at 1 or below every pair turns alike
+    if not (math.isfinite(value) and value > 1):
+        raise ValueError(f"must be a number above 1, got {value}")
+
+
 def _follows_bias(name: str) -> attrs.Attribute:
     """A per-projection bias switch: `null` (the default) follows `bias`. The attribute is
     private and its YAML key public, so `cfg.<name>` reads the resolved value."""
@@ -78,12 +84,12 @@ class TransformerConfig:
     positions: Literal["learned", "rope"] = attrs.field(
         default="learned", validator=attrs.validators.in_(("learned", "rope"))
     )
-    rope_base: float = 10000.0
+    rope_base: float = attrs.field(default=10000.0, validator=_above_one)
     rope_scaling: RopeScaling | None = None
     norm: Literal["layernorm", "rmsnorm"] = attrs.field(
         default="layernorm", validator=attrs.validators.in_(("layernorm", "rmsnorm"))
     )
-    norm_eps: float = 1e-5
+    norm_eps: float = attrs.field(default=1e-5, validator=_positive_float)
     mlp: Literal["gelu", "swiglu"] = attrs.field(
         default="gelu", validator=attrs.validators.in_(("gelu", "swiglu"))
     )
@@ -106,7 +112,7 @@ class TransformerConfig:
     _out_bias: bool | None = _follows_bias("out_bias")
     _mlp_bias: bool | None = _follows_bias("mlp_bias")
     dropout: float = attrs.field(default=0.0, validator=_fraction)
-    init_std: float = 0.02
+    init_std: float = attrs.field(default=0.02, validator=_positive_float)
     scale_residual_init: bool = True
     doc_masking: bool = False
 
