@@ -238,6 +238,27 @@ def test_third_party_records_start_at_warning_by_default(tmp_path, monkeypatch, 
     assert "s3fs warns" in console.getvalue()
 
 
+@pytest.mark.parametrize("library_level", ["WARNING", "DEBUG"])
+def test_unclosed_session_notes_of_collected_filesystems_only_at_debug(
+    tmp_path, monkeypatch, library_level, reset_logging
+):
+    """aiohttp's "Unclosed client session", logged by asyncio at ERROR when a collected s3fs
+    filesystem's session was not closed in time, is no error of the run's."""
+    monkeypatch.delenv(LIBRARY_LEVEL_ENV, raising=False)
+    console = io.StringIO()
+    path = configure_logging(log_dir=tmp_path, console=console, library_level=library_level)
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.error("Unclosed client session\nclient_session: <aiohttp.ClientSession>")
+    asyncio_log.error("Unclosed connector\nconnections: []")
+    asyncio_log.error("Task exception was never retrieved")
+    events = [e["event"].split("\n")[0] for e in _events(path)]
+    if library_level == "DEBUG":
+        assert events[:2] == ["Unclosed client session", "Unclosed connector"]
+    else:
+        assert "Unclosed" not in console.getvalue()
+        assert events == ["Task exception was never retrieved"]
+
+
 @pytest.mark.parametrize("how", ["environment", "argument"])
 def test_third_party_debug_when_asked_for_still_redacted(tmp_path, monkeypatch, how, reset_logging):
     monkeypatch.delenv(LIBRARY_LEVEL_ENV, raising=False)

@@ -153,15 +153,23 @@ class _RankLogFile(logging.FileHandler):
         )
 
 
+# asyncio's complaints when a garbage-collected s3fs filesystem's aiohttp session was not
+# closed in time: s3fs closes it from a finalizer that waits 0.1 s, which a loaded machine
+# misses. Logged at ERROR though nothing failed and nobody can act on it, so kept at DEBUG.
+_GC_NOISE = ("Unclosed client session", "Unclosed connector")
+
+
 class _LibraryFilter(logging.Filter):
     """Keeps llmtrain's records (structlog's, and stdlib loggers named `llmtrain...`) and other
-    libraries' records from `level` up."""
+    libraries' records from `level` up (asyncio's unclosed-session notes only at DEBUG)."""
 
     def __init__(self, level: int):
         super().__init__()
         self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio" and str(record.msg).startswith(_GC_NOISE):
+            return self.level <= logging.DEBUG
         return record.levelno >= self.level or _is_ours(record)
 
 
