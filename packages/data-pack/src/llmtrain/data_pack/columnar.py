@@ -22,6 +22,8 @@ from llmtrain.data_pack.sources import InputError, Source, Task
 
 READ_ROWS = 2048
 _STRINGS = (pa.string(), pa.large_string())
+# what ends every Arrow IPC stream its writer closed (a continuation marker and a length of 0)
+_END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
 class ColumnarError(InputError):
@@ -72,12 +74,19 @@ def _arrow(f: Any, url: str) -> Any:
         return pa.ipc.open_file(f)
     except (pa.ArrowException, OSError):
         pass
+    advice = "write it again, or pass --skip-bad to leave it out"
     try:
+        f.seek(0, 2)
+        f.seek(max(0, f.tell() - len(_END_OF_STREAM)))
+        ended = f.read(len(_END_OF_STREAM)) == _END_OF_STREAM
         f.seek(0)
-        return pa.ipc.open_stream(f)
+        reader = pa.ipc.open_stream(f)
     except (pa.ArrowException, OSError) as exc:
-        advice = "write it again, or pass --skip-bad to leave it out"
         raise _unreadable(url, "Arrow", exc, advice) from None
+    if not ended:  # cut between two record batches, it would read as fewer rows
+        problem = ValueError("the stream has no end-of-stream marker: cut short")
+        raise _unreadable(url, "Arrow", problem, advice)
+    return reader
 
 
 def _reason(exc: BaseException) -> str:

@@ -14,11 +14,13 @@ import attrs
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.filters import RecordMismatch, Where, quoted
+from llmtrain.data_pack.remote import storage_errors
 from llmtrain.data_pack.sources import (
     InputError,
     LineNumbers,
     Source,
     Task,
+    UnreadableInput,
     field_getter,
     location,
     parse_record,
@@ -106,7 +108,8 @@ def read_documents(
     """The documents of one task (at most `limit_rows` records of a columnar one). With
     `stop_on_bad`, reading stops at the first bad record (the caller reports it)."""
     if task.format in ("parquet", "arrow"):
-        return _columnar(task, selection, storage_options, limit_rows)
+        with storage_errors(task.url, error=InputError):
+            return _columnar(task, selection, storage_options, limit_rows)
     if task.format == "text":
         return _text_files(task, selection, storage_options)
     data = read_range(task, storage_options)
@@ -175,7 +178,13 @@ def _text_files(task: Task, selection: Selection, storage_options: dict | None) 
     without `stop_on_bad` is bad (number 0, its own source in `bad_sources`)."""
     docs = Documents()
     for source, url in task.members:
-        data = read_text_file(url, storage_options)
+        try:
+            data = read_text_file(url, storage_options)
+        except UnreadableInput as exc:
+            if selection.stop_on_bad:
+                raise
+            docs.fail(0, source, exc.reason)
+            continue
         docs.text_bytes += len(data)
         try:
             text = data.decode("utf-8")
@@ -302,11 +311,17 @@ def text_batches(
     as `pack` does by default."""
     selection = Selection(field)
     numbers = LineNumbers()
-    for task in plan_tasks(sources, split_bytes, storage_options):
-        docs = read_documents(task, selection, storage_options)
-        first = numbers.first(task, docs.n_lines)
-        if docs.bad:
-            relative, why = docs.bad[0]
-            unit = sources[task.source].unit
-            raise InputError(f"{location(task.url, unit, first + relative)}: {why}")
-        yield docs.texts, task.input_bytes
+    try:
+        for task in plan_tasks(sources, split_bytes, storage_options):
+            docs = read_documents(task, selection, storage_options)
+            first = numbers.first(task, docs.n_lines)
+            if docs.bad:
+                relative, why = docs.bad[0]
+                unit = sources[task.source].unit
+                raise InputError(f"{location(task.url, unit, first + relative)}: {why}")
+            yield docs.texts, task.input_bytes
+    except UnreadableInput as exc:  # without pack's advice to skip (no such option here)
+        raise InputError(
+            f"{exc.url}: {exc.reason}; the file is incomplete or damaged: download or "
+            "compress it again"
+        ) from None

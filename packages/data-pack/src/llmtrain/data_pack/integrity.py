@@ -24,6 +24,7 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
 from llmtrain.data_pack.errors import DatasetError
+from llmtrain.data_pack.remote import storage_errors
 
 # the chunk record: {"checksum": "crc32", "chunks": {array: {chunk key: [bytes, crc32]}}}. Older
 # readers ignore the attribute, so it needs no new format version.
@@ -124,7 +125,8 @@ class CheckedStore(WrapperStore):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
-        found = await self._store.get(key, prototype, byte_range)
+        with storage_errors(f"{self.url}/{key}", error=DatasetError):
+            found = await self._store.get(key, prototype, byte_range)
         self._check(key, found, whole=byte_range is None)
         return found
 
@@ -132,7 +134,8 @@ class CheckedStore(WrapperStore):
         self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
     ) -> list[Buffer | None]:
         key_ranges = list(key_ranges)
-        found = await self._store.get_partial_values(prototype, key_ranges)
+        with storage_errors(self.url, error=DatasetError):
+            found = await self._store.get_partial_values(prototype, key_ranges)
         for (key, _), value in zip(key_ranges, found, strict=True):
             self._check(key, value, whole=False)
         return found

@@ -5,6 +5,7 @@ the commands import their machinery when they run."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.errors import UserError
@@ -281,6 +282,12 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
             f"--log-dir {args.log_dir}: the JSON log is written to a local folder; "
             "give a local path"
         )
+    if (
+        args.log_dir is not None
+        and os.path.exists(args.log_dir)
+        and not os.path.isdir(args.log_dir)
+    ):
+        raise UserError(f"--log-dir {args.log_dir}: a file, not a folder; give a folder")
     configure_logging(log_dir=args.log_dir, level="INFO")
     storage_options = _storage_options(args.storage_option)
     if args.action in ("pack", "pack-chat"):

@@ -15,7 +15,6 @@ workers, which is what makes the packed order deterministic.
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import posixpath
@@ -25,11 +24,12 @@ from typing import Any
 
 import attrs
 import fsspec
-import fsspec.compression
 import orjson
 from fsspec.core import url_to_fs
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.compressed import DamagedStream, Decompressed
+from llmtrain.data_pack.remote import missing_bucket, storage_errors
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 FORMATS = ("auto", "jsonl", "text", "parquet", "arrow")
@@ -49,6 +49,15 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 class InputError(UserError):
     """An input file that cannot be found or read."""
+
+
+class UnreadableInput(InputError):
+    """An input file that cannot be read through (a compressed file cut short or corrupt): the
+    pack stops at it, or with --skip-bad keeps what came before the damage and counts the file
+    as bad. `reason` is the message without the file's name and the advice."""
+
+    url = ""
+    reason = ""
 
 
 @attrs.frozen
@@ -138,37 +147,45 @@ def expand_inputs(
     sources: list[Source] = []
     seen: set[str] = set()
     for pattern in patterns:
-        fs, path = url_to_fs(pattern, **(storage_options or {}))
-        infos: dict[str, dict] = {}
-        matches = [path]
-        if fs.glob and any(c in path for c in "*?["):
-            # one listing gives every match's type and size (no request per match on S3)
-            infos = fs.glob(path, detail=True)
-            files = sorted(m for m, i in infos.items() if i.get("type") != "directory")
-            # a glob of directories (data/CC-MAIN-*) reads each; one that also matches files
-            # (data/**) reads the files, not their directories a second time
-            matches = files or sorted(infos)
-        if not matches:
-            raise InputError(f"{pattern}: no file matches")
-        for match in matches:
-            url = fs.unstrip_protocol(match) if "://" in pattern else match
-            try:
-                info = infos.get(match) or fs.info(match)
-            except FileNotFoundError:
-                raise InputError(f"{pattern}: no such file") from None
-            if info.get("type") == "directory":
-                found = _directory(fs, match, url, input_format)
-            else:
-                found = [_source(url, info, input_format)]
-            if text_per_line:
-                found = [
-                    attrs.evolve(s, format="text-lines") if s.format == "text" else s for s in found
-                ]
-            for source in found:
-                if source.url not in seen:
-                    seen.add(source.url)
-                    sources.append(source)
+        with storage_errors(pattern, error=InputError):
+            found = _expand(pattern, storage_options, input_format)
+        if text_per_line:
+            found = [
+                attrs.evolve(s, format="text-lines") if s.format == "text" else s for s in found
+            ]
+        for source in found:
+            if source.url not in seen:
+                seen.add(source.url)
+                sources.append(source)
     return sources
+
+
+def _expand(pattern: str, storage_options: dict | None, input_format: str) -> list[Source]:
+    """The input files one pattern names."""
+    fs, path = url_to_fs(pattern, **(storage_options or {}))
+    infos: dict[str, dict] = {}
+    matches = [path]
+    if fs.glob and any(c in path for c in "*?["):
+        # one listing gives every match's type and size (no request per match on S3)
+        infos = fs.glob(path, detail=True)
+        files = sorted(m for m, i in infos.items() if i.get("type") != "directory")
+        # a glob of directories (data/CC-MAIN-*) reads each; one that also matches files
+        # (data/**) reads the files, not their directories a second time
+        matches = files or sorted(infos)
+    if not matches:
+        raise InputError(missing_bucket(fs, pattern) or f"{pattern}: no file matches")
+    found: list[Source] = []
+    for match in matches:
+        url = fs.unstrip_protocol(match) if "://" in pattern else match
+        try:
+            info = infos.get(match) or fs.info(match)
+        except FileNotFoundError:
+            raise InputError(missing_bucket(fs, pattern) or f"{pattern}: no such file") from None
+        if info.get("type") == "directory":
+            found.extend(_directory(fs, match, url, input_format))
+        else:
+            found.append(_source(url, info, input_format))
+    return found
 
 
 def _source(url: str, info: dict, input_format: str) -> Source:
@@ -272,15 +289,16 @@ def plan_tasks(
         if text_files:
             yield _text_task(next(index), text_files)
             text_files = []
-        if source.format in ("parquet", "arrow"):
-            try:
-                yield from plan_columnar(source, number, chunk_bytes, index, storage_options)
-            except ColumnarError as exc:
-                if not skip_bad or bad_files is None:
-                    raise
-                bad_files.append((number, exc.reason or str(exc)))
-            continue
-        yield from _line_tasks(source, number, chunk_bytes, index, storage_options)
+        try:
+            with storage_errors(source.url, error=InputError):
+                if source.format in ("parquet", "arrow"):
+                    yield from plan_columnar(source, number, chunk_bytes, index, storage_options)
+                else:
+                    yield from _line_tasks(source, number, chunk_bytes, index, storage_options)
+        except (ColumnarError, UnreadableInput) as exc:
+            if not skip_bad or bad_files is None:
+                raise
+            bad_files.append((number, exc.reason or str(exc)))
     if text_files:
         yield _text_task(next(index), text_files)
 
@@ -301,22 +319,57 @@ def _line_tasks(
         return
     line, counted = 1, 0
     with fsspec.open(source.url, "rb", **(storage_options or {})) as raw:
-        reader = io.BufferedReader(fsspec.compression.compr[source.compression](raw, mode="rb"))
-        while block := reader.read(chunk_bytes):
-            if not block.endswith(b"\n"):
-                block += reader.readline()
-            position = raw.tell()
-            yield Task(
-                next(index),
-                number,
-                source.url,
-                kind,
-                payload=block,
-                first_line=line,
-                input_bytes=position - counted,
-            )
-            counted = position
-            line += block.count(b"\n")
+        stream = Decompressed(raw, source.compression)
+        buffer = bytearray()
+        searched = 0  # the buffer's bytes already searched for the newline that ends a block
+        damage = None
+        while True:
+            try:
+                piece = stream.read_some()
+            except DamagedStream as exc:
+                damage, piece = exc, b""
+            buffer += piece
+            # blocks: the first chunk_bytes bytes and the rest of the line they end in; at the
+            # end of the file whatever is left, before damage the whole lines that are left
+            while True:
+                cut = -1
+                if len(buffer) >= chunk_bytes:
+                    cut = buffer.find(b"\n", max(chunk_bytes - 1, searched))
+                    searched = len(buffer)
+                if cut < 0 and not piece:
+                    cut = len(buffer) - 1 if damage is None else buffer.rfind(b"\n")
+                if cut < 0:
+                    break
+                block = bytes(buffer[: cut + 1])
+                del buffer[: cut + 1]
+                searched = 0
+                position = stream.position
+                yield Task(
+                    next(index),
+                    number,
+                    source.url,
+                    kind,
+                    payload=block,
+                    first_line=line,
+                    input_bytes=position - counted,
+                )
+                counted = position
+                line += block.count(b"\n")
+            if not piece:
+                break
+    if damage is not None:
+        raise _damaged(source.url, damage, f"{line - 1:,} whole lines" if line > 1 else None)
+
+
+def _damaged(url: str, damage: DamagedStream, before: str | None) -> UnreadableInput:
+    """The error of a compressed input that does not decompress whole."""
+    reason = damage.problem if before is None else f"{damage.problem}, after {before}"
+    error = UnreadableInput(
+        f"{url}: {reason}; the file is incomplete or damaged: download or compress it again, or "
+        "pass --on-bad-line skip to keep what comes before the damage and count the file as bad"
+    )
+    error.url, error.reason = url, reason
+    return error
 
 
 def _text_task(index: int, files: list[tuple[int, Source]]) -> Task:
@@ -334,8 +387,18 @@ def _text_task(index: int, files: list[tuple[int, Source]]) -> Task:
 
 
 def read_text_file(url: str, storage_options: dict | None = None) -> bytes:
-    with fsspec.open(url, "rb", compression="infer", **(storage_options or {})) as f:
-        return f.read()
+    """A whole text file, decompressed (.gz, .zst); an UnreadableInput if that fails."""
+    with (
+        storage_errors(url, error=InputError),
+        fsspec.open(url, "rb", **(storage_options or {})) as f,
+    ):
+        compression = compression_of(url)
+        if compression is None:
+            return f.read()
+        try:
+            return Decompressed(f, compression).read_all()
+        except DamagedStream as exc:
+            raise _damaged(url, exc, None) from None
 
 
 def read_range(task: Task, storage_options: dict | None = None) -> bytes:
@@ -346,7 +409,10 @@ def read_range(task: Task, storage_options: dict | None = None) -> bytes:
         return task.payload
     if task.end <= task.start:
         return b""
-    with fsspec.open(task.url, "rb", **(storage_options or {})) as f:
+    with (
+        storage_errors(task.url, error=InputError),
+        fsspec.open(task.url, "rb", **(storage_options or {})) as f,
+    ):
         begin = 0
         if task.start > 0:
             newline = _newline_at(f, task.start - 1, task.end - 1)

@@ -32,7 +32,9 @@ next pack or merge of the same output (`staging.py`).
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import posixpath
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -64,6 +66,7 @@ from llmtrain.data_pack.integrity import (
     size_problem,
     stored_sizes,
 )
+from llmtrain.data_pack.remote import missing_bucket, problem_of, storage_errors
 from llmtrain.data_pack.staging import (
     OWNER_FILE,
     GatedStore,
@@ -86,6 +89,11 @@ HEADS_PER_CHUNK = 64
 STAGING_WRITES_TIMEOUT = 120.0
 ORIGIN_ARRAYS = ("doc_source", "doc_row", "doc_id_offsets", "doc_id_bytes")
 ARRAYS = ("tokens", "doc_offsets", "chunk_docs", "chunk_heads", "loss_mask", *ORIGIN_ARRAYS)
+# arrays whose every chunk is read and checked against its CRC-32 when a dataset is opened, when
+# they hold OPEN_CHECK_BYTES or less (chunk_docs is read whole at every open anyway): 8 bytes a
+# document and 16 KiB a chunk of 1 Mi uint16 tokens, so datasets of up to a few billion tokens
+OPEN_CHECKED_ARRAYS = ("doc_offsets", "chunk_heads")
+OPEN_CHECK_BYTES = 64 << 20
 # what zarr raises on a metadata file that is there but unreadable: not JSON (JSONDecodeError is a
 # ValueError), keys missing (KeyError) or of the wrong type (TypeError), or invalid values (its
 # MetadataValidationError and UnknownCodecError are ValueErrors)
@@ -166,6 +174,81 @@ def _unreadable(path: str, kind: str, exc: BaseException) -> DatasetError:
     return DatasetError(f"{path} cannot be read as zarr {kind} metadata ({reason}) {REPACK}")
 
 
+def _is_count(value: Any, *, positive: bool = False) -> bool:
+    return type(value) is int and value >= (1 if positive else 0)
+
+
+def meta_problem(meta: Mapping[str, Any]) -> str | None:
+    """What is wrong with the fields of a dataset's metadata that its readers use (counts,
+    tokenizer, dtype, sources, the integrity record, chat settings), or None."""
+    counts = meta.get("counts")
+    if not isinstance(counts, dict):
+        return "has no counts"
+    for key, value in counts.items():
+        if not _is_count(value):
+            return f"count {key!r} is {json.dumps(value)}, not a count"
+    for key in ("tokens", "documents"):
+        if key not in counts:
+            return f"has no count of {key}"
+    tokenizer = meta.get("tokenizer")
+    if not isinstance(tokenizer, dict):
+        return "has no tokenizer"
+    for key, kind in (("name", str), ("fingerprint", str), ("spec", dict)):
+        if not isinstance(tokenizer.get(key), kind):
+            return f"tokenizer has no {key}"
+    vocab, eod = tokenizer.get("vocab_size"), tokenizer.get("eod_id")
+    if not _is_count(vocab, positive=True) or not _is_count(eod) or eod >= vocab:
+        return f"tokenizer's vocab_size {vocab!r} and eod_id {eod!r} do not fit"
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        return f"dtype {meta.get('dtype')!r} is not uint16 or uint32"
+    sources = meta.get("sources")
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("url"), str) for s in sources
+    ):
+        return "has no list of sources"
+    if "version" in meta and not _is_count(meta["version"]):
+        return f"version {meta['version']!r} is not a number"
+    record = meta.get(INTEGRITY_KEY)
+    if record is not None and not _is_record(record):
+        return (
+            f"{INTEGRITY_KEY} record is not {{checksum, chunks: {{array: {{key: [bytes, crc]}}}}}}"
+        )
+    chat = meta.get("chat")
+    if chat is not None and not (
+        isinstance(chat, dict)
+        and _is_count(chat.get("seq_len"), positive=True)
+        and isinstance(chat.get("template"), dict)
+    ):
+        return "chat settings have no template or sequence length"
+    return None
+
+
+def _is_record(record: Any) -> bool:
+    if not isinstance(record, dict) or record.get("checksum") != CHECKSUM:
+        return False
+    chunks = record.get("chunks")
+    if not isinstance(chunks, dict):
+        return False
+    for name, keys in chunks.items():
+        if name not in ARRAYS or not isinstance(keys, dict):
+            return False
+        for entry in keys.values():
+            if not (isinstance(entry, list) and len(entry) == 2 and all(map(_is_count, entry))):
+                return False
+    return True
+
+
+def _is_dataset_metadata(fs: Any, path: str) -> bool:
+    """Whether the file at `path` is the group metadata of a dataset llmtrain packed."""
+    try:
+        meta = json.loads(fs.cat_file(path))
+    except (OSError, ValueError):
+        return False
+    attributes = meta.get("attributes") if isinstance(meta, dict) else None
+    ours = attributes.get(META_KEY) if isinstance(attributes, dict) else None
+    return isinstance(ours, dict) and ours.get("format") == FORMAT
+
+
 class AppendArray:
     """A 1-D zarr array written front to back in whole chunks (or shards): no partial rewrites."""
 
@@ -232,19 +315,29 @@ class Output:
     ):
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
-        self.fs, self.path = url_to_fs(self.url, **self.storage_options)
         self.local = _is_local(url)
-        if self.fs.exists(self.path):
-            if not overwrite:
-                raise UserError(
-                    f"{url} already exists; pass --overwrite to replace it, or choose another output"
-                )
         self.overwrite = overwrite
         self.chunks: dict[str, dict[str, list[int]]] = {}  # array -> chunk key -> [bytes, crc]
         self.staging = f"{self.url}.tmp-{uuid.uuid4().hex[:8]}" if self.local else self.url
         # every write into staging passes it; closed before staging is removed or renamed
         self.gate = WriteGate(self.staging)
         self._old: str | None = None  # the local dataset the commit replaces, while it does
+        with storage_errors(self.url, doing="write", error=DatasetError):
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """Check the output (an existing one is replaced only if asked and only if it is a
+        dataset; a bucket must exist) and make the staging area."""
+        self.fs, self.path = url_to_fs(self.url, **self.storage_options)
+        if self.fs.exists(self.path):
+            if not self.overwrite:
+                raise UserError(
+                    f"{self.url} already exists; pass --overwrite to replace it, or choose "
+                    "another output"
+                )
+            self._check_replaceable()
+        elif not self.local and (problem := missing_bucket(self.fs, self.url)) is not None:
+            raise DatasetError(problem)
         if not self.local and self.fs.exists(self.path):
             # object storage has no rename: the old dataset goes first, the new one's metadata
             # is written last, so a crash in between leaves no complete-looking dataset
@@ -260,6 +353,31 @@ class Output:
             except BaseException:
                 shutil.rmtree(staged, ignore_errors=True)
                 raise
+
+    def _check_replaceable(self) -> None:
+        """`--overwrite` replaces a dataset llmtrain packed (its group metadata says so), or the
+        arrays of a pack that did not finish (on object storage they are written in place and
+        the group metadata last), or an empty folder; anything else is refused before anything
+        is deleted: it is someone's files (an input, a folder of results, a checkpoint)."""
+        if not self.fs.isdir(self.path):
+            found = "a file"
+        else:
+            names = {posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)}
+            if not names or ("zarr.json" not in names and names <= set(ARRAYS)):
+                return
+            if "zarr.json" in names and _is_dataset_metadata(
+                self.fs, posixpath.join(self.path, "zarr.json")
+            ):
+                return
+            if "zarr.json" in names:
+                found = "a folder whose zarr.json is not the metadata of a packed dataset"
+            else:
+                shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+                found = f"a folder of {len(names)} entries ({shown})"
+        raise UserError(
+            f"{self.url} is {found}, not a packed dataset: --overwrite only replaces one, so "
+            "nothing was deleted; choose another output, or remove it yourself if it is to go"
+        )
 
     def array_url(self, name: str) -> str:
         return _join(self.staging, name)
@@ -326,8 +444,8 @@ class Output:
             fs, path = url_to_fs(self.staging, **self.storage_options)
             if fs.exists(path):
                 fs.rm(path, recursive=True)
-        except OSError:
-            pass
+        except Exception as exc:  # noqa: BLE001 - the error that ended the pack is the one to raise
+            log.warning("output.not_removed", path=self.staging, error=str(exc))
         if self._old is not None and os.path.exists(self._old):
             final = _local_path(self.url)
             if os.path.exists(final):
@@ -338,6 +456,10 @@ class Output:
             raise DatasetError(
                 f"{self.url}: {no_space_message(full)}; nothing was written"
             ) from error
+        if isinstance(error, Exception) and not isinstance(error, UserError):
+            problem = problem_of(error, self.url, doing="write")
+            if problem is not None:
+                raise DatasetError(f"{self.url}: {problem}; nothing was written") from error
 
 
 class PackedDataset:
@@ -354,14 +476,20 @@ class PackedDataset:
         self._open()
 
     def _open(self) -> None:
+        with storage_errors(self.url, error=DatasetError):
+            self._open_checked()
+
+    def _open_checked(self) -> None:
         store = CheckedStore(_store(self.url, self.storage_options, read_only=True), self.url)
         group, meta = self._open_group(store)
         self.meta = meta
         sizes = stored_sizes(self.url, self.storage_options)
         self._stored = self._open_arrays(group, sizes)
+        self._check_shapes()
         expected = self._expected_chunks()
         self._check_stored(expected, sizes)
         store.expected.update(expected)
+        self._check_small_arrays()
         self.tokens = self._stored["tokens"]
         self.doc_offsets = self._stored["doc_offsets"]
         self.chunk_docs = np.asarray(self._stored["chunk_docs"][:], dtype=np.int64)
@@ -389,6 +517,10 @@ class PackedDataset:
             group = zarr.open_group(store=store, mode="r", zarr_format=3)
             meta = dict(group.attrs.get(META_KEY) or {})
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.ContainsArrayError):
+            if not _is_local(self.url):
+                fs = url_to_fs(self.url, **self.storage_options)[0]
+                if (problem := missing_bucket(fs, self.url)) is not None:
+                    raise DatasetError(problem) from None
             raise DatasetError(
                 f"{self.url}: not a packed dataset (no committed group metadata): it does not "
                 "exist, is not complete (a pack that did not finish), or was not written by "
@@ -398,10 +530,16 @@ class PackedDataset:
             raise _unreadable(_join(self.url, "zarr.json"), "group", exc) from None
         if meta.get("format") != FORMAT or not meta.get("complete"):
             raise DatasetError(f"{self.url}: not a complete {FORMAT} dataset")
-        if meta.get("version", 0) > FORMAT_VERSION:
+        version = meta.get("version", 0)
+        if isinstance(version, int) and version > FORMAT_VERSION:
             raise DatasetError(
                 f"{self.url}: format version {meta['version']} is newer than this llmtrain "
                 f"reads ({FORMAT_VERSION}); upgrade llmtrain-data-pack"
+            )
+        problem = meta_problem(meta)
+        if problem is not None:
+            raise DatasetError(
+                f"{_join(self.url, 'zarr.json')}: the dataset's metadata {problem} {REPACK}"
             )
         return group, meta
 
@@ -416,8 +554,9 @@ class PackedDataset:
                 array = group[name]
             except (*METADATA_ERRORS, FileNotFoundError) as exc:
                 raise _unreadable(_join(self.url, f"{name}/zarr.json"), "array", exc) from None
-            if not isinstance(array, zarr.Array):
-                problem = ValueError("it describes a group, not an array")
+            if not isinstance(array, zarr.Array) or array.ndim < 1:
+                what = "a group" if not isinstance(array, zarr.Array) else "a scalar"
+                problem = ValueError(f"it describes {what}, not an array of rows")
                 raise _unreadable(_join(self.url, f"{name}/zarr.json"), "array", problem)
             arrays[name] = CheckedArray(array, name, self.url)
         for name in ("tokens", "doc_offsets", "chunk_docs"):
@@ -427,6 +566,88 @@ class PackedDataset:
                     f"{REPACK}"
                 )
         return arrays
+
+    def _check_shapes(self) -> None:
+        """Every array's metadata against the counts the pack recorded in the group's: a
+        `zarr.json` whose shape, data type or chunk grid was changed would read zeros past the
+        end, miss tokens, or cut the stored bytes at other places."""
+        self._check_grid()
+        counts = self.meta["counts"]
+        n_tokens, n_documents = int(counts["tokens"]), int(counts["documents"])
+        tokens = self._stored["tokens"]
+        chunk = int(tokens.chunks[0]) if tokens.ndim == 1 else 0
+        n_chunks = -(-n_tokens // chunk) if chunk > 0 else 0
+        heads = self._stored.get("chunk_heads")
+        head = int(heads.shape[1]) if heads is not None and heads.ndim == 2 else 0
+        expected = {
+            "tokens": ((n_tokens,), f"the {n_tokens:,} tokens"),
+            "loss_mask": ((n_tokens,), f"the {n_tokens:,} tokens"),
+            "doc_offsets": ((n_documents + 1,), f"the {n_documents:,} documents (+ 1)"),
+            "chunk_docs": ((n_chunks + 1,), f"the {n_chunks:,} token chunks (+ 1)"),
+            "chunk_heads": ((n_chunks, head), f"one row for each of the {n_chunks:,} token chunks"),
+            "doc_source": ((n_documents,), f"the {n_documents:,} documents"),
+            "doc_row": ((n_documents,), f"the {n_documents:,} documents"),
+            "doc_id_offsets": ((n_documents + 1,), f"the {n_documents:,} documents (+ 1)"),
+        }
+        for name, array in self._stored.items():
+            where = _join(self.url, f"{name}/zarr.json")
+            problem = None
+            shape = tuple(int(n) for n in array.shape)
+            if name in expected and shape != expected[name][0]:
+                problem = (
+                    f"shape {list(shape)} does not fit {expected[name][1]} recorded at pack time"
+                )
+            elif name in ("tokens", "chunk_heads") and np.dtype(array.dtype) != np.dtype(
+                self.meta["dtype"]
+            ):
+                problem = f"data type {array.dtype} is not the {self.meta['dtype']} packed"
+            elif name == "chunk_heads" and not 0 < head <= chunk:
+                problem = f"rows of {head} tokens do not fit chunks of {chunk}"
+            elif array.ndim >= 1 and int((array.shards or array.chunks)[0]) < 1:
+                problem = "has chunks of no length"
+            if problem is not None:
+                raise DatasetError(f"{where}: {problem} {REPACK}")
+
+    def _check_grid(self) -> None:
+        """Every chunk the pack recorded is a chunk of its array's grid: metadata whose chunk
+        shape or key encoding changed names other objects than the ones written."""
+        record = self.meta.get(INTEGRITY_KEY)
+        if record is None:
+            return
+        for name, chunks in record["chunks"].items():
+            array = self._stored.get(name)
+            if array is None or not chunks:
+                continue
+            where = _join(self.url, f"{name}/zarr.json")
+            stray = sorted(set(chunks) - set(array.keys()), key=chunk_order)
+            if stray:
+                raise DatasetError(
+                    f"{where}: its chunk grid has no chunk {stray[0]}, which the pack wrote "
+                    f"(chunk shape or key encoding changed) {REPACK}"
+                )
+            # a chunk stored as raw bytes holds the whole chunk shape (an edge chunk is padded)
+            if not (array.compressors or array.filters or array.shards):
+                size = int(np.prod(array.chunks)) * np.dtype(array.dtype).itemsize
+                key, (written, _) = next(iter(chunks.items()))
+                if written != size:
+                    raise DatasetError(
+                        f"{where}: chunks of shape {list(array.chunks)} ({size:,} bytes), but "
+                        f"the pack wrote chunk {key} of {written:,} bytes (chunk shape or data "
+                        f"type changed) {REPACK}"
+                    )
+
+    def _check_small_arrays(self) -> None:
+        """Read the chunks of `doc_offsets` and `chunk_heads` whole and check them against their
+        recorded CRC-32 when they hold OPEN_CHECK_BYTES or less in all (datasets of up to a few
+        billion tokens): a flipped bit there is refused when a run starts, not when a read
+        first reaches it. Larger ones are checked as they are read, like every chunk."""
+        if not self.checksummed:
+            return
+        items = self._recorded(OPEN_CHECKED_ARRAYS)
+        if sum(size for _, _, size, _ in items) <= OPEN_CHECK_BYTES:
+            damage = self._check_items(items)
+            if damage:
+                raise DamagedDatasetError(self.url, damage)
 
     def _expected_chunks(self) -> dict[str, tuple[int, int] | None]:
         """Every stored chunk the dataset needs ("tokens/c/0") and its recorded size and CRC-32:
@@ -482,14 +703,24 @@ class PackedDataset:
             raise DamagedDatasetError(self.url, damage)
         return checked
 
-    def _verify_checksums(self) -> tuple[int, list[ChunkDamage]]:
-        fs, root = url_to_fs(self.url, **self.storage_options)
-        items = [
+    def _recorded(self, names: tuple[str, ...] | None = None) -> list[tuple[str, str, int, int]]:
+        """(array, chunk key, size, crc32) of the recorded chunks of the stored arrays (those
+        named, or all)."""
+        return [
             (name, key, int(size), int(crc))
             for name, chunks in self.meta[INTEGRITY_KEY]["chunks"].items()
-            if name in self._stored
+            if name in self._stored and (names is None or name in names)
             for key, (size, crc) in chunks.items()
         ]
+
+    def _verify_checksums(self) -> tuple[int, list[ChunkDamage]]:
+        items = self._recorded()
+        with storage_errors(self.url, error=DatasetError):
+            return len(items), self._check_items(items)
+
+    def _check_items(self, items: list[tuple[str, str, int, int]]) -> list[ChunkDamage]:
+        """Read the chunks whole (concurrently on object storage) and check each."""
+        fs, root = url_to_fs(self.url, **self.storage_options)
         damage = []
         for batch in batches(items, VERIFY_BATCH_BYTES):
             paths = [f"{root.rstrip('/')}/{name}/{key}" for name, key, _, _ in batch]
@@ -500,7 +731,7 @@ class PackedDataset:
                 problem = content_problem(data, size, crc)
                 if problem is not None:
                     damage.append(ChunkDamage(name, key, problem))
-        return len(items), damage
+        return damage
 
     def _verify_decoding(self) -> tuple[int, list[ChunkDamage]]:
         checked, damage = 0, []

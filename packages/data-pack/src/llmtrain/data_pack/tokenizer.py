@@ -34,6 +34,7 @@ import fsspec
 import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.data_pack.remote import storage_errors
 
 if TYPE_CHECKING:
     from llmtrain.core_mesh.config import Choice
@@ -62,7 +63,7 @@ def _hash(*parts: Any) -> str:
 def read_bytes(url: str) -> bytes:
     """A whole file from a local path or fsspec URL, with a clear error if it is not there."""
     try:
-        with fsspec.open(url, "rb") as f:
+        with storage_errors(url, error=TokenizerError), fsspec.open(url, "rb") as f:
             return f.read()
     except FileNotFoundError:
         raise TokenizerError(f"{url}: no such tokenizer file") from None
@@ -624,18 +625,33 @@ def parse_tiktoken_ranks(data: bytes, source: str) -> dict[bytes, int]:
             f"a Hugging Face tokenizer.json is given as hf:{source}"
         )
     ranks: dict[bytes, int] = {}
+    ranked: dict[int, int] = {}  # rank -> the line that gave it
     for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            token, rank_text = line.split()
+            piece, rank = base64.b64decode(token, validate=True), int(rank_text)
         except ValueError:
             raise TokenizerError(
                 f"{source}:{number}: expected 'base64-token rank', got {line[:60]!r}"
             ) from None
+        # tiktoken's core panics (a Rust panic, not a Python error) on a token or rank given
+        # twice, and on text with a byte that has no rank: refused here, naming the line
+        if piece in ranks or rank in ranked or rank < 0:
+            why = "a negative rank" if rank < 0 else "a token or rank given before"
+            raise TokenizerError(f"{source}:{number}: {why} ({line[:60]!r}); the file is damaged")
+        ranks[piece] = rank
+        ranked[rank] = number
     if not ranks:
         raise TokenizerError(f"{source}: no ranks in the file")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise TokenizerError(
+            f"{source}: no rank for {len(missing)} of the 256 single bytes (the first: "
+            f"0x{missing[0]:02x}), which every byte-level BPE ranks file has: the file is cut "
+            "short or damaged"
+        )
     return ranks
 
 
@@ -684,6 +700,14 @@ class TiktokenTokenizer:
                 f"{options.path}: eod_token {options.eod_token!r} is not a special token "
                 f"({', '.join(specials)})"
             )
+        taken = {rank: token for token, rank in ranks.items()}
+        for special, rank in specials.items():
+            if type(rank) is not int or rank < 0 or rank in taken:
+                raise TokenizerError(
+                    f"{options.path}: special token {special!r} has id {rank!r}, which "
+                    + ("a token of the ranks file has" if rank in taken else "is no token id")
+                    + "; give special_tokens ids above the ranks"
+                )
         self._pattern, self._specials = pattern, dict(specials)
         self._ranks_hash = _hash(data)
         try:
@@ -773,6 +797,12 @@ def tokenizer_choice(text: str, plugins: PluginManager, extra: Sequence[str] = (
             kind, path = "hf", text
         elif text.endswith(".tiktoken"):
             kind, path = "tiktoken", text
+        elif text.endswith(".model"):
+            raise TokenizerError(
+                f"{text}: a SentencePiece .model file, which llmtrain does not read; give the "
+                "model's tokenizer.json (transformers' AutoTokenizer.from_pretrained(...)"
+                ".save_pretrained(DIR) writes one)"
+            )
         else:
             kind, path = text, ""
     raw: dict[str, Any] = {"kind": kind}

@@ -8,6 +8,7 @@ library shows its own bars on a terminal."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -15,11 +16,12 @@ import fsspec
 import structlog
 from fsspec.core import url_to_fs
 
-from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.data_pack.documents import text_batches
 from llmtrain.data_pack.progress import Progress, ProgressSettings
+from llmtrain.data_pack.remote import missing_bucket, storage_errors
 from llmtrain.data_pack.sources import Source, expand_inputs
-from llmtrain.data_pack.tokenizer import ENDOFTEXT, train_bpe
+from llmtrain.data_pack.tokenizer import ENDOFTEXT, TokenizerError, tokenizer_json, train_bpe
 
 log = structlog.get_logger("llmtrain.data_pack")
 
@@ -41,10 +43,12 @@ def train_tokenizer(
 ) -> int:
     """Train on the inputs' documents and write tokenizer.json; returns the vocab size reached."""
     storage_options = dict(storage_options or {})
-    fs, path = url_to_fs(output, **storage_options)
-    if fs.exists(path) and not overwrite:
-        raise UserError(f"{output} already exists; pass --overwrite to replace it")
-    corpus = _Corpus(expand_inputs(inputs, storage_options), field, storage_options)
+    with storage_errors(output, doing="write"):
+        _check_output(output, overwrite, storage_options)
+    sources = expand_inputs(inputs, storage_options)
+    if any(_same_file(output, s.url) for s in sources):
+        raise UserError(f"{output} is one of the inputs; write the tokenizer to another file")
+    corpus = _Corpus(sources, field, storage_options)
     text = train_bpe(
         corpus.read(max_documents, progress, vocab_size),
         vocab_size,
@@ -54,8 +58,9 @@ def train_tokenizer(
     )
     if corpus.documents == 0:
         raise UserError(f"no documents with field {field!r} in {', '.join(inputs)}")
-    with fsspec.open(output, "w", encoding="utf-8", **storage_options) as f:
-        f.write(text)
+    with storage_errors(output, doing="write"), naming_file(output):
+        with fsspec.open(output, "w", encoding="utf-8", **storage_options) as f:
+            f.write(text)
     reached = len(json.loads(text)["model"]["vocab"])
     log.info("tokenizer.trained", output=output, documents=corpus.documents, vocab_size=reached)
     if reached < vocab_size:
@@ -66,6 +71,46 @@ def train_tokenizer(
             hint="the corpus has too few distinct pairs; use more text or a smaller vocab",
         )
     return reached
+
+
+def _check_output(output: str, overwrite: bool, storage_options: dict) -> None:
+    """An existing output is replaced only with --overwrite, and only if it is a tokenizer file
+    (a tokenizer.json): a directory, or any other file (a corpus, a config), is someone's data
+    and is refused before anything is written."""
+    fs, path = url_to_fs(output, **storage_options)
+    if not fs.exists(path):
+        if "://" in output and (problem := missing_bucket(fs, output)) is not None:
+            raise UserError(problem)
+        if "://" not in output:  # refused now, not after the training
+            above = os.path.dirname(os.path.abspath(output))
+            while not os.path.exists(above):
+                above = os.path.dirname(above)
+            if not os.path.isdir(above):
+                raise UserError(
+                    f"{output}: {above} is a file, not a folder: choose a path below a folder"
+                )
+        return
+    if not overwrite:
+        raise UserError(f"{output} already exists; pass --overwrite to replace it")
+    if fs.isdir(path):
+        raise UserError(
+            f"{output} is a directory; --overwrite only replaces a tokenizer.json file, so "
+            "nothing was changed: give the path of the file to write"
+        )
+    try:
+        tokenizer_json(fs.cat_file(path), output)
+    except TokenizerError:
+        raise UserError(
+            f"{output} exists and is not a tokenizer.json: --overwrite only replaces a "
+            "tokenizer file, so nothing was changed; choose another output, or remove it "
+            "yourself if it is to go"
+        ) from None
+
+
+def _same_file(a: str, b: str) -> bool:
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 class _Corpus:
