@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -59,8 +60,7 @@ def train_tokenizer(
     if corpus.documents == 0:
         raise UserError(f"no documents with field {field!r} in {', '.join(inputs)}")
     with storage_errors(output, doing="write"), naming_file(output):
-        with fsspec.open(output, "w", encoding="utf-8", **storage_options) as f:
-            f.write(text)
+        _write(output, text, storage_options)
     reached = len(json.loads(text)["model"]["vocab"])
     log.info("tokenizer.trained", output=output, documents=corpus.documents, vocab_size=reached)
     if reached < vocab_size:
@@ -105,6 +105,26 @@ def _check_output(output: str, overwrite: bool, storage_options: dict) -> None:
             "tokenizer file, so nothing was changed; choose another output, or remove it "
             "yourself if it is to go"
         ) from None
+
+
+def _write(output: str, text: str, storage_options: dict) -> None:
+    """Write the tokenizer whole or not at all: on a local disk through a temporary file renamed
+    into place (an interrupted write would leave a tokenizer.json cut short, which a later
+    --overwrite would not recognise as one); an object store makes an object whole on close."""
+    if "://" in output and not output.startswith("file://"):
+        with fsspec.open(output, "w", encoding="utf-8", **storage_options) as f:
+            f.write(text)
+        return
+    path = output.removeprefix("file://")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(temporary, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.remove(temporary)
 
 
 def _same_file(a: str, b: str) -> bool:
