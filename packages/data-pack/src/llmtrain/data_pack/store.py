@@ -373,7 +373,8 @@ class Output:
                 found = "a folder whose zarr.json is not the metadata of a packed dataset"
             else:
                 shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-                found = f"a folder of {len(names)} entries ({shown})"
+                entries = "entry" if len(names) == 1 else "entries"
+                found = f"a folder of {len(names)} {entries} ({shown})"
         raise UserError(
             f"{self.url} is {found}, not a packed dataset: --overwrite only replaces one, so "
             "nothing was deleted; choose another output, or remove it yourself if it is to go"
