@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import random
 import re
@@ -69,6 +70,7 @@ from llmtrain.checkpoint.stream_storage import (
     StreamWriter,
 )
 from llmtrain.core_mesh.errors import UserError, naming_file, no_space, no_space_message
+from llmtrain.core_mesh.storage_errors import storage_errors
 
 __all__ = ["COMMIT_FILE", "INFO_FILE", "RNG_DIR", "CheckpointError", "CorruptCheckpointError"]
 
@@ -186,6 +188,22 @@ def _tupled(value: Any) -> Any:
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
+def _on_storage(doing: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A Checkpointer method whose storage cannot be used (an endpoint that does not answer, a
+    bucket that does not exist, access denied, no credentials) raises one CheckpointError line
+    naming the checkpoint's URL and what to do; `doing`: read or write."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+            with storage_errors(self.url, doing=doing, error=CheckpointError):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
+
+
 class Checkpointer:
     """Save and load named stateful parts at `url` (a path or any fsspec URL)."""
 
@@ -228,6 +246,7 @@ class Checkpointer:
     def step_url(self, step: int) -> str:
         return f"{self.url}/step-{step}"
 
+    @_on_storage("read")
     def _step_dirs(self) -> dict[int, bool]:
         """Every step directory, and whether it is committed."""
         try:
@@ -245,6 +264,7 @@ class Checkpointer:
         steps = self.committed_steps()
         return steps[-1] if steps else None
 
+    @_on_storage("read")
     def info(self, step: int) -> dict[str, Any]:
         """The step's record in llmtrain.json, with what the caller stored (`info=` of `save`)
         under "info"; checked against the step's commit."""
@@ -303,6 +323,7 @@ class Checkpointer:
 
     # -- saving ---------------------------------------------------------------------------------
 
+    @_on_storage("write")
     def save(
         self,
         step: int,
@@ -375,6 +396,7 @@ class Checkpointer:
             **self.storage_options,
         )
 
+    @_on_storage("read")
     def open_step(self, step: int, *, rng: bool = False) -> tuple[StreamReader, Any]:
         """(reader, metadata) of committed step `step`, once every file a load reads is checked:
         the commit, each listed file's size (the random states' only with `rng`), llmtrain.json
@@ -500,6 +522,7 @@ class Checkpointer:
                 files[name] = {"size": size}
         return files
 
+    @_on_storage("write")
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise its error if it failed."""
         inflight, self._inflight = self._inflight, None
@@ -548,6 +571,7 @@ class Checkpointer:
             )
         return step
 
+    @_on_storage("read")
     def load(
         self, state: Mapping[str, Any], *, step: int | None = None, restore_rng: bool = True
     ) -> int | None:

@@ -13,8 +13,8 @@ from typing import Any
 import attrs
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.storage_errors import storage_errors
 from llmtrain.data_pack.filters import RecordMismatch, Where, quoted
-from llmtrain.data_pack.remote import storage_errors
 from llmtrain.data_pack.sources import (
     InputError,
     LineNumbers,

@@ -23,8 +23,8 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import WrapperStore
 
+from llmtrain.core_mesh.storage_errors import storage_errors
 from llmtrain.data_pack.errors import DatasetError
-from llmtrain.data_pack.remote import storage_errors
 
 # the chunk record: {"checksum": "crc32", "chunks": {array: {chunk key: [bytes, crc32]}}}. Older
 # readers ignore the attribute, so it needs no new format version.

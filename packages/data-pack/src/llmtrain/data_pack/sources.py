@@ -28,8 +28,8 @@ import orjson
 from fsspec.core import url_to_fs
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.storage_errors import missing_bucket, storage_errors
 from llmtrain.data_pack.compressed import DamagedStream, Decompressed
-from llmtrain.data_pack.remote import missing_bucket, storage_errors
 
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 FORMATS = ("auto", "jsonl", "text", "parquet", "arrow")

@@ -48,6 +48,7 @@ from fsspec.core import url_to_fs
 from zarr.abc.store import Store
 
 from llmtrain.core_mesh.errors import UserError, no_space, no_space_message
+from llmtrain.core_mesh.storage_errors import missing_bucket, problem_of, storage_errors
 from llmtrain.data_pack.errors import DatasetError
 from llmtrain.data_pack.integrity import (
     CHECKSUM,
@@ -66,7 +67,6 @@ from llmtrain.data_pack.integrity import (
     size_problem,
     stored_sizes,
 )
-from llmtrain.data_pack.remote import missing_bucket, problem_of, storage_errors
 from llmtrain.data_pack.staging import (
     OWNER_FILE,
     GatedStore,

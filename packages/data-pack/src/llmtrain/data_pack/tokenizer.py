@@ -34,7 +34,7 @@ import fsspec
 import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.data_pack.remote import storage_errors
+from llmtrain.core_mesh.storage_errors import storage_errors
 
 if TYPE_CHECKING:
     from llmtrain.core_mesh.config import Choice

@@ -18,9 +18,9 @@ import structlog
 from fsspec.core import url_to_fs
 
 from llmtrain.core_mesh.errors import UserError, naming_file
+from llmtrain.core_mesh.storage_errors import missing_bucket, storage_errors
 from llmtrain.data_pack.documents import text_batches
 from llmtrain.data_pack.progress import Progress, ProgressSettings
-from llmtrain.data_pack.remote import missing_bucket, storage_errors
 from llmtrain.data_pack.sources import Source, expand_inputs
 from llmtrain.data_pack.tokenizer import ENDOFTEXT, TokenizerError, tokenizer_json, train_bpe
 
