@@ -172,6 +172,31 @@ def test_hf_fast_path_gives_reference_ids(tokenizer_json, corpus):
     assert sum(map(len, fast)) < sum(len(d.encode()) for d in docs)  # merges really happen
 
 
+def test_fast_copies_are_made_while_another_thread_encodes(tokenizer_json, corpus):
+    """The pack checks the fast encoder in a thread while it makes the workers' fast copy; the
+    copy shares the Rust tokenizer, and setting its special-token switch then raised "Already
+    borrowed" (a CI run failed on it; tokenizers 0.22, which transformers 4 brings, raises it
+    here every time, 0.23 tolerates it)."""
+    import threading
+
+    tok = HFTokenizer(HFOptions(str(tokenizer_json)))
+    docs = corpus(400, seed=3, max_words=200)
+    done = threading.Event()
+
+    def encode_until_done() -> None:
+        while not done.is_set():
+            tok.encode_batch_hf(docs)
+
+    worker = threading.Thread(target=encode_until_done)
+    worker.start()
+    try:
+        twins = [tok.with_fast(True) for _ in range(3000)]
+    finally:
+        done.set()
+        worker.join()
+    assert twins[-1].encode_batch(docs[:5]) == tok.encode_batch_hf(docs[:5])
+
+
 def test_fast_path_on_random_code_points(tokenizer_json):
     """Letters, digits, marks and spaces of many scripts and Unicode versions, incl. unassigned
     code points: the regex engines (oniguruma in HF, fancy-regex in tiktoken) must agree."""

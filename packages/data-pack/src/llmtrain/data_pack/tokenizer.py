@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import copy
 import functools
 import hashlib
 import itertools
@@ -522,8 +521,13 @@ class HFTokenizer:
         return None
 
     def with_fast(self, on: bool) -> HFTokenizer:
-        """A copy that uses the fast encoder (trusted: the caller checks it) or the reference."""
-        twin = copy.copy(self)
+        """A copy that uses the fast encoder (trusted: the caller checks it) or the reference.
+
+        The copy shares the Rust tokenizer, so it is made without `__setstate__`: setting its
+        special-token switch there needs the tokenizer's lock, which the pack's check thread may
+        hold while it encodes ("RuntimeError: Already borrowed")."""
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
         twin._fast_verified = on and self._fast is not None
         return twin
 
