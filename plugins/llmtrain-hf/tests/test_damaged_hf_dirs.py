@@ -592,7 +592,7 @@ def test_bad_destinations_are_refused_and_nothing_is_written(run_cli, bases, che
     code, _, err = run_cli("hf", "import", bases / "llama", "-o", tmp_path / "file")
     assert_refused(code, err, "file is a file; give a directory for the checkpoint")
     code, _, err = run_cli("hf", "import", bases / "llama", "-o", tmp_path / "file" / "c")
-    assert_refused(code, err, "cannot use it as a directory")
+    assert_refused(code, err, f"{tmp_path / 'file'} is a file, not a folder")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # no partial export left
     assert (tmp_path / "file").read_text() == "not a directory"
 
