@@ -19,7 +19,7 @@ RUNNER = KIT / "runner.py"
 STEPS = [
     "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "float8-run",
     "moe-run", "deterministic", "torchtitan-b4", "llama-b4", "llama-b4-docmask",
-    "llama-b4-float8", "torchtitan-b8", "llama-b8", "bare-loop",
+    "llama-b4-float8", "torchtitan-b8", "llama-b8", "bare-loop", "profile-b4",
 ]  # fmt: skip
 TORCHTITAN = ("torchtitan-b4", "torchtitan-b8")
 
@@ -66,6 +66,9 @@ def test_dry_run_passes_every_step(tmp_path):
     assert runs["gpt2-run"]["tokens_per_s"] > 0 and runs["bare-loop"]["tokens_per_s"] > 0
     for name in ("llama-b4", "llama-b4-docmask", "llama-b8"):
         assert runs[name]["steady_tokens_per_s"] > 0, name
+    # the profile's table comes back in the step's log (the CPU trace: operators by self time)
+    profiled = (tmp_path / "out" / "profile-b4" / "profile-b4.log").read_text()
+    assert "operators by self time" in profiled and "aten::mm" in profiled
     # no bundle here: TorchTitan is not started (its CPU run takes ~1.5 min; by hand, README);
     # its GPU form is checked by test_the_side_by_side_steps_as_the_gpu_gets_them
     for name in TORCHTITAN:
@@ -150,6 +153,21 @@ def test_the_side_by_side_steps_as_the_gpu_gets_them(tmp_path, monkeypatch):
     assert configs["llama-b4-docmask"]["model"]["doc_masking"] is True
     assert configs["llama-b4-float8"]["parallel"]["float8"] is True
     assert "doc_masking" not in configs["llama-b4"]["model"]
+    # the profile step: TorchTitan b4 with its profiler on, then our b4 with ours, at step 20
+    titan_run, titan_profile, ours_run, ours_profile = map(
+        " ".join, plan["profile-b4"].commands[1:]
+    )
+    assert "--training.local_batch_size 4" in titan_run
+    assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in ours_run
+    assert titan_run.endswith("--profiling.enable_profiling --profiling.profile_freq 20 "
+                              "--profiling.profiler_active 1")  # fmt: skip
+    assert "torchtitan-profile-b4/out/profile_traces/iteration_*/rank0_trace.json" in titan_profile
+    profiled = yaml.safe_load(Path(plan["profile-b4"].commands[3][-1]).read_text())
+    assert profiled["profile"] == {"every": 20, "active": 1, "warmup": 1}
+    assert (
+        profiled["data"]["micro_batch"] == 4 and profiled["model"] == configs["llama-b4"]["model"]
+    )
+    assert ours_profile.endswith(f"llmtrain profile --top 25 {ctx.runs / 'profile-b4'}")
 
 
 def test_two_calls_merge_into_one_table_with_goals(tmp_path):

@@ -199,6 +199,7 @@ def plan(ctx: Context, install: list[str], bundle: str) -> list[Step]:
         torchtitan(ctx, 8),
         llama_side(ctx, 8),
         bare_loop(ctx),
+        profile_side(ctx),
     ]
 
 
@@ -388,6 +389,17 @@ def with_env(env: dict, command: list) -> list:
     return ["env", *(f"{k}={v}" for k, v in env.items()), *command]
 
 
+def our_env(ctx: Context) -> dict:
+    """One Inductor and Triton cache for all our runs: the b4 variants share the b4 shapes and
+    start warmer (compilation is outside the timed windows either way); the allocator setting
+    is the one run_tt.sh gives TorchTitan, so peak memory compares like with like."""
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": ctx.work / "inductor-cache",
+        "TRITON_CACHE_DIR": ctx.work / "triton-cache",
+        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+    }
+
+
 def llama_side(ctx: Context, batch: int, variant: str = "") -> Step:
     """Our llama-1b (tied, bf16 + per-block compile) on the side-by-side's shape at `batch`;
     `variant` "docmask" adds model.doc_masking, "float8" parallel.float8."""
@@ -402,21 +414,13 @@ def llama_side(ctx: Context, batch: int, variant: str = "") -> Step:
     if ctx.dry and variant == "float8":  # float8 cannot start on CPU: validate, load the module
         probe = "from llmtrain.parallel.float8 import float8_problem; print(float8_problem('cuda'))"
         commands = [commands[0], [ctx.python, "-c", probe]]
-    # one Inductor and Triton cache for all our runs: the b4 variants share the b4 shapes and
-    # start warmer (compilation is outside the timed windows either way); the allocator setting
-    # is the one run_tt.sh gives TorchTitan, so peak memory compares like with like
-    env = {
-        "TORCHINDUCTOR_CACHE_DIR": ctx.work / "inductor-cache",
-        "TRITON_CACHE_DIR": ctx.work / "triton-cache",
-        "PYTORCH_ALLOC_CONF": "expandable_segments:True",
-    }
     run = f"cpu-{name}" if ctx.dry else name
     described = {"": "", "docmask": ", model.doc_masking", "float8": ", parallel.float8"}[variant]
     return Step(
         name,
         f"`llmtrain run` llama-1b, batch {batch}{described}, seq 2048, bf16 + compile, "
         f"{SIDE_STEPS} steps: tokens/s, MFU, peak memory (side-by-side)",
-        [with_env(env, c) for c in commands],
+        [with_env(our_env(ctx), c) for c in commands],
         {4: 240, 8: 270}[batch],
         None if ctx.dry and variant == "float8" else run_figures(ctx, name),
         keep=[ctx.runs / run / "metrics.jsonl"],
@@ -436,12 +440,13 @@ def lacking(python: str, modules: tuple[str, ...]) -> list[str]:
     return proc.stdout.split() if proc.returncode == 0 else [f"a working {python}"]
 
 
-def torchtitan(ctx: Context, batch: int) -> Step:
+def torchtitan(ctx: Context, batch: int, name: str = "", more: tuple[str, ...] = ()) -> Step:
     """TorchTitan 0.2.2 on our llama-1b shape, tied (TT_TIE=1), seq 2048 x `batch`, 40 steps,
     through the anchor's run_tt.sh from the bundle; its tt.log and tt_full.log land in
-    <out>/torchtitan-b<batch>/. Dry run: TorchTitan's own loop on CPU (cpu_smoke_train.py), the
-    tiny flavor, seq 256 x 2, two steps, compile off (compiling it on CPU takes minutes)."""
-    name = f"torchtitan-b{batch}"
+    <out>/<name>/ (name: torchtitan-b<batch>); `more`: further TorchTitan overrides (GPU only).
+    Dry run: TorchTitan's own loop on CPU (cpu_smoke_train.py), the tiny flavor, seq 256 x 2,
+    two steps, compile off (compiling it on CPU takes minutes)."""
+    name = name or f"torchtitan-b{batch}"
     bundled = (ctx.bundle or ctx.root / ".gpu-bundle") / "torchtitan"
     out = (ctx.out or ctx.work) / name
     python = os.environ.get("TT_PYTHON", ctx.python) if ctx.dry else ctx.python
@@ -454,7 +459,7 @@ def torchtitan(ctx: Context, batch: int) -> Step:
         "PYTHON": python,
     }
     overrides = ["--training.local_batch_size", str(batch), "--training.seq_len"]
-    overrides += [str(sbs.SEQ_LEN), "--training.steps", str(SIDE_STEPS)]
+    overrides += [str(sbs.SEQ_LEN), "--training.steps", str(SIDE_STEPS), *more]
     commands = [check]
     folder = bundled
     if ctx.dry:
@@ -486,6 +491,46 @@ def torchtitan(ctx: Context, batch: int) -> Step:
         lambda: sbs.torchtitan_figures(out / "tt.log", ctx.dry),
         skip=skip,
         checks_only=checks_only,
+    )
+
+
+PROFILED_STEP = 20  # the step both sides trace: compiled, warm, before the run's end
+
+
+def profile_side(ctx: Context) -> Step:
+    """Where the side-by-side's difference goes: one step of TorchTitan's b4 and of our
+    llama-b4 under torch.profiler (step 20 of 40 on both), each trace read by `llmtrain
+    profile`: GPU kernel time per operator and the top kernels, one after the other in
+    <out>/profile-b4/profile-b4.log. The dry run traces our tiny CPU run only."""
+    name = "profile-b4"
+    tt_name = "torchtitan-profile-b4"
+    every = {"every": PROFILED_STEP, "active": 1, "warmup": 1}
+    profile = [ctx.python, "-m", "llmtrain", "profile", "--top", "25"]
+    if ctx.dry:
+        cpu = run_config(
+            ctx, f"cpu-{name}", TINY, CPU_SHAPE, profile={"every": 1, "active": 1, "warmup": 0}
+        )
+        commands = [[ctx.python, "-m", "llmtrain", "run", str(write_config(ctx, cpu))]]
+        commands.append([*profile, str(ctx.runs / f"cpu-{name}")])
+    else:
+        more = ("--profiling.enable_profiling", "--profiling.profile_freq", str(PROFILED_STEP))
+        more += ("--profiling.profiler_active", "1")
+        titan = torchtitan(ctx, 4, tt_name, more)
+        # TorchTitan names the folder for the profiler's step count: take the one it wrote
+        traces = ctx.work / tt_name / "out" / "profile_traces"
+        newest = f'{" ".join(profile)} "$(ls -d {traces}/iteration_*/rank0_trace.json | tail -1)"'
+        shape = (SIDE_STEPS, sbs.SEQ_LEN, 4)
+        config = run_config(ctx, name, {"kind": "llama-1b"}, shape, profile=every, **bf16())
+        ran = [ctx.python, "-m", "llmtrain", "run", str(write_config(ctx, config))]
+        commands = [*titan.commands, ["bash", "-c", newest]]
+        commands += [with_env(our_env(ctx), ran), [*profile, str(ctx.runs / name)]]
+    return Step(
+        name,
+        "one step of TorchTitan b4 and of llmtrain b4 under torch.profiler: GPU time per "
+        "operator and top kernels of each (`llmtrain profile`), in the step's log",
+        commands,
+        420,
+        keep=[ctx.logs / f"{name}.log"],
     )
 
 
