@@ -41,11 +41,10 @@ def chunked(z_loss: float = 0.0):
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Chunks of 128 rows at this vocabulary: 40 tokens still make one chunk, so tests that
-    need several chunks lower the row floor too."""
-    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 8 * VOCAB)
-    real = lce.chunk_rows
-    monkeypatch.setattr(lce, "chunk_rows", lambda n, v: min(real(n, v), 7))
+    """Softmax chunks of 7 rows in matmul groups of 14 (the real sizes are 128-row multiples:
+    40 tokens would make one of each): 40 tokens make 3 groups, the last one short, and 6
+    chunks, two of them short."""
+    monkeypatch.setattr(lce, "group_rows", lambda n, v: (14, 7))
 
 
 @pytest.mark.parametrize("z_loss", [0.0, 1e-2])
@@ -110,17 +109,46 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_no_tensor_as_large_as_the_batchs_logits_exists(monkeypatch):
-    """4 chunks of 256 tokens: the largest tensor made is one chunk's logits, a quarter of the
-    batch's; the plain form makes the batch's logits (and more of their size)."""
+    """2 groups of 512 tokens, each of 2 chunks: the largest tensor made is one group's logits,
+    half the batch's; the plain form makes the batch's logits (and more of their size)."""
     vocab, n_tokens = 512, 1024
     monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 256 * vocab)
+    monkeypatch.setattr(lce, "GROUP_ELEMENTS", 512 * vocab)
+    assert lce.group_rows(n_tokens, vocab) == (512, 256)
     hidden = torch.randn(1, n_tokens, 64, requires_grad=True)
     weight = torch.randn(vocab, 64, requires_grad=True)
     targets = torch.randint(0, vocab, (1, n_tokens))
-    for loss_of, largest in ((chunked(), 256 * vocab), (plain(), n_tokens * vocab)):
+    for loss_of, largest in ((chunked(), 512 * vocab), (plain(), n_tokens * vocab)):
         with LargestTensor() as seen:
             loss_of(hidden, weight, targets).backward()
         assert seen.largest == largest
+
+
+def test_compiled_chunk_overwrites_its_logits_with_the_eager_gradient():
+    """The CUDA path compiles the chunk function, whose gradient is written into its input:
+    Inductor (here its CPU backend) must give the eager loss and leave the eager gradient."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 96, generator=g)
+    targets = torch.randint(0, 96, (64,), generator=g)
+    targets[::5] = IGNORE
+    eager_logits, compiled_logits = logits.clone(), logits.clone()
+    eager = lce.chunk_loss_and_grad_(eager_logits, targets, 1e-3)
+    compiled_fn = torch.compile(lce.chunk_loss_and_grad_, dynamic=False)
+    compiled = compiled_fn(compiled_logits[16:48], targets[16:48], 1e-3)
+    expected = lce.chunk_loss_and_grad_(logits.clone()[16:48], targets[16:48], 1e-3)
+    torch.testing.assert_close(compiled, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled_logits[16:48], eager_logits[16:48], rtol=1e-5, atol=1e-6)
+    assert torch.equal(compiled_logits[:16], logits[:16])  # rows outside the slice untouched
+    assert torch.equal(compiled_logits[48:], logits[48:])
+    assert eager.item() > 0
+
+
+def test_groups_are_whole_numbers_of_chunks():
+    assert lce.group_rows(8192, 128_256) == (4096, 1024)  # 2 matmuls, 8 softmax chunks
+    assert lce.group_rows(16384, 128_256) == (4096, 1024)  # batch 8: 4 matmuls
+    assert lce.group_rows(8000, 128_256) == (4000, 1000)
+    assert lce.group_rows(100, 128_256) == (100, 100)
+    assert lce.group_rows(4096, 50_257) == (4096, 2048)  # gpt2: one matmul, 2 chunks
 
 
 def test_chunks_are_equal_where_the_token_count_allows():
