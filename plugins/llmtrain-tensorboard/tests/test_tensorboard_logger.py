@@ -7,6 +7,7 @@ past its checkpoint and resumed shows every step once in each of them."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import html
 import json
 import os
@@ -25,9 +26,10 @@ import numpy as np
 import pytest
 import train_support as ts
 import yaml
-from llmtrain_tensorboard.plugin import TensorBoardOptions, TensorBoardSink, tag_of
+from llmtrain_tensorboard.plugin import TensorBoardOptions, TensorBoardSink
 
 from llmtrain.core_mesh.interfaces import RunInfo
+from llmtrain.core_mesh.metric_names import dashboard_name
 
 TEXT_TAG = "config/text_summary"  # TensorBoard's tag for the text logged as `config`
 RUN = "run/tensorboard"  # the TensorBoard run of the llmtrain run `run`, under `--logdir runs`
@@ -84,7 +86,9 @@ def as_stored(metrics: list[dict]) -> dict[str, list[tuple[int, float]]]:
     for line in metrics:
         for name, value in line.items():
             if name != "step":
-                want.setdefault(tag_of(name), []).append((line["step"], float(np.float32(value))))
+                want.setdefault(dashboard_name(name), []).append(
+                    (line["step"], float(np.float32(value)))
+                )
     return want
 
 
@@ -225,6 +229,46 @@ def served_texts(url: str, run: str) -> list[tuple[int, str]]:
     return out
 
 
+NUMBER = re.compile(r"\d+(\.\d*)?([eE][+-]?\d+)?")
+
+
+def compare_tag_names(a: str, b: str) -> int:
+    """TensorBoard's tag order (`compareTagNames` of tensorboard/webapp/metrics/utils.ts, which
+    its dashboards sort cards with), ported: runs of digits compare as numbers, and `/` sorts
+    before every other character, so `a/b` comes before `a+/b` and `a_b/c`."""
+    i = j = 0
+    while True:
+        if i == len(a):
+            return 0 if j == len(b) else -1
+        if j == len(b):
+            return 1
+        if a[i].isdigit() and b[j].isdigit():
+            ma, mb = NUMBER.match(a, i), NUMBER.match(b, j)
+            x, y = float(ma.group()), float(mb.group())
+            if x != y:
+                return -1 if x < y else 1
+            i, j = ma.end(), mb.end()
+            continue
+        a_break, b_break = a[i] == "/" or a[i].isdigit(), b[j] == "/" or b[j].isdigit()
+        if a_break and not b_break:
+            return -1
+        if b_break and not a_break:
+            return 1
+        if not a_break and a[i] != b[j]:
+            return -1 if a[i] < b[j] else 1
+        i, j = i + 1, j + 1
+
+
+def tensorboard_order(tags) -> list[tuple[str, list[str]]]:
+    """[(group, [tag, ...]), ...] in the order TensorBoard's Time Series dashboard shows them: the
+    cards sorted by `compare_tag_names`, then grouped by the part of the tag before its first
+    `/`, the groups in the order their first card comes (`groupCardsByTag` in the same file)."""
+    groups: dict[str, list[str]] = {}
+    for tag in sorted(tags, key=functools.cmp_to_key(compare_tag_names)):
+        groups.setdefault(tag.split("/", 1)[0], []).append(tag)
+    return list(groups.items())
+
+
 def poll(fetch, want, timeout: float = 120):
     """`fetch()` until it answers `want`, or its last answer after `timeout` s: the data server
     reads the event files in the background after TensorBoard starts serving."""
@@ -255,12 +299,15 @@ def test_entry_point_loads_without_torch_or_tensorboard():
     ]
 
 
-def test_tags():
-    assert tag_of("loss") == "train/loss"
-    assert tag_of("tokens_per_s") == "train/tokens_per_s"
-    assert tag_of("eval_loss") == "eval/loss"
-    assert tag_of("eval_ppl") == "eval/ppl"
-    assert tag_of("system/gpu_temp") == "system/gpu_temp"
+def test_tags_put_the_loss_first():
+    # the shared mapping of llmtrain.core_mesh.metric_names, the same as the wandb logger's
+    assert [dashboard_name(k) for k in ("loss", "eval_loss", "eval_ppl", "active_memory_mib")] == [
+        "loss/train",
+        "loss/eval",
+        "loss/eval_ppl",
+        "memory/active_mib",
+    ]
+    assert dashboard_name("system/gpu_temp") == "system/gpu_temp"
 
 
 def test_options_are_validated_with_the_config_path(data, tmp_path, run_cli):
@@ -322,8 +369,8 @@ def test_python_loader_reads_every_logged_metric_and_the_config(finished_run):
     texts = config_texts(python_loader_texts(events))
     del events[TEXT_TAG]
     assert events == as_stored(metrics)
-    assert [step for step, _ in events["eval/loss"]] == [10, 20, 30]
-    assert events["train/tokens"][-1] == (30, 30 * 8 * 32)
+    assert [step for step, _ in events["loss/eval"]] == [10, 20, 30]
+    assert events["progress/tokens"][-1] == (30, 30 * 8 * 32)
 
     ((step, text),) = texts
     assert step == 1
@@ -335,7 +382,7 @@ def test_python_loader_reads_every_logged_metric_and_the_config(finished_run):
 def test_classic_accumulator_reads_every_logged_metric_and_the_config(finished_run):
     scalars, texts = read_classic(finished_run / "tensorboard")
     assert scalars == as_stored(ts.read_metrics(finished_run))
-    assert scalars["train/tokens"][-1] == (30, 30 * 8 * 32)
+    assert scalars["progress/tokens"][-1] == (30, 30 * 8 * 32)
     assert config_texts(texts) == [(1, yaml.safe_load((finished_run / "config.yaml").read_text()))]
 
 
@@ -345,6 +392,12 @@ def test_the_web_view_serves_every_logged_metric_and_the_config(finished_run):
         scalars = poll(lambda: served_scalars(url, RUN), want)
         assert scalars == want
         assert sorted(get(url, "/data/plugin/scalars/tags")[RUN]) == sorted(want)
+        # the first screen is the loss: the dashboard's first group is `loss`, and its cards
+        # are every loss curve; memory, optimizer and throughput follow
+        tags = get(url, "/data/plugin/timeseries/tags", {})["scalars"]["runTagInfo"][RUN]
+        order = tensorboard_order(tags)
+        assert order[0] == ("loss", ["loss/eval", "loss/eval_ppl", "loss/train"])
+        assert [group for group, _ in order] == ["loss", "memory", "optim", "perf", "progress"]
         texts = config_texts(served_texts(url, RUN))
     assert texts == [(1, yaml.safe_load((finished_run / "config.yaml").read_text()))]
 
@@ -352,7 +405,7 @@ def test_the_web_view_serves_every_logged_metric_and_the_config(finished_run):
 def test_sigkill_past_a_checkpoint_then_resume_shows_each_step_once(resumed_run):
     run_dir, resumed_from = resumed_run.dir, resumed_run.resumed_from
     # the files hold the killed process's steps past the checkpoint and the resumed ones
-    raw = [step for step, _ in read_events(run_dir / "tensorboard", purge=False)["train/loss"]]
+    raw = [step for step, _ in read_events(run_dir / "tensorboard", purge=False)["loss/train"]]
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
     first = raw[: raw.index(resumed_from + 1, resumed_from + 1)]
     assert first == list(range(1, len(first) + 1))
@@ -379,7 +432,7 @@ def test_a_resumed_run_reads_once_in_the_classic_accumulator(resumed_run):
 
 def test_a_resumed_run_is_served_once_by_the_web_view(resumed_run):
     want = as_stored(ts.read_metrics(resumed_run.dir))
-    assert [step for step, _ in want["train/loss"]] == list(range(1, 31))
+    assert [step for step, _ in want["loss/train"]] == list(range(1, 31))
     with tensorboard(resumed_run.dir.parent) as url:
         assert poll(lambda: served_scalars(url, RUN), want) == want
         texts = config_texts(served_texts(url, RUN))
@@ -403,7 +456,7 @@ def test_a_fresh_start_hides_what_an_earlier_start_wrote(tmp_path):
     for step in range(1, 6):
         old.log(step, {"loss": 10.0 + step})
     # flushed per logged step: readable while the writer is open (and after a SIGKILL)
-    assert [s for s, _ in read_events(tmp_path / "tensorboard")["train/loss"]] == [1, 2, 3, 4, 5]
+    assert [s for s, _ in read_events(tmp_path / "tensorboard")["loss/train"]] == [1, 2, 3, 4, 5]
     old.close()
 
     new = TensorBoardSink(TensorBoardOptions(), run_info(tmp_path, 0))
@@ -411,10 +464,10 @@ def test_a_fresh_start_hides_what_an_earlier_start_wrote(tmp_path):
     new.log(2, {"loss": 0.5})
     new.close()
     events = read_events(tmp_path / "tensorboard")
-    assert events["train/loss"] == [(1, 1.0), (2, 0.5)]
-    assert events["eval/loss"] == [(1, 2.0)]
+    assert events["loss/train"] == [(1, 1.0), (2, 0.5)]
+    assert events["loss/eval"] == [(1, 2.0)]
     assert [step for step, _ in config_texts(python_loader_texts(events))] == [1]
-    want = {"train/loss": [(1, 1.0), (2, 0.5)], "eval/loss": [(1, 2.0)]}
+    want = {"loss/train": [(1, 1.0), (2, 0.5)], "loss/eval": [(1, 2.0)]}
     scalars, texts = read_classic(tmp_path / "tensorboard")
     assert scalars == want
     # the classic accumulator purges only its own kinds (scalars, histograms, images, audio),
@@ -432,9 +485,9 @@ def test_values_are_the_logged_numbers_rounded_to_float32(tmp_path):
     sink.log(1, {"tokens": 2**24 + 1, "loss": 0.1, "lr": 3e-3})
     sink.close()
     want = {
-        "train/tokens": [(1, 2.0**24)],
-        "train/loss": [(1, 0.10000000149011612)],
-        "train/lr": [(1, 0.003000000026077032)],
+        "progress/tokens": [(1, 2.0**24)],
+        "loss/train": [(1, 0.10000000149011612)],
+        "optim/lr": [(1, 0.003000000026077032)],
     }
     scalars, _ = read_classic(tmp_path / "tensorboard")
     assert scalars == want

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import train_support as ts
 import yaml
-from llmtrain_wandb.plugin import ID_FILE, WandbOptions, run_id, tag_of
+from llmtrain_wandb.plugin import ID_FILE, WandbOptions, run_id
+
+from llmtrain.core_mesh.metric_names import dashboard_name
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,9 @@ def history(recs: list[dict]) -> list[tuple[int, dict]]:
 
 
 def expected(metrics: list[dict]) -> list[tuple[int, dict]]:
-    return [(m["step"], {tag_of(k): v for k, v in m.items() if k != "step"}) for m in metrics]
+    return [
+        (m["step"], {dashboard_name(k): v for k, v in m.items() if k != "step"}) for m in metrics
+    ]
 
 
 def test_entry_point_loads_without_wandb():
@@ -76,11 +80,12 @@ def test_entry_point_loads_without_wandb():
 
 
 def test_keys_and_the_run_id_file(tmp_path):
-    assert [tag_of(k) for k in ("loss", "lr", "eval_loss", "eval_ppl", "sys/x")] == [
-        "train/loss",
-        "train/lr",
-        "eval/loss",
-        "eval/ppl",
+    # the shared mapping of llmtrain.core_mesh.metric_names, the same as the tensorboard logger's
+    assert [dashboard_name(k) for k in ("loss", "lr", "eval_loss", "eval_ppl", "sys/x")] == [
+        "loss/train",
+        "optim/lr",
+        "loss/eval",
+        "loss/eval_ppl",
         "sys/x",
     ]
     first = run_id(tmp_path / "run")
@@ -138,7 +143,15 @@ def test_offline_run_logs_every_step_and_the_config(data, tmp_path):
     metrics = ts.read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(1, 31))
     assert history(recs) == expected(metrics)  # every key, every step, exactly
-    assert [step for step, items in history(recs) if "eval/loss" in items] == [10, 20, 30]
+    assert [step for step, items in history(recs) if "loss/eval" in items] == [10, 20, 30]
+    # W&B makes a section of each key's part before its first `/` and sorts sections by name:
+    # `loss` comes first, and every step logs its loss keys first
+    sections = sorted({key.split("/")[0] for _, items in history(recs) for key in items})
+    assert sections == ["loss", "memory", "optim", "perf", "progress"]
+    for _, items in history(recs):
+        keys = list(items)
+        assert keys[0] == ("loss/eval" if "loss/eval" in items else "loss/train"), keys
+        assert keys == sorted(keys, key=lambda k: (not k.startswith("loss/"), k)), keys
 
     (run,) = of_type(recs, "run")
     assert run["run_id"] == (run_dir / ID_FILE).read_text().strip()
@@ -268,5 +281,5 @@ def test_a_run_that_raises_is_marked_failed(tmp_path):
     )
     subprocess.run([sys.executable, "-c", probe], capture_output=True, timeout=600, check=True)
     (recs,) = segments(tmp_path)
-    assert history(recs) == [(1, {"train/loss": 2.5})]
+    assert history(recs) == [(1, {"loss/train": 2.5})]
     assert [e["exit_code"] for e in of_type(recs, "exit")] == [1]

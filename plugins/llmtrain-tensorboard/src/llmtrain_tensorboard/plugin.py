@@ -16,6 +16,7 @@ import yaml
 
 from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.interfaces import RunInfo
+from llmtrain.core_mesh.metric_names import dashboard_metrics
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.core_mesh.redact import redact
 
@@ -27,16 +28,6 @@ class TensorBoardOptions:
     dir: str = attrs.field(
         default="tensorboard", validator=inside_run_dir("directory"), metadata=run_path("directory")
     )
-
-
-def tag_of(metric: str) -> str:
-    """The TensorBoard tag of a metric: `eval_loss` -> `eval/loss`, `loss` -> `train/loss`; a
-    name that already has a `/` is kept (it chose its own section)."""
-    if "/" in metric:
-        return metric
-    if metric.startswith("eval_"):
-        return "eval/" + metric.removeprefix("eval_")
-    return "train/" + metric
 
 
 def config_markdown(config: Mapping) -> str:
@@ -71,8 +62,10 @@ class TensorBoardSink:
         self.writer.flush()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for name, value in metrics.items():
-            self.writer.add_scalar(tag_of(name), value, global_step=step)
+        # tags that put the loss first (`loss/train`, `loss/eval`, then `memory/`, `optim/`, ...):
+        # the same names as the wandb logger's
+        for tag, value in dashboard_metrics(metrics).items():
+            self.writer.add_scalar(tag, value, global_step=step)
         self.writer.flush()  # waits for the writer thread: cheap next to a training step
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import attrs
 from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import RunInfo
+from llmtrain.core_mesh.metric_names import dashboard_metrics
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.core_mesh.redact import redact
 
@@ -44,16 +45,6 @@ class WandbOptions:
     dir: str | None = attrs.field(
         default=None, validator=inside_run_dir("directory"), metadata=run_path("directory")
     )
-
-
-def tag_of(metric: str) -> str:
-    """The W&B key of a metric: `eval_loss` -> `eval/loss`, `loss` -> `train/loss`; a name that
-    already has a `/` is kept (it chose its own section)."""
-    if "/" in metric:
-        return metric
-    if metric.startswith("eval_"):
-        return "eval/" + metric.removeprefix("eval_")
-    return "train/" + metric
 
 
 def run_id(run_dir: Path) -> str:
@@ -113,7 +104,9 @@ class WandbSink:
         if self.failed or step < self.first_new_step:
             return
         try:
-            self.run.log({tag_of(name): value for name, value in metrics.items()}, step=step)
+            # keys that put the loss first (`loss/train`, `loss/eval`, then `memory/`, ...): the
+            # same names as the tensorboard logger's
+            self.run.log(dashboard_metrics(metrics), step=step)
         except Exception as exc:  # noqa: BLE001 - a logger must not stop the training
             self._give_up(f"step {step} and later are not logged to W&B", exc)
 
