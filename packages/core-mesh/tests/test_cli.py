@@ -96,11 +96,20 @@ def test_plugins_table_json_and_check(capsys):
     assert report["problems"][0]["plugin"] == "extra0"
 
 
-def test_unknown_command_is_an_argparse_error(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["nope"], plugins=manager())
-    assert info.value.code == 2
-    assert "invalid choice: 'nope'" in capsys.readouterr().err
+def test_a_mistyped_command_gets_the_closest_names_in_one_line(capsys):
+    assert main(["user-eror"], plugins=manager()) == 2
+    assert capsys.readouterr().err == (
+        "error: llmtrain: 'user-eror' is not a command; did you mean: user-error?\n"
+    )
+    assert main(["nope"], plugins=manager()) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: llmtrain: 'nope' is not a command; the commands: ")
+    assert "plugins" in err and err.count("\n") == 1
+    # a subcommand's own actions too
+    assert main(["nested", "iner", "x"], plugins=manager(Subcommands())) == 2
+    assert capsys.readouterr().err == (
+        "error: llmtrain nested: 'iner' is not a subcommand; did you mean: inner?\n"
+    )
 
 
 def test_console_script_version():

@@ -1,6 +1,8 @@
 """The `llmtrain` command. Its subcommands are plugins of kind `command`, so each package adds its
 own (`data ...` from data-pack, `run` and `config ...` from train-loop) and third parties can too.
 
+Every parser follows the command-line convention of `cli_conventions` (defaults in the help, a
+mistyped subcommand answered with the closest names, old spellings as deprecated aliases).
 Global options (`--debug`) work before or after the subcommand. A command of one of llmtrain's
 own packages that is not installed names the package to install. Errors a person can fix
 (`UserError`) print as one message and exit 2, once per launch: under torchrun or srun rank 0
@@ -21,6 +23,7 @@ from typing import Any
 import attrs
 import importlib_metadata
 
+from llmtrain.core_mesh.cli_conventions import ConventionParser
 from llmtrain.core_mesh.errors import UserError, no_space, no_space_message
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.core_mesh.redact import environment_secrets, redact_text
@@ -85,10 +88,11 @@ def _add_global_options(parser: argparse.ArgumentParser, default: object) -> Non
     )
 
 
-class _CommandParser(argparse.ArgumentParser):
+class _CommandParser(ConventionParser):
     """The parser of a subcommand (and of its own subcommands: argparse makes those of the same
-    class). It also takes the global options, and a positional list (`KEY=VALUE ...`) may be
-    left out: argparse would name it among the missing arguments of `llmtrain run`."""
+    class), which follows the command-line convention (`cli_conventions`). It also takes the
+    global options, and a positional list (`KEY=VALUE ...`) may be left out: argparse would name
+    it among the missing arguments of `llmtrain run`."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,7 +106,7 @@ class _CommandParser(argparse.ArgumentParser):
 
 
 def build_parser(plugins: PluginManager) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ConventionParser(
         prog="llmtrain",
         description="LLM pretraining: pack data, train, checkpoint, compare runs.",
     )
@@ -117,7 +121,7 @@ def build_parser(plugins: PluginManager) -> argparse.ArgumentParser:
     for name in COMMAND_DISTRIBUTIONS.keys() - commands.names():
         # not offered in the help; taken with any arguments, so `main` can say what to install
         stand_in = sub.add_parser(name, description=_not_installed(name, plugins))
-        stand_in.add_argument("arguments", nargs=argparse.REMAINDER)
+        stand_in.add_argument("arguments", nargs=argparse.REMAINDER, help="the command's")
     return parser
 
 
