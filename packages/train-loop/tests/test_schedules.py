@@ -7,7 +7,16 @@ import math
 
 import pytest
 
-from llmtrain.train_loop.schedules import WarmupOptions, WSDOptions, constant, cosine, linear, wsd
+from llmtrain.train_loop.schedules import (
+    WarmupOptions,
+    WSDOptions,
+    constant,
+    cosine,
+    decay_start,
+    linear,
+    schedule_change,
+    wsd,
+)
 
 
 def values(schedule, steps) -> list[float]:
@@ -100,3 +109,29 @@ def test_registered_as_plugins(installed):
     cosine_entry = registry.get("cosine")
     factor = cosine_entry.target(cosine_entry.options(warmup_steps=2, min_ratio=0.0), 10)
     assert values(factor, [0, 1, 6, 10]) == pytest.approx([0.5, 1.0, 0.5, 0.0], abs=1e-15)
+
+
+def test_wsd_decay_steps_fix_the_decay_length_whatever_the_total():
+    options = WSDOptions(decay_steps=4, decay_fraction=0.5)  # decay_steps wins over the fraction
+    for total in (10, 40):
+        factor = wsd(options, total_steps=total)
+        assert factor(total - 5) == 1.0
+        assert values(factor, range(total - 4, total + 1)) == pytest.approx(
+            [1.0, 0.75, 0.5, 0.25, 0.0], abs=1e-15
+        )
+    assert decay_start(options, 40) == 36
+    assert decay_start(WSDOptions(decay_fraction=0.25), 24) == 18
+    assert decay_start(WarmupOptions(), 24) is None
+    assert wsd(WSDOptions(decay_steps=50), total_steps=10)(0) == 1.0  # the decay is the run
+
+
+def test_a_schedule_change_is_the_lr_at_the_resume_step_on_each():
+    trained = cosine(WarmupOptions(warmup_steps=30, min_ratio=0.1), 600)
+    longer = cosine(WarmupOptions(warmup_steps=30, min_ratio=0.1), 1200)
+    change = schedule_change(trained, longer, 600, 3e-3)
+    assert change.trained == pytest.approx(3e-4, rel=1e-12)  # past its end: the floor
+    assert change.configured == pytest.approx(3e-3 * longer(600), rel=1e-12)
+    assert change.jumps
+    stable = wsd(WSDOptions(decay_fraction=0.2), 600)
+    assert not schedule_change(stable, wsd(WSDOptions(decay_fraction=0.2), 1200), 400, 1e-3).jumps
+    assert schedule_change(stable, wsd(WSDOptions(decay_fraction=0.2), 1200), 600, 1e-3).jumps

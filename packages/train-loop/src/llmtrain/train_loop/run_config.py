@@ -200,6 +200,14 @@ class TrainingConfig:
     init: Literal["full", "sharded"] = attrs.field(
         default="full", validator=attrs.validators.in_(("full", "sharded"))
     )
+    # a resume whose lr schedule differs from the one its checkpoint was trained with (other
+    # steps/tokens, other lr_scheduler options) in a way that moves the lr: `refuse` (one line
+    # naming the jump), `keep` (go on with the trained schedule; past its end, its final lr) or
+    # `recompute` (the configured schedule, jump and all). A change that keeps the lr where it
+    # is (a wsd run extended in its stable phase) goes on with the configured one, logged.
+    on_extend: Literal["refuse", "keep", "recompute"] = attrs.field(
+        default="refuse", validator=attrs.validators.in_(("refuse", "keep", "recompute"))
+    )
 
     def __attrs_post_init__(self) -> None:
         if (self.steps is None) == (self.tokens is None):

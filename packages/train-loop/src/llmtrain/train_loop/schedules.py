@@ -1,5 +1,9 @@
 """Learning-rate schedule plugins. A schedule's target is called as `target(options, total_steps)`
-and returns the multiplier of the optimizer's base lr at each step (0-based)."""
+and returns the multiplier of the optimizer's base lr at each step (0-based).
+
+A checkpoint records the schedule its run trained with (`lr_scheduler` and the steps it spans);
+`schedule_change` says what a resume with another schedule (more steps, other options) would do
+to the lr, and the Trainer refuses, keeps or recomputes it as `training.on_extend` says."""
 
 from __future__ import annotations
 
@@ -30,10 +34,15 @@ class WarmupOptions:
 @attrs.frozen(kw_only=True)
 class WSDOptions:
     """Warmup, a stable phase at the full lr, then a decay over the last `decay_fraction` of the
-    steps (`linear`, `cosine` or `sqrt`) down to `min_ratio`."""
+    steps (or the last `decay_steps`, when given) (`linear`, `cosine` or `sqrt`) down to
+    `min_ratio`. Only the decay depends on the run's length: a run resumed with more steps from
+    a checkpoint in the stable phase goes on at the same lr and decays at its new end."""
 
     warmup_steps: int = attrs.field(default=0, validator=_non_negative)
     decay_fraction: float = attrs.field(default=0.2, validator=_fraction)
+    decay_steps: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_non_negative)
+    )
     decay: str = attrs.field(
         default="linear", validator=attrs.validators.in_(("linear", "cosine", "sqrt"))
     )
@@ -82,7 +91,10 @@ _DECAYS = {
 
 
 def wsd(options: WSDOptions, total_steps: int) -> Schedule:
-    decay_steps = round(total_steps * options.decay_fraction)
+    if options.decay_steps is not None:
+        decay_steps = min(options.decay_steps, total_steps)
+    else:
+        decay_steps = round(total_steps * options.decay_fraction)
     decay_start = total_steps - decay_steps
 
     def factor(step: int) -> float:
@@ -95,3 +107,37 @@ def wsd(options: WSDOptions, total_steps: int) -> Schedule:
         return options.min_ratio + (1 - options.min_ratio) * _DECAYS[options.decay](progress)
 
     return factor
+
+
+def decay_start(options: object, total_steps: int) -> int | None:
+    """The (0-based) step where a wsd schedule leaves its stable phase; None for other options."""
+    if not isinstance(options, WSDOptions):
+        return None
+    if options.decay_steps is not None:
+        return total_steps - min(options.decay_steps, total_steps)
+    return total_steps - round(total_steps * options.decay_fraction)
+
+
+ON_EXTEND = ("refuse", "keep", "recompute")
+
+
+@attrs.frozen(kw_only=True)
+class ScheduleChange:
+    """A resume at `step` (0-based: the next step to train) whose configured schedule differs
+    from the one the checkpoint was trained with: the lr there on each."""
+
+    step: int
+    trained: float
+    configured: float
+
+    @property
+    def jumps(self) -> bool:
+        return not math.isclose(self.trained, self.configured, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def schedule_change(
+    trained: Schedule, configured: Schedule, step: int, base_lr: float
+) -> ScheduleChange:
+    return ScheduleChange(
+        step=step, trained=base_lr * trained(step), configured=base_lr * configured(step)
+    )

@@ -10,6 +10,7 @@ stragglers, summary.json, plugins' callbacks) happens in callbacks (`callbacks.p
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import random
@@ -31,6 +32,7 @@ from llmtrain.core_mesh.config import (
     Choice,
     ConfigValueError,
     make_converter,
+    structure,
     unstructure,
 )
 from llmtrain.core_mesh.errors import UserError, naming_file
@@ -59,7 +61,12 @@ from llmtrain.train_loop.run_config import (
     warmup_outlasts,
 )
 from llmtrain.train_loop.saved_model import model_info
-from llmtrain.train_loop.schedules import WarmupOptions, constant
+from llmtrain.train_loop.schedules import (
+    WarmupOptions,
+    constant,
+    decay_start,
+    schedule_change,
+)
 
 log = structlog.get_logger("llmtrain.train")
 
@@ -216,6 +223,14 @@ class Trainer:
         short = warmup_outlasts(schedule, self.total_steps)
         if short is not None and self.world.is_main:
             log.warning("lr.warmup_outlasts_run", message=short)
+        # what checkpoints record of it (as their JSON reads back): a resume compares it with
+        # the configured one
+        recorded = (
+            None if schedule is None else unstructure(schedule, converter=make_converter(plugins))
+        )
+        self.lr_schedule = json.loads(
+            json.dumps({"lr_scheduler": recorded, "total_steps": self.total_steps})
+        )
         self.lr_factor = (
             plugins.build("lr_scheduler", schedule, self.total_steps)
             if schedule is not None
@@ -246,6 +261,7 @@ class Trainer:
                 "seq_len": c.data.seq_len,
                 "chat": chat,
             },
+            "lr_schedule": self.lr_schedule,
         }
         self.data_wait_s = self.sync_wait_s = 0.0  # seconds waited, for the throughput callback
         self.last_local_loss: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -330,10 +346,80 @@ class Trainer:
                 "keep the sequence length to resume (start a new run, with init.from, to change it)"
             )
         step = self.checkpoints.load(self.state, step=latest)
+        trained = self.checkpoints.info(step).get("info", {}).get("lr_schedule")
+        if trained is not None and trained != self.lr_schedule:
+            self._resume_schedule(step, trained)
         saved = self.checkpoints.info(step).get("info", {}).get("callbacks", {})
         self.callbacks.load_state(saved, self.checkpoints.step_url(step))
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
         self.callbacks.emit("on_load", self, step)
+
+    def _resume_schedule(self, step: int, trained: dict) -> None:
+        """A resume at `step` whose configured lr schedule is not the one the checkpoint was
+        trained with (`trained`, as recorded): go on with the configured one where the lr stays
+        where it is; otherwise refuse, keep the trained one or recompute, as
+        `training.on_extend` says. Loud either way: never a silent jump."""
+        c = self.config
+        try:
+            choice = trained["lr_scheduler"]
+            trained_factor = (
+                constant(WarmupOptions(), trained["total_steps"])
+                if choice is None
+                else self.plugins.build(
+                    "lr_scheduler",
+                    structure(choice, Choice.of("lr_scheduler"), plugins=self.plugins),
+                    trained["total_steps"],
+                )
+            )
+        except (UserError, KeyError, TypeError) as exc:
+            raise UserError(
+                f"checkpoint step {step} records an lr schedule this installation cannot "
+                f"build ({trained!r}: {exc}); start a new run (init.from) instead"
+            ) from None
+        base_lr = next(self._all_optimizers()).param_groups[0]["base_lr"]
+        change = schedule_change(trained_factor, self.lr_factor, step, base_lr)
+        keys = []
+        if trained["total_steps"] != self.total_steps:
+            keys.append("training.steps" if c.training.steps is not None else "training.tokens")
+        if trained["lr_scheduler"] != self.lr_schedule["lr_scheduler"]:
+            keys.append("lr_scheduler")
+        options = "lr_scheduler" in keys
+        was = _described(trained, options)
+        now = _described(self.lr_schedule, options)
+        at = f"step {step + 1}"
+        mode = c.training.on_extend
+        say = log.warning if self.world.is_main else (lambda *a, **k: None)
+        if mode == "keep":
+            self.lr_factor, self.lr_schedule = trained_factor, trained
+            self.info["lr_schedule"] = trained
+            say(
+                "lr.schedule_kept",
+                message=f"training.on_extend=keep: going on with the trained schedule, {was} (lr "
+                f"{change.trained:.2e} at {at}), not {now}",
+            )
+        elif not change.jumps:
+            options_now = c.lr_scheduler and self.plugins.options_of("lr_scheduler", c.lr_scheduler)
+            stable = decay_start(options_now, self.total_steps)
+            decays = f"; it decays from step {stable + 1}" if stable is not None else ""
+            say(
+                "lr.schedule_extended",
+                message=f"{', '.join(keys)}: the lr schedule becomes {now} (trained: {was}); "
+                f"the lr at {at} stays {change.configured:.2e}{decays}",
+            )
+        elif mode == "recompute":
+            say(
+                "lr.schedule_recomputed",
+                message=f"training.on_extend=recompute: the lr jumps at {at} from "
+                f"{change.trained:.2e} to {change.configured:.2e} ({now}, trained: {was})",
+            )
+        else:
+            raise UserError(
+                f"{', '.join(keys)}: checkpoint step {step} was trained on {was}; {now} moves "
+                f"the lr at {at} from {change.trained:.2e} to {change.configured:.2e}. Set "
+                f"training.on_extend=keep to go on with the trained schedule "
+                f"({change.trained:.2e} at {at}) or training.on_extend=recompute to take the "
+                "jump; a wsd schedule extends without one from a checkpoint before its decay"
+            )
 
     def _initial_weights(self) -> dict[str, torch.Tensor]:
         return initial_model(self.plugins, self.config.model, self.config.seed).state_dict()
@@ -579,6 +665,16 @@ class Trainer:
                 log.warning("logger.close_failed", logger=type(sink).__name__, error=repr(exc))
         observe.restore_determinism(self._deterministic_before)
         shutdown_distributed()
+
+
+def _described(record: dict, options: bool) -> str:
+    """'a cosine lr schedule over 600 steps' (with its options, when `options`)."""
+    choice = record["lr_scheduler"] or {"kind": "constant"}
+    text = choice["kind"]
+    if options:
+        shown = ", ".join(f"{k}={v}" for k, v in choice.items() if k != "kind")
+        text += f" ({shown})" if shown else ""
+    return f"a {text} lr schedule over {record['total_steps']} steps"
 
 
 def expandable_cuda_segments() -> None:
