@@ -182,7 +182,7 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path, run_cli):  #
     assert evals[-1] < 0.1 * untrained, evals
     assert metrics[-1]["loss"] < 0.1 * untrained
     checkpoints = trained["run_dir"] / "checkpoints"
-    command = ts.llmtrain("eval", "--checkpoint", checkpoints, "--data", paths["valid"])
+    command = ts.llmtrain("eval", checkpoints, "--data", paths["valid"])
     out = ts.run(command, timeout=600).stdout
     result = json.loads(out.strip().splitlines()[-1])
     from llmtrain.data_pack.loader import open_windows
@@ -193,7 +193,7 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path, run_cli):  #
     assert result["loss"] < 0.1 * untrained
 
     def reply(*options: object) -> str:  # greedy
-        command = ("generate", "--checkpoint", checkpoints, "--chat", "--temperature", "0")
+        command = ("generate", checkpoints, "--chat", "--temperature", "0")
         code, out, err = run_cli(*command, *options)
         assert code == 0, err
         return out
@@ -210,7 +210,7 @@ def test_a_tiny_model_learns_the_chat_task(chat, trained, tmp_path, run_cli):  #
     earlier.write_text(json.dumps(turns))
     assert reply("--messages", earlier, "--prompt", "Translate bread") == "Brot\n"
     earlier.write_text('{"messages": [{"role": "user"}]}')
-    code, _, err = run_cli("generate", "--checkpoint", checkpoints, "--chat", "--messages", earlier)
+    code, _, err = run_cli("generate", checkpoints, "--chat", "--messages", earlier)
     assert code == 2
     assert f"{earlier}: expected a list of {{role, content}} messages" in err
 
@@ -256,7 +256,7 @@ def test_chat_errors_name_what_to_do(chat, tmp_path, run_cli):  # noqa: F811
     checkpoints = tmp_path / "runs" / "plain" / "checkpoints"
 
     def chat_with(*options: str) -> tuple[int, str, str]:
-        command = ("generate", "--checkpoint", checkpoints, "--chat", "--prompt", "hi", *options)
+        command = ("generate", checkpoints, "--chat", "--prompt", "hi", *options)
         return run_cli(*command, "--max-new-tokens", "5")
 
     code, _, err = chat_with()

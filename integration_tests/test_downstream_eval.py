@@ -171,9 +171,9 @@ def test_two_ranks_score_every_item_as_one_process(reference, layout, overrides)
 def test_eval_tasks_scores_a_checkpoint_like_the_run(reference, run_cli, tmp_path):  # noqa: F811
     tasks, out = reference["tasks"], tmp_path / "scores.json"
     code, stdout, err = run_cli(
-        "eval-tasks", "--checkpoint", reference["dir"] / "checkpoints",
+        "eval-tasks", reference["dir"] / "checkpoints",
         "--tasks", f"hellaswag={tasks['hellaswag']},lambada={tasks['lambada']},perplexity={tasks['docs']}",
-        "--shots", 1, "--output", out, "--per-item", "--batch-rows", 5,
+        "--shots", 1, "-o", out, "--per-item", "--batch-size", 5,
     )  # fmt: skip
     assert code == 0, err
     logged = downstream_metrics(reference["dir"])[STEPS]
@@ -205,16 +205,14 @@ def test_eval_tasks_scores_a_checkpoint_like_the_run(reference, run_cli, tmp_pat
 
 def test_bad_task_input_is_one_line(reference, run_cli, tmp_path):  # noqa: F811
     checkpoints = reference["dir"] / "checkpoints"
-    code, _, err = run_cli("eval-tasks", "--checkpoint", checkpoints, "--tasks", "helaswag=x.jsonl")
+    code, _, err = run_cli("eval-tasks", checkpoints, "--tasks", "helaswag=x.jsonl")
     assert code != 0
     assert "did you mean 'hellaswag'" in err and "Traceback" not in err
     bad = tmp_path / "bad.jsonl"
     rows = [json.loads(line) for line in open(reference["tasks"]["hellaswag"])][:3]
     rows[1]["label"] = 7
     bad.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    code, out, err = run_cli(
-        "eval-tasks", "--checkpoint", checkpoints, "--tasks", f"hellaswag={bad}"
-    )
+    code, out, err = run_cli("eval-tasks", checkpoints, "--tasks", f"hellaswag={bad}")
     assert code != 0 and out == ""
     assert f"{bad}:2: field 'label': 7 is not the index of one of 4 choices" in err
     # in a run: stopped before its first step, naming the file and line

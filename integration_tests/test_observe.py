@@ -316,7 +316,7 @@ def test_estimate_divides_parameters_over_the_mesh(measured, run_cli):  # noqa: 
 
     # dp 2 needs a global batch of 2 ranks x micro-batch 16
     code, out, err = run_cli(
-        "estimate", path, "--world", 4, "mesh.dp_shard=2", "mesh.tp=2", "data.global_batch=32"
+        "estimate", path, "--world-size", 4, "mesh.dp_shard=2", "mesh.tp=2", "data.global_batch=32"
     )
     assert code == 0, err
     assert "world 4: dp_replicate 1 x dp_shard 2 x cp 1 x tp 2 x pp 1" in out
@@ -330,7 +330,7 @@ def test_estimate_divides_parameters_over_the_mesh(measured, run_cli):  # noqa: 
 
 
 def test_estimate_refuses_a_mesh_that_does_not_fit_the_world(measured, run_cli):  # noqa: F811
-    code, out, err = run_cli("estimate", measured["paths"]["none"], "--world", 4, "mesh.tp=3")
+    code, out, err = run_cli("estimate", measured["paths"]["none"], "--world-size", 4, "mesh.tp=3")
     assert code == 2
     assert "mesh: mesh " in err and "needs a multiple of 3 processes" in err
     assert "Traceback" not in err and not out

@@ -102,7 +102,7 @@ def test_eval_and_generate_read_the_checkpoint(reference, data, run_cli):  # noq
     checkpoints, metrics = reference["dir"] / "checkpoints", reference["metrics"]
     # the same 2 global batches of the eval set the run evaluated at steps 30 and 20
     code, out, err = run_cli(
-        "eval", "--checkpoint", checkpoints, "--data", data.valid, "--batches", 2, "--batch", 8
+        "eval", checkpoints, "--data", data.valid, "--batches", 2, "--batch-size", 8
     )
     assert code == 0, err
     result = json.loads(out)
@@ -110,13 +110,13 @@ def test_eval_and_generate_read_the_checkpoint(reference, data, run_cli):  # noq
     assert result["loss"] == pytest.approx(metrics[30]["eval_loss"], rel=1e-5)
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
     code, out, err = run_cli(
-        "eval", "--checkpoint", checkpoints, "--step", 20, "--data", data.valid, "--batches", 4,
-        "--batch", 4,
+        "eval", checkpoints, "--step", 20, "--data", data.valid, "--batches", 4,
+        "--batch-size", 4,
     )  # fmt: skip
     assert code == 0, err
     assert json.loads(out)["loss"] == pytest.approx(metrics[20]["eval_loss"], rel=1e-5)
 
-    argv = ["generate", "--checkpoint", checkpoints, "--prompt", "The cat", "--max-new-tokens", 20]
+    argv = ["generate", checkpoints, "--prompt", "The cat", "--max-new-tokens", 20]
     code, out, err = run_cli(*argv)
     assert code == 0, err
     assert out.startswith("The cat") and len(out.rstrip("\n")) > len("The cat")

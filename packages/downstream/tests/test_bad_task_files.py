@@ -801,7 +801,7 @@ def test_eval_tasks_prints_one_line_and_exits_2(plugins, eval_tasks, capsys, roo
     message = str(outcome(plugins, case, folder))
     path = folder / case.path
     code, out, err = eval_tasks(
-        capsys, "--checkpoint", str(tmp_path / "no-checkpoint"), "--tasks", f"{case.kind}={path}"
+        capsys, str(tmp_path / "no-checkpoint"), "--tasks", f"{case.kind}={path}"
     )
     # the files are read before the checkpoint: the task file's error, not the checkpoint's
     assert (code, out, err) == (2, "", f"error: {message}\n")
@@ -818,9 +818,7 @@ def test_eval_tasks_prints_one_line_and_exits_2(plugins, eval_tasks, capsys, roo
 )
 def test_eval_tasks_unknown_task_suggests(eval_tasks, capsys, tmp_path, name, suggested):
     path = tmp_path / "x.jsonl"
-    code, out, err = eval_tasks(
-        capsys, "--checkpoint", str(tmp_path / "no"), "--tasks", f"{name}={path}"
-    )
+    code, out, err = eval_tasks(capsys, str(tmp_path / "no"), "--tasks", f"{name}={path}")
     assert (code, out) == (2, "")
     assert err.count("\n") == 1 and err.startswith("error: --tasks[0]: kind: "), err
     assert f"unknown task {name!r} (did you mean {suggested!r}?); known: " in err

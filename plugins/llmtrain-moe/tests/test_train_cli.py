@@ -149,14 +149,14 @@ def test_aux_weight_counts_per_micro_batch(reference, accumulated):
 def test_eval_generate_and_estimate_take_the_model(reference, data, run_cli):  # noqa: F811
     checkpoints, metrics = reference["dir"] / "checkpoints", reference["metrics"]
     code, out, err = run_cli(
-        "eval", "--checkpoint", checkpoints, "--data", data.valid, "--batches", 2, "--batch", 8
+        "eval", checkpoints, "--data", data.valid, "--batches", 2, "--batch-size", 8
     )
     assert code == 0, err
     assert json.loads(out)["loss"] == pytest.approx(metrics[STEPS]["eval_loss"], rel=1e-5)
-    argv = ["generate", "--checkpoint", checkpoints, "--prompt", "The cat", "--max-new-tokens", 12]
+    argv = ["generate", checkpoints, "--prompt", "The cat", "--max-new-tokens", 12]
     code, out, err = run_cli(*argv, "--top-k", 1)
     assert code == 0, err
     assert out.startswith("The cat") and len(out.rstrip("\n")) > len("The cat")
-    code, out, err = run_cli("estimate", reference["path"], "--world", 2, "data.micro_batch=4")
+    code, out, err = run_cli("estimate", reference["path"], "--world-size", 2, "data.micro_batch=4")
     assert code == 0, err
     assert "parameters" in out and "activations" in out

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import run_paths
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions
@@ -24,7 +25,7 @@ from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_
 
 # --- llmtrain run ---
 def configure_run(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the run config (YAML)")
+    main_object(parser, "config", metavar="CONFIG", help="the run config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=1e-3")
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument(
@@ -132,26 +133,59 @@ def _key_of_path(config: Any, path: Path) -> str | None:
     return max(found)[1] if found else None
 
 
-def _checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory (runs/<name>/checkpoints)"
+def checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """The main object of `eval`, `generate` and `eval-tasks`: a checkpoint, positional (the
+    `--checkpoint DIR` of 0.1 still works, with a deprecation line), and which step of it."""
+    main_object(
+        parser,
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="checkpoint directory (runs/<name>/checkpoints), path or URL",
+        old="--checkpoint",
     )
-    parser.add_argument("--step", type=int, default=None, help="default: the newest")
+    parser.add_argument(
+        "--step", type=int, default=None, help="the step to load (default: the newest committed)"
+    )
 
 
 # --- llmtrain generate ---
 def configure_generate(parser: argparse.ArgumentParser) -> None:
-    _checkpoint_args(parser)
+    checkpoint_args(parser)
     parser.add_argument(
         "--prompt", default=None, help="the text to continue (with --chat: a user turn)"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=100)
-    parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--tokenizer", default=None, help="default: the one the data was packed with"
+        "--max-new-tokens",
+        type=int,
+        default=100,
+        help="at most this many tokens after the prompt (fewer at the end of the document)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        help="sampling temperature: lower is more predictable, 0 is greedy",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help="sample only among the K likeliest tokens (default: all)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=0.95,
+        metavar="P",
+        help="nucleus sampling: only among the likeliest tokens that make up probability P",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer (bytes, hf:PATH, a tokenizer.json, ...; default: the one the "
+        "training data was packed with)",
     )
     chat = parser.add_argument_group("chat (--chat)")
     chat.add_argument(
@@ -316,11 +350,22 @@ def run_generate(args: argparse.Namespace, ctx: Context) -> int:
 
 # --- llmtrain eval ---
 def configure_eval(parser: argparse.ArgumentParser) -> None:
-    _checkpoint_args(parser)
-    parser.add_argument("--data", required=True, help="a packed dataset (zarr)")
-    parser.add_argument("--seq-len", type=int, default=None, help="default: the training seq_len")
-    parser.add_argument("--batch", type=int, default=8, help="sequences per forward")
-    parser.add_argument("--batches", type=int, default=None, help="default: the whole dataset")
+    checkpoint_args(parser)
+    parser.add_argument("--data", required=True, help="a packed dataset (zarr; path or URL)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per window (default: the training seq_len)",
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="windows (rows) per forward pass")
+    deprecated_alias(parser, "--batch", "--batch-size")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="evaluate the first N batches only (default: the whole dataset)",
+    )
 
 
 def run_eval(args: argparse.Namespace, ctx: Context) -> int:
@@ -346,12 +391,12 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
             f"{args.data} was packed with another tokenizer than the checkpoint's training data "
             f"({data.sources[0].dataset.fingerprint} vs {fingerprint})"
         )
-    n = len(data) if args.batches is None else min(len(data), args.batches * args.batch)
+    n = len(data) if args.batches is None else min(len(data), args.batches * args.batch_size)
     loss_fn = cross_entropy_sum()
     total, count = 0.0, 0
     with torch.no_grad():
-        for start in range(0, n, args.batch):
-            batch = data.read(np.arange(start, min(start + args.batch, n)))
+        for start in range(0, n, args.batch_size):
+            batch = data.read(np.arange(start, min(start + args.batch_size, n)))
             tokens = torch.from_numpy(batch["tokens"])
             targets = tokens[:, 1:]
             if "loss_mask" in batch:  # chat data: only the counted targets

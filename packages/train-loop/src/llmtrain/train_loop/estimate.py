@@ -1,4 +1,4 @@
-"""`llmtrain estimate cfg.yaml [--world N]`: memory per rank before anything runs.
+"""`llmtrain estimate cfg.yaml [--world-size N]`: memory per rank before anything runs.
 
 The model is built on the meta device (no memory), so sizes are exact where they can be:
 - parameters and gradients: counted per module, divided the way the layout divides them
@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
@@ -244,19 +245,20 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the run config (YAML)")
+    main_object(parser, "config", metavar="CONFIG", help="the run config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. data.micro_batch=4")
     parser.add_argument(
-        "--world", type=int, default=1, help="the number of processes to estimate for"
+        "--world-size", type=int, default=1, help="the number of processes to estimate for"
     )
+    deprecated_alias(parser, "--world", "--world-size")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    if args.world < 1:
-        raise UserError(f"--world must be at least 1, got {args.world}")
+    if args.world_size < 1:
+        raise UserError(f"--world-size must be at least 1, got {args.world_size}")
     config = load_run_config(args.config, ctx.plugins, args.overrides)
     try:
-        est = estimate(config, ctx.plugins, args.world)
+        est = estimate(config, ctx.plugins, args.world_size)
     except MeshError as exc:
         raise ConfigError([Problem(("mesh",), str(exc), args.config)], args.config) from None
     except ConfigValueError as exc:

@@ -1,8 +1,8 @@
 """`llmtrain eval-tasks`: downstream task scores of a checkpoint on one process.
 
-    llmtrain eval-tasks --checkpoint runs/x/checkpoints --tasks hellaswag=val.jsonl,arc_easy=ARC-Easy-Test.jsonl
+    llmtrain eval-tasks runs/x/checkpoints --tasks hellaswag=val.jsonl,arc_easy=ARC-Easy-Test.jsonl
 
-prints a table (value ± standard error per metric) and, with `--output`, writes the same as
+prints a table (value ± standard error per metric) and, with `-o/--output`, writes the same as
 JSON (with every item's log-likelihoods and result under `--per-item`). Loading this module
 imports no torch.
 """
@@ -16,16 +16,15 @@ import time
 from typing import Any
 
 from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.cli_conventions import deprecated_alias
 from llmtrain.core_mesh.config import Choice, structure
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.train_loop.commands import checkpoint_args
 from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory (runs/<name>/checkpoints)"
-    )
-    parser.add_argument("--step", type=int, default=None, help="default: the newest")
+    checkpoint_args(parser)
     parser.add_argument(
         "--tasks",
         required=True,
@@ -35,10 +34,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=None, help="the first N items of each task")
     parser.add_argument("--shots", type=int, default=0, help="few-shot examples per question")
     parser.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
-    parser.add_argument("--batch-rows", type=int, default=16, help="rows per forward")
-    parser.add_argument("--max-len", type=int, default=None, help="default: the training seq_len")
-    parser.add_argument("--tokenizer", default=None, help="default: the checkpoint's")
-    parser.add_argument("--output", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--batch-size", type=int, default=16, help="rows (prompt + choice) per forward pass"
+    )
+    deprecated_alias(parser, "--batch-rows", "--batch-size")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per row; longer requests keep their end (default: the training seq_len)",
+    )
+    deprecated_alias(parser, "--max-len", "--seq-len")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer (default: the one the training data was packed with)",
+    )
+    parser.add_argument(
+        "-o", "--output", default=None, metavar="FILE.json", help="also write the results as JSON"
+    )
     parser.add_argument(
         "--per-item", action="store_true", help="with --output: every item's result too"
     )
@@ -82,9 +96,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         task.items()  # every file read and checked before the model loads
     model, info, step = load_model(args.checkpoint, args.step, ctx.plugins)
     tokenizer = tokenizer_of(info, args.tokenizer, ctx.plugins)
-    max_len = args.max_len or info.get("data", {}).get("seq_len")
+    max_len = args.seq_len or info.get("data", {}).get("seq_len")
     if max_len is None:
-        raise UserError("the checkpoint does not record its seq_len; pass --max-len")
+        raise UserError("the checkpoint does not record its seq_len; pass --seq-len")
     runner = module_runner(model)
     results = []
     for task in tasks:
@@ -94,7 +108,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             tokenizer,
             runner,
             max_len=max_len,
-            batching=Batching(rows=args.batch_rows),
+            batching=Batching(rows=args.batch_size),
             device=torch.device("cpu"),
         )
         seconds = time.perf_counter() - started

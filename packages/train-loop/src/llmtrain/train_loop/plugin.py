@@ -10,6 +10,7 @@ import argparse
 import yaml
 
 from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.config import (
     ConfigError,
     ConfigValueError,
@@ -44,7 +45,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         ("show", "print the resolved run config (defaults filled, overrides applied)"),
     ):
         action = actions.add_parser(name, help=text, description=text)
-        action.add_argument("file", help="the run config (YAML)")
+        main_object(action, "file", metavar="CONFIG", help="the run config (YAML)")
         action.add_argument(
             "overrides", nargs="*", metavar="KEY=VALUE", help="e.g. model.n_layers=4"
         )
@@ -52,7 +53,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
             "--world-size",
             type=int,
             default=None,
-            help="also check the mesh against this many processes",
+            help="also check the mesh and batch against this many processes (default: none)",
         )
 
 

@@ -35,6 +35,7 @@ import yaml
 from llmtrain.ablate.files import write_atomically
 from llmtrain.ablate.runs import flatten, read_metrics, read_summary, safe_name, short_keys, shown
 from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.config import (
     ConfigError,
     ConfigValueError,
@@ -579,7 +580,7 @@ def _result(path: Path) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="the base run config (YAML)")
+    main_object(parser, "config", metavar="CONFIG", help="the base run config (YAML)")
     parser.add_argument(
         "overrides",
         nargs="*",

@@ -27,6 +27,7 @@ import attrs
 
 from llmtrain.ablate.runs import read_summary
 from llmtrain.core_mesh.cli import Context
+from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.config import ConfigValueError, parse_yaml, structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshSpec
@@ -347,11 +348,13 @@ def render(report: dict[str, Any]) -> str:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (runs/<name>)")
+    main_object(parser, "run_dir", metavar="RUN", help="a run directory (runs/<name>)")
     parser.add_argument(
         "--step", type=int, required=True, help="the step as metrics.jsonl and the logs number it"
     )
-    parser.add_argument("--rank", type=int, default=None, help="only this data rank's share")
+    parser.add_argument(
+        "--rank", type=int, default=None, help="only this data rank's share (default: every rank's)"
+    )
     parser.add_argument(
         "--data-ranks",
         type=int,
