@@ -739,7 +739,7 @@ def test_export_writes_the_model_weights_and_config_and_they_load_back(tmp_path,
     assert code == 2 and "holds a transformers model (config.json)" in err
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json"]
 
-    code, _, err = run_cli("export", root, "--out", out, "--overwrite", "--dtype", "bfloat16")
+    code, _, err = run_cli("export", root, "-o", out, "--overwrite", "--dtype", "bfloat16")
     assert code == 0, err
     halved = load_file(out / "model.safetensors")
     assert {v.dtype for v in halved.values()} == {torch.bfloat16}

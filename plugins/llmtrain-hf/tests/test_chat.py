@@ -117,7 +117,6 @@ def test_chat_tuning_from_a_transformers_directory(run_cli, hf, tmp_path):
     reply = out[: out.index(stop)] if stop in out else out
     code, printed, err = run_cli(
         "generate",
-        "--checkpoint",
         tmp_path / "runs" / "sft" / "checkpoints",
         "--chat",
         "--prompt",

@@ -52,7 +52,7 @@ def test_llama_dir_imports_generates_and_exports_back(
 
     # llmtrain generate: the same greedy continuation as transformers with the same tokenizer
     code, out, err = run_cli(
-        "generate", "--checkpoint", ckpt, "--prompt", "The cat", "--temperature", "0",
+        "generate", ckpt, "--prompt", "The cat", "--temperature", "0",
         "--max-new-tokens", "10",
     )  # fmt: skip
     assert code == 0, err
@@ -92,7 +92,7 @@ def test_gpt2_dir_without_tokenizer_round_trips(tmp_path, run_cli, hf, tokens):
     code, out, err = run_cli("hf", "import", hf_dir, "-o", ckpt)
     assert code == 0, err
     assert "no tokenizer.json" in err
-    code, out, err = run_cli("generate", "--checkpoint", ckpt, "--prompt", "x")
+    code, out, err = run_cli("generate", ckpt, "--prompt", "x")
     assert code == 2 and "pass --tokenizer" in err
 
     code, out, err = run_cli("hf", "export", ckpt, "-o", exported)

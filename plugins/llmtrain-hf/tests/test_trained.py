@@ -100,7 +100,7 @@ def test_llama_style_run_exports_and_imports_back(run_cli, plugins, corpus, tmp_
 
     # back into llmtrain: the same logits, and `llmtrain eval` gives the original's loss
     again = tmp_path / "again"
-    code, _, err = run_cli("hf", "import", exported["out"], "--out", again)
+    code, _, err = run_cli("hf", "import", exported["out"], "-o", again)
     assert code == 0, err
     model, info, _ = load_model(str(again), None, plugins)
     with torch.no_grad():
@@ -110,7 +110,7 @@ def test_llama_style_run_exports_and_imports_back(run_cli, plugins, corpus, tmp_
     losses = []
     for checkpoint in (ckpt, again):
         code, out, err = run_cli(
-            "eval", "--checkpoint", checkpoint, "--data", tmp_path / "llama.zarr",
+            "eval", checkpoint, "--data", tmp_path / "llama.zarr",
             "--seq-len", "32", "--batches", "2",
         )  # fmt: skip
         assert code == 0, err

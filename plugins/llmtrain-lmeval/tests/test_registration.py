@@ -66,15 +66,16 @@ def test_registering_twice_or_after_lm_eval_loaded_is_harmless():
     assert model.__module__ == "llmtrain_lmeval.model"
 
 
-def test_llmtrain_lm_eval_command_line():
+def test_llmtrain_lm_eval_command_line(capsys):
     from llmtrain_lmeval.plugin import configure, harness_argv
 
+    from llmtrain.core_mesh.cli_conventions import ConventionParser
     from llmtrain.core_mesh.errors import UserError
 
-    parser = argparse.ArgumentParser()
+    parser = ConventionParser(prog="llmtrain lm-eval")
     configure(parser)
     args = parser.parse_args(
-        ["--checkpoint", "runs/x/checkpoints", "--step", "40", "--model-args", "max_length=512",
+        ["runs/x/checkpoints", "--step", "40", "--model-args", "max_length=512",
          "--", "--tasks", "hellaswag", "--batch_size", "32"]
     )  # fmt: skip
     assert harness_argv(args)[1:] == [
@@ -82,8 +83,15 @@ def test_llmtrain_lm_eval_command_line():
         "--model_args", "checkpoint=runs/x/checkpoints,step=40,max_length=512",
         "--tasks", "hellaswag", "--batch_size", "32",
     ]  # fmt: skip
-    args = parser.parse_args(["--checkpoint", "c", "--", "--tasks", "t", "--model", "hf"])
+    # 0.1's spelling, for one more release
+    old = parser.parse_args(["--checkpoint", "runs/x/checkpoints", "--step", "40", "--model-args",
+                             "max_length=512", "--", "--tasks", "hellaswag", "--batch_size", "32"])  # fmt: skip
+    assert harness_argv(old) == harness_argv(args)
+    assert "--checkpoint CHECKPOINT is deprecated; use llmtrain lm-eval CHECKPOINT" in (
+        capsys.readouterr().err
+    )
+    args = parser.parse_args(["c", "--", "--tasks", "t", "--model", "hf"])
     with pytest.raises(UserError, match="leave out --model"):
         harness_argv(args)
     with pytest.raises(UserError, match="after --, at least --tasks"):
-        harness_argv(parser.parse_args(["--checkpoint", "c"]))
+        harness_argv(parser.parse_args(["c"]))

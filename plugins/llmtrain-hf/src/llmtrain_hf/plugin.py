@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from llmtrain.checkpoint.plugin import export_arguments
+from llmtrain.checkpoint.plugin import export_arguments, output_option
 from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain_hf.architectures import ARCHITECTURES
 from llmtrain_hf.weights import HFWeights
@@ -33,7 +34,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         default=None,
         metavar="TOKENIZER_JSON",
-        help="the training tokenizer.json, when it moved from the path the checkpoint records",
+        help="the training tokenizer.json, when it moved from the path the checkpoint records "
+        "(default: that path)",
     )
     tokenizer.add_argument(
         "--no-tokenizer", action="store_true", help="write the model without tokenizer files"
@@ -41,11 +43,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     text = "read a transformers model directory into an llmtrain checkpoint (step 0)"
     imp = actions.add_parser("import", help=text, description=text)
-    imp.add_argument("hf_dir", metavar="HF_DIR", help="a directory with config.json and weights")
-    imp.add_argument(
-        "-o", "--output", "--out", dest="output", required=True,
-        help="the checkpoint directory to create",
-    )  # fmt: skip
+    main_object(imp, "hf_dir", metavar="HF_DIR", help="a directory with config.json and weights")
+    output_option(imp, help="the checkpoint directory to create")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -199,7 +199,7 @@ def import_hf(
     """Read a transformers model directory (an architecture of `convert.ARCHITECTURES`) and save
     it as a committed llmtrain checkpoint at step 0 in `out` (a path or fsspec URL), with the
     model options (kind `transformer`, every option explicit) and, when HF_DIR has
-    tokenizer.json, the tokenizer: `llmtrain generate --checkpoint OUT` and `llmtrain eval` then work on it.
+    tokenizer.json, the tokenizer: `llmtrain generate OUT` and `llmtrain eval` then work on it.
 
     Every file of HF_DIR is read and checked before anything is written (`hf_dir`): a missing,
     damaged or mismatched one is a UserError naming it, and `out` is left as it was."""

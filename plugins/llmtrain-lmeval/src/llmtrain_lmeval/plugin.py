@@ -1,7 +1,7 @@
 """The `llmtrain lm-eval` command (entry point `lmeval`): lm-evaluation-harness on a checkpoint,
 the same as `lm_eval --model llmtrain --model_args checkpoint=DIR ...`.
 
-    llmtrain lm-eval --checkpoint runs/x/checkpoints -- --tasks hellaswag --batch_size 32
+    llmtrain lm-eval runs/x/checkpoints -- --tasks hellaswag --batch_size 32
 
 Loaded on every `llmtrain` start, so it imports neither lm-eval nor torch: the harness runs in a
 child process (`python -m lm_eval`), whose exit code the command returns.
@@ -14,33 +14,39 @@ import subprocess
 import sys
 
 from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.cli_conventions import main_object, passthrough
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import hookimpl
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--checkpoint", required=True, help="checkpoint directory (runs/<name>/checkpoints)"
+    main_object(
+        parser,
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="checkpoint directory (runs/<name>/checkpoints), path or URL",
+        old="--checkpoint",
     )
-    parser.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    parser.add_argument(
+        "--step", type=int, default=None, help="the step to load (default: the newest committed)"
+    )
     parser.add_argument(
         "--model-args",
         default="",
         metavar="K=V,...",
-        help="more of the model's arguments: max_length, dtype, tokenizer, max_gen_toks",
+        help="more of the model's arguments: max_length, dtype, tokenizer, max_gen_toks "
+        "(default: none)",
     )
-    parser.add_argument(
+    passthrough(
+        parser,
         "harness",
-        nargs=argparse.REMAINDER,
-        metavar="-- LM_EVAL_OPTIONS",
-        help="after --, lm_eval's own options (--tasks, --batch_size, --num_fewshot, "
-        "--output_path, ...)",
+        help="lm_eval's own options (--tasks, --batch_size, --num_fewshot, --output_path, ...)",
     )
 
 
 def harness_argv(args: argparse.Namespace) -> list[str]:
     """`python -m lm_eval run ...` for the command's arguments."""
-    harness = args.harness[1:] if args.harness[:1] == ["--"] else args.harness
+    harness = args.harness
     if not harness:
         raise UserError("give lm_eval's options after --, at least --tasks")
     if any(a == "--model" or a.startswith("--model=") for a in harness):

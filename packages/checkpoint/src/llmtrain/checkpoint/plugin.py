@@ -7,6 +7,7 @@ import argparse
 import json
 
 from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.plugins import hookimpl
 
 # what --dtype accepts, for `export` and `hf export` alike
@@ -16,14 +17,16 @@ DTYPES = ("float32", "bfloat16", "float16")
 def export_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `llmtrain export` and `llmtrain hf export` (llmtrain-hf) share: the same
     source, output, step, precision and overwrite options for both."""
-    parser.add_argument(
-        "checkpoints", metavar="CHECKPOINTS", help="checkpoint directory, path or URL "
-        "(runs/<name>/checkpoints)",
-    )  # fmt: skip
-    parser.add_argument(
-        "-o", "--output", "--out", dest="output", required=True, help="the directory to write"
+    main_object(
+        parser,
+        "checkpoints",
+        metavar="CHECKPOINT",
+        help="checkpoint directory (runs/<name>/checkpoints), path or URL",
     )
-    parser.add_argument("--step", type=int, default=None, help="default: the newest committed")
+    output_option(parser, help="the directory to write")
+    parser.add_argument(
+        "--step", type=int, default=None, help="the step to export (default: the newest committed)"
+    )
     parser.add_argument(
         "--dtype", default=None, choices=DTYPES, help="floating-point weights in this precision "
         "(default: float32)",
@@ -31,9 +34,17 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export")
 
 
+def output_option(parser: argparse.ArgumentParser, *, help: str) -> None:
+    """`-o/--output`, required; `--out` (0.1's other spelling) as a deprecated alias."""
+    parser.add_argument("-o", "--output", required=True, metavar="DIR", help=help)
+    deprecated_alias(parser, "--out", "--output")
+
+
 def _export_args(parser: argparse.ArgumentParser) -> None:
     export_arguments(parser)
-    parser.add_argument("--prefix", default=None, help="key prefix of the model tensors")
+    parser.add_argument(
+        "--prefix", default=None, help="key prefix of the model tensors (default: none)"
+    )
 
 
 def _export(args: argparse.Namespace, ctx: Context) -> int:
@@ -56,8 +67,13 @@ def _export(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def _list_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoints", help="the checkpoint directory (path or URL)")
-    parser.add_argument("--json", action="store_true")
+    main_object(
+        parser,
+        "checkpoints",
+        metavar="CHECKPOINT",
+        help="checkpoint directory (runs/<name>/checkpoints), path or URL",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument(
         "--verify", action="store_true", help="also check every byte of each committed step "
         "against its hashes (reads the whole checkpoint); exit 2 if one is damaged",
