@@ -1,5 +1,6 @@
 """data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers and
-the `llmtrain data ...` commands (pack, pack-chat, train-tokenizer, inspect, merge). Importing it is cheap:
+the `llmtrain data ...` commands (pack, pack-chat, train-tokenizer, inspect, merge), whose main
+objects (the inputs, the dataset) are positional. Importing it is cheap:
 the commands import their machinery when they run."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import argparse
 import os
 
 from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import hookimpl
 from llmtrain.data_pack.progress import LOG_EVERY_SECONDS, ProgressSettings
@@ -100,6 +102,24 @@ def _tokenizer_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
     )
 
 
+def _bad_line_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--on-bad-line",
+        choices=["error", "skip"],
+        default="error",
+        help="a record that cannot be read: stop naming file:line, or skip and count it",
+    )
+
+
+def _dtype_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=["uint16", "uint32"],
+        default=None,
+        help="the token dtype (default: uint16 where the vocabulary fits, else uint32)",
+    )
+
+
 def _configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
 
@@ -110,7 +130,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         ".jsonl.zst), Parquet (.parquet), Arrow (.arrow files or datasets.save_to_disk "
         "directories) and plain text (.txt); local or URLs, globs and directories allowed",
     )
-    p.add_argument("inputs", nargs="+", help="files, globs or directories")
+    main_object(p, "inputs", nargs="+", metavar="INPUT", help="files, globs or directories")
     p.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
     _tokenizer_args(p, required=True)
     p.add_argument(
@@ -141,7 +161,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="plain text inputs hold one document per line (default: one per file)",
     )
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
-    p.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
+    _bad_line_arg(p)
     p.add_argument(
         "--skip-bad",
         dest="on_bad_line",
@@ -158,7 +178,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "file:line, or with --on-bad-line skip skipped and counted (default 0: no limit)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
+    _dtype_arg(p)
     p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
     p.add_argument("--shard-chunks", type=int, default=0, help="chunks per shard (0: no sharding)")
     p.add_argument(
@@ -183,7 +203,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "with a chat template, tokenize them with a loss mask (assistant turns count), and lay "
         "them into blocks of --seq-len tokens that no conversation crosses",
     )
-    c.add_argument("inputs", nargs="+", help="JSONL files or globs")
+    main_object(c, "inputs", nargs="+", metavar="INPUT", help="JSONL files or globs")
     c.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
     _tokenizer_args(c, required=True)
     c.add_argument(
@@ -207,8 +227,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         "config's eos_token)",
     )
     c.add_argument("--messages-field", default="messages", help="dotted path of the messages")
-    c.add_argument("--role-field", default="role")
-    c.add_argument("--content-field", default="content")
+    c.add_argument("--role-field", default="role", help="a message's role field")
+    c.add_argument("--content-field", default="content", help="a message's text field")
     c.add_argument(
         "--roles", default="system,user,assistant,tool", help="the roles a message may have"
     )
@@ -220,23 +240,34 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="conversations longer than --seq-len: skip or truncate them (counted), or stop",
     )
     c.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
-    c.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
+    _bad_line_arg(c)
     c.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    c.add_argument("--dtype", choices=["uint16", "uint32"], default=None)
+    _dtype_arg(c)
     c.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
     c.add_argument("--compression", default="none", help="none, zstd or zstd:LEVEL")
     _progress_args(c)
     _common(c)
 
-    t = actions.add_parser(
-        "train-tokenizer",
-        help="train a byte-level BPE tokenizer on JSONL and write tokenizer.json",
+    text = (
+        "train a byte-level BPE tokenizer on JSONL, Parquet, Arrow or text files and write "
+        "tokenizer.json"
     )
-    t.add_argument("inputs", nargs="+", help="JSONL files or globs")
+    t = actions.add_parser("train-tokenizer", help=text, description=text)
+    main_object(
+        t,
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="JSONL, Parquet, Arrow or text files (by suffix), globs or directories",
+    )
     t.add_argument("-o", "--output", required=True, help="the tokenizer.json to write")
-    t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--field", default="text")
-    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--vocab-size", type=int, required=True, help="the vocabulary size to reach")
+    t.add_argument(
+        "--field", default="text", help="the text field or column (dotted for nested ones)"
+    )
+    t.add_argument(
+        "--min-frequency", type=int, default=2, help="merge only pairs seen at least this often"
+    )
     t.add_argument(
         "--special-token",
         action="append",
@@ -244,7 +275,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="special tokens (default: <|endoftext|>); the first ends documents",
     )
     t.add_argument("--max-documents", type=int, default=None, help="train on the first N documents")
-    t.add_argument("--overwrite", action="store_true")
+    t.add_argument("--overwrite", action="store_true", help="replace an existing tokenizer.json")
     _progress_args(t)
     _common(t)
 
@@ -253,10 +284,10 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="counts, tokenizer, document lengths and a decoded sample of a dataset; --verify "
         "checks every chunk",
     )
-    i.add_argument("path", help="a packed dataset (path or URL)")
+    main_object(i, "path", metavar="DATASET", help="a packed dataset (path or URL)")
     i.add_argument("--window", type=int, default=64, help="tokens in the decoded sample")
     i.add_argument("--seed", type=int, default=0, help="which sample window")
-    i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument("--json", action="store_true", help="print JSON instead of text")
     i.add_argument(
         "--verify",
         action="store_true",
@@ -267,9 +298,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     _common(i)
 
     m = actions.add_parser("merge", help="concatenate packed datasets of one tokenizer")
-    m.add_argument("inputs", nargs="+", help="packed datasets, in order")
-    m.add_argument("-o", "--output", required=True)
-    m.add_argument("--overwrite", action="store_true")
+    main_object(m, "inputs", nargs="+", metavar="DATASET", help="packed datasets, in order")
+    m.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing output")
     m.add_argument("--compression", default="none", help="none, zstd or zstd:LEVEL")
     _common(m)
 
@@ -435,8 +466,8 @@ def llmtrain_commands(register):
     register(
         "data",
         Command(
-            help="pack JSONL (text or chat conversations) into token datasets, train tokenizers, "
-            "inspect and merge datasets",
+            help="pack JSONL, Parquet, Arrow or text (or chat conversations) into token "
+            "datasets, train tokenizers, inspect and merge datasets",
             configure=_configure,
             run=_run,
         ),
