@@ -4,7 +4,6 @@ command itself), and the `llmtrain lm-eval` command's harness command line."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 

@@ -24,6 +24,12 @@ from llmtrain.core_mesh.errors import UserError
 PLACE_KEYS = ("name", "run_dir", "checkpoint.dir")
 SEED_KEYS = ("seed", "data.seed")
 DOWNSTREAM = "downstream/"
+# what `llmtrain eval-tasks` writes into the run directory of the checkpoint it scored:
+# {"format": 1, "evaluations": [{"step": N, "tasks": {"<task>": {"acc": .., "acc_stderr": ..,
+# "items": .., "shots": .., ...}}}]}, one entry per step (rewritten whole, atomically)
+EVAL_TASKS = "eval_tasks.json"
+# how eval-tasks scored a task, recorded beside its scores (not metrics)
+EVAL_TASKS_SETTINGS = ("shots", "seed", "limit", "max_len")
 STDERR = "_stderr"  # `<metric>_stderr`: the standard error of `<metric>`, logged beside it
 # a metric is best high when its last part starts with one of these (acc, acc_norm, f1, ...);
 # every other metric (losses, perplexity, bits_per_byte) is best low
@@ -76,7 +82,64 @@ def read_run(path: str | Path) -> Run:
         raise UserError(f"{path}: not a run directory (cannot read config.yaml: {exc})") from None
     except yaml.YAMLError as exc:
         raise UserError(f"{config_file}: not valid YAML ({exc})") from None
-    return Run(path, config, read_metrics(path / "metrics.jsonl"), read_summary(path))
+    metrics = read_metrics(path / "metrics.jsonl")
+    return Run(path, config, with_eval_tasks(metrics, read_eval_tasks(path)), read_summary(path))
+
+
+def read_eval_tasks(path: Path) -> list[dict[str, Any]]:
+    """The scores `llmtrain eval-tasks` wrote into the run directory (`EVAL_TASKS`), as lines
+    like the downstream callback's: `{"step": N, "downstream/<task>/<metric>": value, ...,
+    "source": "eval-tasks"}`, one per evaluated step, in step order. A missing or unreadable
+    file is no scores."""
+    try:
+        document = json.loads((path / EVAL_TASKS).read_text(encoding="utf-8"))
+        evaluations = document["evaluations"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    lines = []
+    for evaluation in evaluations if isinstance(evaluations, list) else []:
+        if not isinstance(evaluation, dict) or not is_number(evaluation.get("step")):
+            continue
+        line: dict[str, Any] = {"step": evaluation["step"]}
+        for task, scores in (evaluation.get("tasks") or {}).items():
+            for metric, value in (scores if isinstance(scores, dict) else {}).items():
+                if is_number(value) and metric not in EVAL_TASKS_SETTINGS:
+                    line[f"{DOWNSTREAM}{task}/{metric}"] = value
+        if len(line) > 1:
+            lines.append({**line, "source": "eval-tasks"})
+    return sorted(lines, key=lambda line: line["step"])
+
+
+def with_eval_tasks(
+    metrics: list[dict[str, Any]], scores: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The logged lines with eval-tasks' score lines among them in step order (each after the
+    logged lines of its step). A score the run's own downstream callback logged at the same
+    step is kept, and eval-tasks' value for it left out."""
+    if not scores:
+        return metrics
+    logged: dict[Any, set[str]] = {}
+    for m in metrics:
+        logged.setdefault(m["step"], set()).update(m)
+    extra = []
+    for line in scores:
+        kept = {
+            k: v for k, v in line.items() if k not in logged.get(line["step"], ()) or k == "step"
+        }
+        if any(k.startswith(DOWNSTREAM) for k in kept):
+            extra.append(kept)
+    out = list(metrics)
+    for line in extra:  # in step order: each goes after the last logged line of its step
+        at = len(out)
+        while at > 0 and not _before(out[at - 1]["step"], line["step"]):
+            at -= 1
+        out.insert(at, line)
+    return out
+
+
+def _before(step: Any, other: Any) -> bool:
+    """Whether a line of `step` goes before one of `other` (steps that are not numbers: yes)."""
+    return not (is_number(step) and is_number(other)) or step <= other
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

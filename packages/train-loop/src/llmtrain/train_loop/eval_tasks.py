@@ -3,8 +3,9 @@
     llmtrain eval-tasks runs/x/checkpoints --tasks hellaswag=val.jsonl,arc_easy=ARC-Easy-Test.jsonl
 
 prints a table (value ± standard error per metric) and, with `-o/--output`, writes the same as
-JSON (with every item's log-likelihoods and result under `--per-item`). Loading this module
-imports no torch.
+JSON (with every item's log-likelihoods and result under `--per-item`). A checkpoint inside a
+run directory also gets its scores recorded there, in `eval_tasks.json` (`record_in_run`), where
+`llmtrain compare --downstream` finds them. Loading this module imports no torch.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from llmtrain.core_mesh.cli import Context
@@ -129,7 +131,74 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         }
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
+    run_dir = run_dir_of(str(args.checkpoint))
+    if run_dir is not None:
+        settings = {"shots": args.shots, "seed": args.seed, "limit": args.limit, "max_len": max_len}
+        scores = {r.name: {**r.summary(), **settings} for r in results}
+        path = record_in_run(run_dir, step, scores)
+        print(f"scores of step {step} -> {path} (llmtrain compare --downstream)", file=sys.stderr)
     return 0
+
+
+# the file of a run directory that holds the scores eval-tasks gave its checkpoints, which
+# `llmtrain compare --downstream` (llmtrain.ablate.runs.EVAL_TASKS) reads beside the scores the
+# run's downstream callback logged: {"format": 1, "evaluations": [{"step": N, "tasks": {"<task>":
+# {"scoring", "items", "truncated", "<metric>", "<metric>_stderr", "shots", "seed", "limit",
+# "max_len", "evaluated"}}}]}, one entry per step in step order
+RUN_SCORES = "eval_tasks.json"
+
+
+def run_dir_of(checkpoint: str) -> Path | None:
+    """The run directory a local checkpoint lies in (`<run>/checkpoints`, or one of its
+    `step-N`, beside `<run>/config.yaml`); None for a checkpoint elsewhere (`checkpoint.dir`,
+    object storage, an exported copy)."""
+    if "://" in checkpoint:
+        return None
+    path = Path(checkpoint).resolve()
+    for run_dir in (path.parent, path.parent.parent):
+        if (run_dir / "config.yaml").is_file() and (
+            path == run_dir / "checkpoints" or path.parent == run_dir / "checkpoints"
+        ):
+            return run_dir
+    return None
+
+
+def record_in_run(run_dir: Path, step: int, scores: dict[str, dict[str, Any]]) -> Path:
+    """Add `scores` (per task) as step `step`'s to `<run_dir>/eval_tasks.json`: a task scored
+    again at that step replaces its earlier scores. The file is rewritten whole under a lock
+    (`.lock` beside it), through a temporary file renamed over it, so a reader never sees half
+    of it and two eval-tasks at once both land."""
+    import fcntl
+    import os
+    import tempfile
+
+    path = run_dir / RUN_SCORES
+    evaluated = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            document = json.loads(path.read_text(encoding="utf-8"))
+            evaluations = [e for e in document["evaluations"] if isinstance(e, dict)]
+        except (OSError, ValueError, KeyError, TypeError):
+            evaluations = []
+        entry = next((e for e in evaluations if e.get("step") == step), None)
+        if entry is None:
+            entry = {"step": step, "tasks": {}}
+            evaluations.append(entry)
+        for name, task_scores in scores.items():
+            entry.setdefault("tasks", {})[name] = {**task_scores, "evaluated": evaluated}
+        evaluations.sort(key=lambda e: e.get("step", 0))
+        text = json.dumps({"format": 1, "evaluations": evaluations}, indent=1) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=run_dir)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the scores from other readers
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    return path
 
 
 def render(results: list) -> str:
