@@ -52,7 +52,7 @@ def test_old_spellings_work_with_one_line_each(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "warning: llmtrain eval: --batch is deprecated; use --batch-size "
         "(the old spelling goes away after 0.2)",
-        "warning: llmtrain eval: --out is deprecated; use --output "
+        "warning: llmtrain eval: --out is deprecated; use -o/--output "
         "(the old spelling goes away after 0.2)",
         "warning: llmtrain eval: --checkpoint CHECKPOINT is deprecated; use llmtrain eval "
         "CHECKPOINT (the old spelling goes away after 0.2)",
@@ -91,6 +91,7 @@ def test_what_follows_a_double_dash_is_passed_through():
     assert (args.checkpoint, args.harness) == ("ck", ["--checkpoint", "other"])
     assert p.parse_args(["ck"]).harness == []
     assert "after --: lm_eval's options" in p.format_help()
+    assert p.format_usage().rstrip().endswith("checkpoint [-- OPTIONS ...]")
 
 
 def test_did_you_mean():

@@ -40,6 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     passthrough(
         parser,
         "harness",
+        metavar="LM_EVAL_OPTIONS",
         help="lm_eval's own options (--tasks, --batch_size, --num_fewshot, --output_path, ...)",
     )
 

@@ -155,11 +155,15 @@ def main_object(
 PASSTHROUGH = "_llmtrain_passthrough"
 
 
-def passthrough(parser: argparse.ArgumentParser, dest: str, *, help: str) -> None:
+def passthrough(
+    parser: argparse.ArgumentParser, dest: str, *, help: str, metavar: str = "OPTIONS"
+) -> None:
     """What follows `--` goes, as a list, to `dest` (another program's options, like lm_eval's
     for `llmtrain lm-eval`), so the command's own options may come before or after its
-    positionals. A `ConventionParser` does the split; the help's epilog says what goes there."""
+    positionals. A `ConventionParser` does the split, and its usage line ends with
+    `[-- METAVAR ...]`; the help's epilog says what goes there."""
     setattr(parser, PASSTHROUGH, dest)
+    setattr(parser, PASSTHROUGH + "_metavar", metavar)
     parser.set_defaults(**{dest: []})
     parser.epilog = f"after --: {help}"
 
@@ -197,6 +201,21 @@ class ConventionParser(argparse.ArgumentParser):
             setattr(namespace, dest, passed)
         return namespace, extra
 
+    def format_usage(self) -> str:
+        return self._usage_with_passthrough(super().format_usage())
+
+    def format_help(self) -> str:
+        return self._usage_with_passthrough(super().format_help())
+
+    def _usage_with_passthrough(self, text: str) -> str:
+        """The usage (the text up to its first blank line) ends with `[-- METAVAR ...]`."""
+        if getattr(self, PASSTHROUGH, None) is None:
+            return text
+        end = text.find("\n\n")
+        end = len(text.rstrip("\n")) if end < 0 else end
+        metavar = getattr(self, PASSTHROUGH + "_metavar", "OPTIONS")
+        return f"{text[:end]} [-- {metavar} ...]{text[end:]}"
+
     def _new_spellings(self, args: list[str]) -> list[str]:
         """The arguments with this parser's old spellings replaced by the new ones, each with
         its deprecation line: `--out X` becomes `--output X`, and `--checkpoint DIR` (or
@@ -222,9 +241,9 @@ class ConventionParser(argparse.ArgumentParser):
             name, eq, value = word.partition("=")
             action = old.get(name) if word.startswith("--") else None
             if isinstance(action, DeprecatedAlias):
-                new = action.target.option_strings[-1]
-                _warn(f"{self.prog}: {name} is deprecated; use {new}")
-                rest.append(new + eq + value)
+                spellings = action.target.option_strings
+                _warn(f"{self.prog}: {name} is deprecated; use {'/'.join(spellings)}")
+                rest.append(spellings[-1] + eq + value)
             elif isinstance(action, DeprecatedMainOption) and (eq or i + 1 < len(args)):
                 if not eq:
                     value = args[i + 1]
