@@ -191,13 +191,20 @@ def tests(session: nox.Session) -> None:
     session.log("lint, every package and plugin session and integration passed")
 
 
+def install_for_users(session: nox.Session) -> None:
+    """What a user installs (the root README's Install section) and the shared plugins: no
+    test-only packages."""
+    session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(ROOT), *plugin_paths(shared=True))
+
+
 @nox.session
 def quickstart(session: nox.Session) -> None:
     """The main job on a fresh machine (see README): every plugin loads, then `llmtrain
     quickstart` makes a corpus, trains a tokenizer, packs, trains the tiny model on CPU,
-    evaluates and samples, all in `quickstart/`. Extra arguments go to the command
-    (`nox -s quickstart -- --steps 100`)."""
-    install_everything(session)
+    evaluates and samples, all in `quickstart/`, and prints the next steps, the first of them
+    `source .nox/quickstart/bin/activate` (this session's venv, which nothing else puts on the
+    user's PATH). Extra arguments go to the command (`nox -s quickstart -- --steps 100`)."""
+    install_for_users(session)
     session.run("llmtrain", "plugins", "--check")
     session.run("llmtrain", "quickstart", "--dir", str(ROOT / "quickstart"), *session.posargs)
 

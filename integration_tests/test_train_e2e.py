@@ -1,7 +1,7 @@
 """`llmtrain run` end to end on CPU: one process writes what it promises (metrics, config,
 checkpoints) and learns; `llmtrain eval` and `generate` read its checkpoints; 2 gloo ranks under
-torchrun (FSDP, TP, PP) log the same numbers as one process; `llmtrain quickstart` does the whole
-job. Each run is a real `python -m llmtrain` subprocess."""
+torchrun (FSDP, TP, PP) log the same numbers as one process (`llmtrain quickstart` and its next
+steps: test_newcomer_path.py). Each run is a real `python -m llmtrain` subprocess."""
 
 from __future__ import annotations
 
@@ -186,20 +186,3 @@ def test_every_eval_is_logged(reference, run_cli):  # noqa: F811
     ts.assert_close_runs(reference["metrics"], metrics, RTOL, ["loss", "lr", "grad_norm"])
     assert metrics[30]["eval_loss"] == pytest.approx(reference["metrics"][30]["eval_loss"], 1e-4)
     assert [s for s, m in metrics.items() if "eval_loss" in m] == [6, 12, 18, 24, 30]
-
-
-def test_quickstart(tmp_path):
-    work = tmp_path / "qs"
-    proc = ts.run(ts.llmtrain("quickstart", "--dir", work, "--steps", 30), timeout=600)
-    assert "Traceback" not in proc.stderr
-    assert "[quickstart] 6/6 sample: 'The cat'" in proc.stderr
-    run_dir = work / "runs" / "quickstart"
-    metrics = ts.read_metrics(run_dir)
-    assert [m["step"] for m in metrics] == [10, 20, 30]  # log_every 10
-    assert metrics[-1]["loss"] < metrics[0]["loss"]
-    assert ts.committed_steps(run_dir / "checkpoints") == [15, 30]
-    assert (work / "tokenizer.json").exists() and (run_dir / "config.yaml").exists()
-    samples = [line for line in proc.stdout.splitlines() if line.startswith("The cat")]
-    assert len(samples) == 1 and len(samples[0]) > len("The cat")
-    # stdout is the sample and nothing else (progress goes to stderr)
-    assert proc.stdout.startswith("The cat"), proc.stdout

@@ -2,7 +2,9 @@
 
 Make a corpus (sentences from a small grammar, with numbers and non-ASCII words), train a BPE
 tokenizer on it, pack it (and a held-out part) into zarr, train the `tiny` model, evaluate it,
-sample text, and say where everything went.
+sample text, and say where everything went and the commands to go on, each runnable as printed
+(the first one puts `llmtrain` on the PATH when it runs from a virtual environment, as in
+`nox -s quickstart`).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 from llmtrain.core_mesh.cli import Context
@@ -20,6 +24,7 @@ SUBJECTS = ["the cat", "a dog", "the model", "our team", "the river", "a student
 VERBS = ["sees", "likes", "builds", "follows", "crosses", "reads", "trains"]
 OBJECTS = ["the bridge", "a book", "the data", "a small boat", "the garden", "a long road"]
 EXTRAS = ["today", "in the morning", "with care", "again", "near the café", "under 3 trees"]
+LR, MIN_RATIO = 3.0e-3, 0.1  # the run's peak lr and the cosine schedule's floor
 
 
 def sentence(rng: random.Random) -> str:
@@ -51,8 +56,8 @@ data:
   eval: {{path: {work / "valid.zarr"}, every: {eval_every}, batches: 4}}
   seq_len: 128
   micro_batch: 16
-optimizer: {{kind: adamw, lr: 3.0e-3, weight_decay: 0.1}}
-lr_scheduler: {{kind: cosine, warmup_steps: {max(steps // 20, 1)}, min_ratio: 0.1}}
+optimizer: {{kind: adamw, lr: {LR}, weight_decay: 0.1}}
+lr_scheduler: {{kind: cosine, warmup_steps: {max(steps // 20, 1)}, min_ratio: {MIN_RATIO}}}
 training: {{steps: {steps}, log_every: 10, checkpoint_every: {max(steps // 2, 1)}}}
 """
 
@@ -118,11 +123,41 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     model, info, _ = load_model(str(trainer.checkpoints.url), None, ctx.plugins)
     tokenizer = tokenizer_of(info, None, ctx.plugins)
     print(sample_text(model, tokenizer, args.prompt, max_new_tokens=60, temperature=0.7))
-    say(
-        "done. run directory: "
-        f"{trainer.run_dir} (config.yaml, metrics.jsonl, logs/, checkpoints/)\n"
-        f"  again:    llmtrain run {config_file} training.steps={args.steps * 2}\n"
-        f"  sample:   llmtrain generate --checkpoint {trainer.checkpoints.url} --prompt 'A dog'\n"
-        f"  evaluate: llmtrain eval --checkpoint {trainer.checkpoints.url} --data {work / 'valid.zarr'}"
-    )
+    say(f"done. run directory: {trainer.run_dir} (config.yaml, metrics.jsonl, logs/, checkpoints/)")
+    final_lr = LR * MIN_RATIO
+    steps = [
+        f"llmtrain generate {q(trainer.checkpoints.url)} --prompt 'A dog'   # sample",
+        f"llmtrain eval {q(trainer.checkpoints.url)} --data {q(work / 'valid.zarr')}"
+        "   # loss on the held-out data",
+        # the run's cosine schedule has ended: more steps go on at its final lr (recomputing
+        # the schedule for the new length would jump the lr back up; `llmtrain run` refuses
+        # that unless told which)
+        f"llmtrain run {q(config_file)} training.steps={args.steps * 2} training.on_extend=keep"
+        f"   # {args.steps} more steps at the final lr, {final_lr:.2e}",
+    ]
+    on_path = put_on_path()
+    if on_path is None:
+        say("next steps:")
+    else:
+        line, scripts = on_path
+        say(f"next steps (llmtrain is in {scripts}; the first line puts it on the PATH):")
+        steps.insert(0, line)
+    print("\n".join(f"  {step}" for step in steps), file=sys.stderr, flush=True)
     return 0
+
+
+def q(path: str | Path) -> str:
+    return shlex.quote(str(path))
+
+
+def put_on_path() -> tuple[str, Path] | None:
+    """(the shell line that puts this environment's `llmtrain` on the PATH, the directory it is
+    in), for a virtual environment (a nox session's, which nothing activated in the user's
+    shell); None outside one, where pip put `llmtrain` on the PATH already."""
+    if sys.prefix == sys.base_prefix:
+        return None
+    scripts = Path(sysconfig.get_path("scripts"))
+    activate = scripts / "activate"
+    if activate.is_file():
+        return f"source {q(activate)}", scripts
+    return f'export PATH={q(scripts)}:"$PATH"', scripts
