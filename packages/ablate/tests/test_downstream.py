@@ -208,13 +208,18 @@ def test_compare_downstream_means_over_seeds(sweep, run_cli):
     assert two["final_downstream/wiki/bits_per_byte"] == ""  # no n_layers=2 run logged it
     assert float(one["final_downstream/wiki/bits_per_byte"]) == pytest.approx(1.65)
 
-    code, out, _ = run_cli("compare", sweep, "--downstream")
+    code, out, _ = run_cli("compare", sweep, "--downstream", "--columns", "all")
     header, _, one, two = out.splitlines()
     assert header.split()[:4] == ["n_layers", "runs", "status", "final_eval_loss"]
     acc = [0.40, 0.38]
     assert f"{statistics.fmean(acc):.4f} ± {statistics.stdev(acc):.4f}" in one
     assert "30.0000" in two  # one seed's perplexity, no ± (perplexity has no stderr)
     assert len(two.split()) < len(one.split())  # the blank wiki cells
+    # the default columns: the final eval loss, each metric's final value (and tokens/s)
+    code, out, _ = run_cli("compare", sweep, "--downstream")
+    header = out.splitlines()[0].split()
+    finals = [f"final_{m}" for m in runs.downstream_metrics(runs.find_runs([sweep]))]
+    assert header == ["n_layers", "runs", "status", "final_eval_loss", *finals]  # no tokens/s
 
 
 def test_compare_metric_and_sort(sweep, run_cli):

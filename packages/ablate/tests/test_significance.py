@@ -102,8 +102,8 @@ def lr_sweep(tmp_path, make_run):
 def test_compare_baseline_marks_what_is_beyond_seed_noise(lr_sweep, run_cli):
     code, out, err = run_cli("compare", lr_sweep, "--baseline", "lr=0.001")
     assert code == 0, err
-    header, _, *lines = out.splitlines()
-    assert header.split()[-4:] == ["diff", "final_eval_loss", "p", "(holm)"]
+    header, _, *lines = out.split("\n\n")[0].splitlines()  # the verdicts follow the table
+    assert header.split()[-4:] == ["final_eval_loss", "diff", "p", "(holm)"]
     cells = {line.split()[0]: line for line in lines}
     assert cells["0.001"].split()[-1] == "baseline"
     # paired by seed: 3e-3 is 0.19 to 0.21 lower on every seed, 2e-3 is within the noise
@@ -159,7 +159,8 @@ def test_unpaired_seeds_use_welch(tmp_path, make_run):
 def test_baseline_by_run_name_and_the_refusals(lr_sweep, run_cli):
     code, out, err = run_cli("compare", lr_sweep, "--baseline", "lr=0.003,seed=1")
     assert code == 0, err
-    assert [line.split()[-1] for line in out.splitlines()[2:]].count("baseline") == 1
+    table = out.split("\n\n")[0].splitlines()  # the verdict sentences follow the table
+    assert [line.split()[-1] for line in table[2:]].count("baseline") == 1
     for args, message in [
         (["--baseline", "lr=0.5"], "lr=0.5: no row matches; the rows: lr=0.001; lr=0.002; lr"),
         (["--baseline", "width=3"], "'width' is not a setting that varies; one of lr"),

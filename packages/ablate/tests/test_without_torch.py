@@ -35,14 +35,14 @@ BLOCKED = textwrap.dedent(
     """
 )
 
-# printed by train-loop's compare and ranks before they moved here (the same files), the
-# compare table since with each mean's 95% interval: two seeds, t(0.975, 1 dof) = 12.706, so
-# 3.0 ± 12.706 x 0.1414 / sqrt(2) = [1.7294, 4.2706]
+# the compare table as rich draws it, the narrow default columns: the final eval loss with its
+# 95% interval over the seeds (two seeds: t(0.975, 1 dof) = 12.706, so 3.0 ± 12.706 x 0.1414 /
+# sqrt(2) = [1.7294, 4.2706]) and tokens/s without one (an interval of throughput means nothing)
 COMPARE_TABLE = """\
-n_layers  runs  status      final_eval_loss                   best_eval_loss                    final_loss                        tokens  tokens_per_s                  mfu                          wall_time_s
---------  ----  ----------  --------------------------------  --------------------------------  --------------------------------  ------  ----------------------------  ---------------------------  -----------------------
-1         2     2 finished  3.0000 ± 0.1414 [1.7294, 4.2706]  3.0000 ± 0.1414 [1.7294, 4.2706]  3.1000 ± 0.1414 [1.8294, 4.3706]  3,072   10,300 ± 424 [6,488, 14,112]  17.2% ± 0.7% [10.8%, 23.5%]  13.5 ± 2.1 [-5.6, 32.6]
-2         2     2 finished  2.5500 ± 0.0707 [1.9147, 3.1853]  2.5500 ± 0.0707 [1.9147, 3.1853]  2.6500 ± 0.0707 [2.0147, 3.2853]  3,072   7,350 ± 212 [5,444, 9,256]    12.2% ± 0.4% [9.1%, 15.4%]   20.0 ± 1.4 [7.3, 32.7]
+n_layers  runs  status      final_eval_loss                   tokens_per_s
+──────────────────────────────────────────────────────────────────────────
+1         2     2 finished  3.0000 ± 0.1414 [1.7294, 4.2706]  10,300 ± 424
+2         2     2 finished  2.5500 ± 0.0707 [1.9147, 3.1853]  7,350 ± 212
 """
 RANKS_TABLE = """\
 rank  windows  step s (median)        p90  data wait  sync wait   late by   peak MiB

@@ -32,6 +32,8 @@ class Comparison:
     result: str
     alpha: float
     differences: dict[int, Difference | None]
+    # per row index: (the row's values, the baseline's values, paired), as tested
+    values: dict[int, tuple[list[float], list[float], bool]] = attrs.Factory(dict)
 
     def cell(self, index: int, fmt) -> str:
         if index == self.baseline:
@@ -103,17 +105,19 @@ def compare_rows(rows: Sequence[Row], baseline: int, result: Result, alpha: floa
     """Each row against `rows[baseline]` on `result`, at confidence 1 - alpha, Holm-adjusted."""
     base = rows[baseline]
     differences: dict[int, Difference | None] = {}
+    tested_values: dict[int, tuple[list[float], list[float], bool]] = {}
     for i, row in enumerate(rows):
         if i == baseline:
             continue
         paired = _paired_values(row.runs, base.runs, result)
         values = paired or (_values(row.runs, result), _values(base.runs, result))
         differences[i] = difference(*values, 1 - alpha, paired=paired is not None)
+        tested_values[i] = (list(values[0]), list(values[1]), paired is not None)
     tested = [i for i, d in differences.items() if d is not None]
     adjusted = holm([differences[i].p for i in tested])
     for i, p in zip(tested, adjusted, strict=True):
         differences[i] = attrs.evolve(differences[i], p_adjusted=p)
-    return Comparison(baseline, result.name, alpha, differences)
+    return Comparison(baseline, result.name, alpha, differences, tested_values)
 
 
 def _values(runs: Sequence[Run], result: Result) -> list[float]:

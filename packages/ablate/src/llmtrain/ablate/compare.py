@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import csv
 import io
+import json
 import math
 import statistics
 import sys
@@ -52,6 +53,9 @@ class Result:
     fmt: Callable[[float], str]
     stderr: Callable[[Run], float | None] | None = None
     higher_is_better: bool = False
+    # whether a confidence interval over seeds means something here: yes for losses and
+    # scores, no for throughput, tokens or wall time (machine speed, not the model's result)
+    interval: bool = True
 
 
 Point = tuple[float, float | None]  # a logged value and the stderr logged beside it
@@ -83,11 +87,36 @@ def _number(value: float) -> str:
     return f"{value:.4f}" if abs(value) < 1e6 else f"{value:.4g}"
 
 
+# logged metrics that measure the machine or the bookkeeping, not what the model learned: no
+# confidence interval for them (a t-interval of tokens/s over seeds is not a question anyone asks)
+NO_INTERVAL = (
+    "tokens",
+    "mfu",
+    "step_time",
+    "wall_time",
+    "data_wait",
+    "sync_wait",
+    "peak_memory",
+    "memory",
+    "lr",
+    "grad_norm",
+    "samples",
+    "seconds",
+)
+
+
+def has_interval(metric: str) -> bool:
+    """Losses, perplexities, accuracies and other scores: True; throughput, MFU, memory, time,
+    lr: False."""
+    return not metric.rsplit("/", 1)[-1].startswith(NO_INTERVAL)
+
+
 def metric_results(metric: str) -> list[Result]:
     """`final_<metric>` (its last logged value) and `best_<metric>` (the highest for
     accuracies, the lowest for losses, perplexities, bits per byte), each with the
     `<metric>_stderr` logged at the same step."""
     higher = higher_is_better(metric)
+    interval = has_interval(metric)
     results = []
     for prefix, choose in (("final", _final), ("best", _best)):
 
@@ -99,7 +128,7 @@ def metric_results(metric: str) -> list[Result]:
             point = choose(run, metric)
             return None if point is None else point[1]
 
-        results.append(Result(f"{prefix}_{metric}", read, _number, stderr, higher))
+        results.append(Result(f"{prefix}_{metric}", read, _number, stderr, higher, interval))
     return results
 
 
@@ -129,10 +158,20 @@ def _wall(run: Run) -> float | None:
 RESULTS = [
     *metric_results("eval_loss"),
     Result("final_loss", lambda r: _last(r, "loss"), lambda v: f"{v:.4f}"),
-    Result("tokens", _tokens, lambda v: f"{v:,.0f}"),
-    Result("tokens_per_s", lambda r: _steady(r, "tokens_per_s"), lambda v: f"{v:,.0f}"),
-    Result("mfu", lambda r: _steady(r, "mfu"), lambda v: f"{100 * v:.1f}%"),
-    Result("wall_time_s", _wall, lambda v: f"{v:,.1f}"),
+    Result("tokens", _tokens, lambda v: f"{v:,.0f}", interval=False),
+    Result(
+        "tokens_per_s",
+        lambda r: _steady(r, "tokens_per_s"),
+        lambda v: f"{v:,.0f}",
+        interval=False,
+    ),
+    Result(
+        "mfu",
+        lambda r: _steady(r, "mfu"),
+        lambda v: f"{100 * v:.1f}%",
+        interval=False,
+    ),
+    Result("wall_time_s", _wall, lambda v: f"{v:,.1f}", interval=False),
 ]
 
 
@@ -205,6 +244,9 @@ def table(
     return keys, rows
 
 
+TABLE_WIDTH = 100  # the default columns aim to fit this many characters (a laptop terminal)
+
+
 def render(
     keys: Sequence[str],
     rows: Sequence[Row],
@@ -213,30 +255,77 @@ def render(
     sort: str | None = None,
     confidence: float = 0.95,
     comparison: Comparison | None = None,
+    columns: Sequence[str] | None = None,
 ) -> str:
-    """`fmt`: table, markdown or csv. `sort` a result column: the lowest first, or the highest
-    where higher is better (accuracies). `confidence`: of the intervals over seeds.
-    `comparison`: the difference columns of `--baseline`."""
+    """`fmt`: table, markdown, csv or json. `sort` a result column: the lowest first, or the
+    highest where higher is better (accuracies). `confidence`: of the intervals over seeds.
+    `comparison`: the difference columns of `--baseline` (and, in table, markdown and json,
+    the verdict sentences). `columns`: the result columns shown (None: all; csv and json
+    always hold all)."""
     if fmt == "csv":
         order, results = _order_and_results(rows, sort)
         return _csv(keys, short_keys(keys), rows, order, results, confidence, comparison)
-    header, body = cells(keys, rows, sort=sort, confidence=confidence, comparison=comparison)
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    if fmt == "json":
+        return _json(keys, rows, sort, confidence, comparison)
+    header, body = cells(
+        keys, rows, sort=sort, confidence=confidence, comparison=comparison, columns=columns
+    )
+    sentences = [v.text for v in verdicts_of(keys, rows, comparison)]
     if fmt == "markdown":
+        widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
         lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
         lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
         lines += [
             "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) + " |"
             for line in body
         ]
-    else:
-        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
-        lines.append("  ".join("-" * w for w in widths))
-        lines += [
-            "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-            for line in body
-        ]
-    return "\n".join(lines) + "\n"
+        lines += ["", *(f"- {s}" for s in sentences)] if sentences else []
+        return "\n".join(lines) + "\n"
+    text = rich_table(header, body)
+    if sentences:
+        text += "\n" + "\n".join(_wrapped(s) for s in sentences) + "\n"
+    return text
+
+
+def rich_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A plain-text table drawn by rich: the header, a rule, one line per row (cells never
+    wrap; the table is as wide as its cells), no trailing spaces."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+        highlight=False,
+    )
+    for name in header:
+        grid.add_column(Text(name), no_wrap=True, overflow="ignore")
+    for line in body:
+        grid.add_row(*(Text(cell) for cell in line))
+    out = io.StringIO()
+    console = Console(file=out, width=10_000, color_system=None, force_terminal=False)
+    console.print(grid)
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines()) + "\n"
+
+
+def _wrapped(sentence: str) -> str:
+    import textwrap
+
+    return textwrap.fill(sentence, TABLE_WIDTH, subsequent_indent="  ")
+
+
+def verdicts_of(keys: Sequence[str], rows: Sequence[Row], comparison: Comparison | None) -> list:
+    """The verdict sentences of `comparison` (none without one)."""
+    from llmtrain.ablate.verdict import verdicts
+
+    if comparison is None:
+        return []
+    fmt = {r.name: r.fmt for r in rows[0].results}[comparison.result]
+    return verdicts(keys, rows, comparison, fmt, lambda i: comparison.values[i])
 
 
 def cells(
@@ -246,15 +335,20 @@ def cells(
     sort: str | None = None,
     confidence: float = 0.95,
     comparison: Comparison | None = None,
+    columns: Sequence[str] | None = None,
 ) -> tuple[list[str], list[list[str]]]:
     """(header, one list of cell texts per row, in `sort` order): what the table and markdown
-    formats and the HTML report lay out."""
+    formats and the HTML report lay out. `columns`: the result columns (None: every one some
+    row has)."""
     order, results = _order_and_results(rows, sort)
+    if columns is not None:
+        by_name = {r.name: r for r in results}
+        results = [by_name[name] for name in columns if name in by_name]
     seeds = any(len(row.runs) > 1 for row in rows)
     header = [*short_keys(keys).values()] or ["run"]
     header += [*(["runs"] if seeds else []), "status", *(r.name for r in results)]
     if comparison is not None:
-        header += [f"diff {comparison.result}", "p (holm)"]
+        header += ["diff", "p (holm)"]
         fmt_of = {r.name: r.fmt for r in rows[0].results}[comparison.result]
     body = []
     for i in order:
@@ -266,6 +360,65 @@ def cells(
             line += [comparison.cell(i, fmt_of), comparison.p_cell(i)]
         body.append(line)
     return header, body
+
+
+def present_results(rows: Sequence[Row]) -> list[str]:
+    """The result columns some row has a value for, in order."""
+    columns = rows[0].results if rows else RESULTS
+    return [r.name for r in columns if any(row.values[r.name] for row in rows)]
+
+
+def primary_result(
+    rows: Sequence[Row], metrics: Sequence[str] = (), on: str | None = None
+) -> str | None:
+    """The result a table is about: `on`, else `final_<first metric>`, else `final_eval_loss`
+    where a run evaluated, else the train loss `final_loss`."""
+    if on is not None:
+        return on
+    present = present_results(rows)
+    wanted = [f"final_{metrics[0]}"] if metrics else []
+    for name in [*wanted, "final_eval_loss", "final_loss"]:
+        if name in present:
+            return name
+    return present[0] if present else None
+
+
+def default_columns(
+    rows: Sequence[Row], comparison: Comparison | None, metrics: Sequence[str] = ()
+) -> list[str]:
+    """The narrow default. Without a baseline: the final eval loss (the train loss for runs
+    that never evaluated), the final value of each asked-for metric, and tokens/s. With one:
+    the result compared, its difference and p-value."""
+    present = present_results(rows)
+    if comparison is not None:
+        return [comparison.result]
+    loss = "final_eval_loss" if "final_eval_loss" in present else "final_loss"
+    wanted = [loss, *(f"final_{m}" for m in metrics), "tokens_per_s"]
+    return [name for name in dict.fromkeys(wanted) if name in present]
+
+
+def columns_of(
+    spec: str | None,
+    rows: Sequence[Row],
+    comparison: Comparison | None,
+    metrics: Sequence[str] = (),
+) -> list[str]:
+    """`--columns`: None -> the narrow default (`default_columns`); `all` -> every result some
+    row has; `a,b,c` -> those (each must be a result column)."""
+    if spec is None:
+        return default_columns(rows, comparison, metrics)
+    present = present_results(rows)
+    if spec.strip() == "all":
+        return present
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    known = [r.name for r in (rows[0].results if rows else RESULTS)]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise UserError(
+            f"--columns {spec}: {', '.join(unknown) or 'no column named'} is not a result "
+            f"column; one of {', '.join(known)}, or all"
+        )
+    return names
 
 
 def _order_and_results(rows: Sequence[Row], sort: str | None) -> tuple[list[int], list[Result]]:
@@ -298,7 +451,7 @@ def _cell(row: Row, result: Result, confidence: float) -> str:
         std = row.stderr(result.name)
     if std is None or std == 0:
         return result.fmt(mean)
-    interval = row.interval(result.name, confidence)
+    interval = row.interval(result.name, confidence) if result.interval else None
     shown_interval = (
         "" if interval is None else f" [{result.fmt(interval[0])}, {result.fmt(interval[1])}]"
     )
@@ -336,7 +489,10 @@ def _csv(
         line += [len(row.runs), row.status]
         for result in results:
             mean, std = row.stats(result.name)
-            interval = row.interval(result.name, confidence) or ("", "")
+            interval = (row.interval(result.name, confidence) if result.interval else None) or (
+                "",
+                "",
+            )
             line += [_plain(mean), _plain(std), *(_plain(v) for v in interval)]
             if result.stderr is not None:
                 line.append(_plain(row.stderr(result.name)))
@@ -344,6 +500,93 @@ def _csv(
             line += _comparison_fields(comparison, i)
         writer.writerow(line)
     return out.getvalue()
+
+
+def _json(
+    keys: Sequence[str],
+    rows: Sequence[Row],
+    sort: str | None,
+    confidence: float,
+    comparison: Comparison | None,
+) -> str:
+    """Every number of the table as JSON: per row (in `sort` order) its settings, runs and, per
+    result, mean, sample std, the number of runs with a value, the mean's interval (results
+    that have one) and the mean logged stderr; with a comparison, each row's difference and the
+    verdict sentences."""
+    order, results = _order_and_results(rows, sort)
+    short = short_keys(keys)
+    out_rows = []
+    for i in order:
+        row = rows[i]
+        numbers = {}
+        for result in results:
+            mean, std = row.stats(result.name)
+            if mean is None:
+                continue
+            interval = row.interval(result.name, confidence) if result.interval else None
+            numbers[result.name] = {
+                "mean": mean,
+                "std": std,
+                "n": len(row.values[result.name]),
+                "ci_low": None if interval is None else interval[0],
+                "ci_high": None if interval is None else interval[1],
+                "stderr": row.stderr(result.name),
+            }
+        entry: dict[str, Any] = {
+            "settings": {short[k]: row.settings[k] for k in keys},
+            "runs": [run.name for run in row.runs],
+            "run_dirs": [str(run.path) for run in row.runs],
+            "status": row.status,
+            "results": numbers,
+        }
+        if comparison is not None:
+            entry["comparison"] = _comparison_json(comparison, i)
+        out_rows.append(entry)
+    document: dict[str, Any] = {
+        "keys": list(keys),
+        "confidence": confidence,
+        "rows": out_rows,
+        "baseline": None,
+        "verdicts": [],
+    }
+    if comparison is not None:
+        document["baseline"] = {
+            "row": order.index(comparison.baseline),
+            "result": comparison.result,
+            "alpha": comparison.alpha,
+        }
+        document["verdicts"] = [v.to_json() for v in verdicts_of(keys, rows, comparison)]
+        for verdict in document["verdicts"]:
+            verdict["row"] = order.index(verdict["row"])
+    return json.dumps(_finite(document), indent=1, allow_nan=False) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities (a diverged run) as null: JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _comparison_json(comparison: Comparison, index: int) -> dict[str, Any]:
+    if index == comparison.baseline:
+        return {"test": "baseline"}
+    diff = comparison.differences.get(index)
+    if diff is None:
+        return {"test": "untested"}
+    return {
+        "diff": diff.delta,
+        "diff_low": diff.low,
+        "diff_high": diff.high,
+        "p": diff.p,
+        "p_holm": diff.p_adjusted,
+        "test": diff.test,
+        "significant": diff.significant(comparison.alpha),
+    }
 
 
 def _plain(value: float | str | None) -> str:
@@ -360,7 +603,7 @@ def _comparison_fields(comparison: Comparison, index: int) -> list[str]:
     return [*(_plain(v) for v in numbers), diff.test, str(diff.significant(comparison.alpha))]
 
 
-FORMATS = {".md": "markdown", ".csv": "csv", ".txt": "table"}
+FORMATS = {".md": "markdown", ".csv": "csv", ".txt": "table", ".json": "json"}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -368,23 +611,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
     )
     parser.add_argument(
+        "-o",
+        "--output",
+        default=None,
+        help="write to this file, its format by its suffix: .txt (the table), .md (markdown), "
+        ".csv (plain numbers), .json (default: print the table on stdout)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print (or write) every number as JSON instead of the table (default: off)",
+    )
+    # 0.1's `--format table|markdown|csv`: hidden, one deprecation line (-o's suffix says it)
+    parser.add_argument(
         "--format",
         choices=("table", "markdown", "csv"),
         default=None,
-        help="default: from -o's suffix (.md, .csv), else a terminal table",
+        action=DeprecatedFormat,
+        help=argparse.SUPPRESS,
     )
-    parser.add_argument("-o", "--output", default=None, help="write to this file")
+    parser.add_argument(
+        "--columns",
+        default=None,
+        metavar="NAMES",
+        help="the result columns, comma-separated (e.g. final_eval_loss,final_loss,"
+        "tokens_per_s,wall_time_s), or all (default: the final eval loss, each --metric's final "
+        "value and tokens_per_s; with --baseline the result compared and the difference)",
+    )
     parser.add_argument(
         "--sort",
         default=None,
         help="sort by a result, e.g. final_eval_loss or best_downstream/hellaswag/acc_norm "
-        "(the best first: lowest loss, highest accuracy)",
+        "(the best first: lowest loss, highest accuracy; default: the runs' order)",
     )
     parser.add_argument(
-        "--per-run", action="store_true", help="one row per run (no mean ± std over seeds)"
+        "--per-run",
+        action="store_true",
+        help="one row per run, no mean ± std over seeds (default: seeds together)",
     )
     add_metric_arguments(parser)
     add_baseline_arguments(parser)
+
+
+class DeprecatedFormat(argparse.Action):
+    """`--format FMT`, 0.1's spelling: stores FMT after one line on stderr naming the new one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from llmtrain.core_mesh.cli_conventions import DEPRECATED_UNTIL
+
+        new = {"csv": "-o FILE.csv", "markdown": "-o FILE.md", "table": "no option"}[values]
+        print(
+            f"warning: {parser.prog}: {option_string} {values} is deprecated; use {new}, or "
+            f"--json (the old spelling goes away after {DEPRECATED_UNTIL})",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
 
 
 def add_metric_arguments(parser: argparse.ArgumentParser) -> None:
@@ -395,12 +676,13 @@ def add_metric_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME",
         help="a final_NAME and a best_NAME column for this logged metric, e.g. "
-        "downstream/hellaswag/acc_norm (repeatable)",
+        "downstream/hellaswag/acc_norm (repeatable; default: none)",
     )
     parser.add_argument(
         "--downstream",
         action="store_true",
-        help="final and best columns for every downstream/<task>/<metric> the runs logged",
+        help="final and best columns for every downstream/<task>/<metric> the runs logged or "
+        "llmtrain eval-tasks wrote (default: off)",
     )
 
 
@@ -411,14 +693,14 @@ def add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ROW",
         help="compare every other row to this one: its settings (n_layers=2 or "
-        "model.n_layers=2,optimizer.lr=0.001) or one of its runs' names",
+        "model.n_layers=2,optimizer.lr=0.001) or one of its runs' names (default: none)",
     )
     parser.add_argument(
         "--on",
         default=None,
         metavar="RESULT",
         help="the result --baseline compares (default: final_<first --metric>, else "
-        "final_eval_loss)",
+        "final_eval_loss, else the train loss final_loss)",
     )
     parser.add_argument(
         "--alpha",
@@ -430,12 +712,15 @@ def add_baseline_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    fmt = args.format
+    fmt = "json" if args.json else args.format
+    if args.json and args.format is not None:
+        raise UserError(f"--json and --format {args.format}: choose one")
     if fmt is None and args.output:
         suffix = Path(args.output).suffix.lower()
         if suffix not in FORMATS:
             raise UserError(
-                f"-o {args.output}: say --format, or use a suffix of {', '.join(FORMATS)}"
+                f"-o {args.output}: the format comes from the suffix: one of "
+                f"{', '.join(FORMATS)} (or --json)"
             )
         fmt = FORMATS[suffix]
     if not 0 < args.alpha < 1:
@@ -446,6 +731,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.baseline is not None and args.per_run:
         raise UserError("--baseline compares rows of seeds: leave out --per-run")
     comparison = comparison_of(keys, rows, metrics, args.baseline, args.on, args.alpha)
+    columns = columns_of(args.columns, rows, comparison, metrics)
     text = render(
         keys,
         rows,
@@ -453,6 +739,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         sort=args.sort,
         confidence=1 - args.alpha,
         comparison=comparison,
+        columns=columns,
     )
     if args.output:
         path = write_atomically(args.output, text)
@@ -471,12 +758,12 @@ def comparison_of(
     alpha: float,
 ) -> Comparison | None:
     """`--baseline`'s comparison (None without one) on `on`: by default `final_<first
-    metric>`, else `final_eval_loss`."""
+    metric>`, else `final_eval_loss`, else (runs without evaluation) `final_loss`."""
     if baseline is None:
         if on is not None:
             raise UserError(f"--on {on}: goes with --baseline")
         return None
-    name = on or (f"final_{metrics[0]}" if metrics else "final_eval_loss")
+    name = primary_result(rows, metrics, on)
     by_name = {r.name: r for r in rows[0].results if any(row.values[r.name] for row in rows)}
     if name not in by_name:
         raise UserError(f"--on {name}: not a result column here; one of {', '.join(by_name)}")

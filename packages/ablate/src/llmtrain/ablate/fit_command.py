@@ -428,13 +428,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--loss",
         choices=LOSSES,
         default="eval_loss",
-        help="each run's final logged eval_loss (default) or train loss",
+        help="each run's final logged eval_loss or train loss (default: eval_loss)",
     )
     parser.add_argument(
         "--params",
         choices=tuple(PARAM_COUNTS),
         default="non_embedding",
-        help="N: non-embedding parameters (default) or all",
+        help="N: non-embedding parameters or all (default: non_embedding)",
     )
     parser.add_argument(
         "--predict",
@@ -442,12 +442,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="N=..,D=.. | C=..",
         help="the loss at N params and D tokens (N=1e9,D=2e10), or with --isoflop the "
-        "compute-optimal N and D for C FLOPs (C=1e21); repeatable",
+        "compute-optimal N and D for C FLOPs (C=1e21); repeatable (default: none)",
     )
     parser.add_argument(
         "--isoflop",
         action="store_true",
-        help="also fit IsoFLOP profiles: per compute budget the optimal N, then N_opt, D_opt ∝ C^a",
+        help="also fit IsoFLOP profiles: per compute budget the optimal N, then N_opt, "
+        "D_opt ∝ C^a (default: off)",
     )
     parser.add_argument(
         "--bootstrap",
@@ -456,20 +457,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="bootstrap refits for the 95%% intervals (default 200; 0: none)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's seed")
-    parser.add_argument("-o", "--output", default=None, help="write the fits as JSON here")
+    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default: 0)")
     parser.add_argument(
-        "--plot", default=None, metavar="FILE", help="draw the fits (PNG, SVG, PDF)"
+        "-o", "--output", default=None, help="write the fits as JSON here (default: none)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the fits as JSON on stdout instead of the tables (default: off)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="draw the fits (PNG, SVG, PDF) (default: none)",
     )
     parser.add_argument(
         "--include-unfinished",
         action="store_true",
-        help="fit runs that did not finish too (their last logged loss)",
+        help="fit runs that did not finish too, at their last logged loss (default: off)",
     )
     parser.add_argument(
         "--allow-mixed-tokenizers",
         action="store_true",
-        help="fit runs of different tokenizers together (their losses are not comparable)",
+        help="fit runs of different tokenizers together, though their losses are not "
+        "comparable (default: off)",
     )
 
 
@@ -576,9 +588,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.isoflop:
         fits = with_isoflop(fits)
     fits = with_predictions(fits, targets)
-    print("\n".join(render_fits(fits)))
+    document = json.dumps(_plain(fits.to_json()), indent=2) + "\n"
+    print(document if args.json else "\n".join(render_fits(fits)), end="" if args.json else "\n")
     if args.output:
-        path = write_atomically(args.output, json.dumps(_plain(fits.to_json()), indent=2) + "\n")
+        path = write_atomically(args.output, document)
         print(f"fits of {len(fits.points)} runs -> {path}", file=sys.stderr)
     if args.plot:
         draw_fits(fits, Path(args.plot))

@@ -1,12 +1,17 @@
 """`llmtrain report RUN_OR_SWEEP... -o report.html`: a sweep's verdict on one static page.
 
-The page holds the compare table (means over seeds with their confidence intervals; with
-`--baseline`, each row's difference, p-value and Holm-corrected significance mark), the loss
-and metric curves, the scaling-law fits and their extrapolation where the runs vary model size
+The page, from the jinja2 template `templates/report.html.j2`, opens with the verdict: with
+`--baseline`, one sentence per row (the difference, its interval, the Holm-corrected p-value,
+the seeds on each side, a warning where they are too few). Then the compare table in the
+narrow default columns of `llmtrain compare` (means over seeds with their confidence
+intervals; with `--baseline`, each row's difference and significance mark), every result in a
+folded second table, the loss and metric curves (a group of seeds as its mean with a
+confidence band), the scaling-law fits and their extrapolation where the runs vary model size
 and tokens (`llmtrain fit`'s; a sweep that cannot be fitted says why instead), and each run's
-settings and status. It is self-contained: the styles are inline, the figures are PNGs in
-data: URLs, and there is no script, so it opens from a file, an e-mail or an artifact store
-without a network. matplotlib draws the figures (the `[plot]` extra).
+settings and status. Wide tables scroll inside their own box, so the page never scrolls
+sideways. It is self-contained: the styles are inline, the figures are PNGs in data: URLs, and
+there is no script, so it opens from a file, an e-mail or an artifact store without a network.
+matplotlib draws the figures (the `[plot]` extra).
 """
 
 from __future__ import annotations
@@ -14,53 +19,52 @@ from __future__ import annotations
 import argparse
 import base64
 import datetime
-import html
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from llmtrain.ablate import compare, plot
 from llmtrain.ablate.files import write_atomically
-from llmtrain.ablate.runs import Run, find_runs, shown, varied_keys
+from llmtrain.ablate.runs import Run, find_runs, group_by_settings, shown, varied_keys
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2rem auto; max-width: 1200px; color: #222; }
-h1 { font-size: 1.5rem; } h2 { font-size: 1.2rem; margin-top: 2rem; }
-table { border-collapse: collapse; font-size: 0.85rem; margin: 0.5rem 0; }
-th, td { border: 1px solid #ccc; padding: 0.25rem 0.5rem; text-align: left; white-space: nowrap; }
-th { background: #f3f3f3; }
-td.significant { background: #e3f4e3; font-weight: 600; }
-td.unfinished { color: #b00020; }
-img { max-width: 100%; border: 1px solid #eee; }
-p.note { color: #555; }
-pre { background: #f7f7f7; padding: 0.5rem; overflow-x: auto; font-size: 0.8rem; }
-"""
+TEMPLATE = "report.html.j2"  # in llmtrain/ablate/templates/
 
 
-def html_table(
+def render_page(**context: Any) -> str:
+    """The report template filled in (jinja2, every value escaped)."""
+    import jinja2
+
+    source = resources.files("llmtrain.ablate").joinpath("templates", TEMPLATE)
+    environment = jinja2.Environment(
+        autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True
+    )
+    return environment.from_string(source.read_text(encoding="utf-8")).render(**context)
+
+
+def table_context(
     header: Sequence[str],
     body: Sequence[Sequence[str]],
     *,
     css_id: str,
     cell_class: Callable[[int, str], str] | None = None,
-) -> str:
-    """A table of escaped texts; `cell_class(column, text)` may name a CSS class per cell."""
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    rows = []
-    for line in body:
-        tds = []
-        for column, text in enumerate(line):
-            css = cell_class(column, text) if cell_class else ""
-            attribute = f' class="{css}"' if css else ""
-            tds.append(f"<td{attribute}>{html.escape(text)}</td>")
-        rows.append("<tr>" + "".join(tds) + "</tr>")
-    return (
-        f'<table id="{css_id}"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
-    )
+) -> dict[str, Any]:
+    """A table for the template: `cell_class(column, text)` may name a CSS class per cell."""
+    return {
+        "id": css_id,
+        "header": list(header),
+        "body": [
+            [
+                {"text": text, "css": cell_class(column, text) if cell_class else ""}
+                for column, text in enumerate(line)
+            ]
+            for line in body
+        ],
+    }
 
 
 def png_data_url(draw: Callable[[Path], Any]) -> str:
@@ -71,68 +75,97 @@ def png_data_url(draw: Callable[[Path], Any]) -> str:
         return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
 
 
-def compare_section(
+def compare_context(
     runs: Sequence[Run], metrics: Sequence[str], baseline: str | None, on: str | None, alpha: float
-) -> str:
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the compare section: the narrow table, every result in a second one, the intro; the
+    verdict sentences, empty without a baseline)."""
     keys, rows = compare.table(runs, metrics=metrics)
     comparison = compare.comparison_of(keys, rows, metrics, baseline, on, alpha)
-    header, body = compare.cells(keys, rows, confidence=1 - alpha, comparison=comparison)
-    p_column = len(header) - 1 if comparison is not None else -1
+    narrow = compare.columns_of(None, rows, comparison, metrics)
+    tables = {}
+    for name, columns in (("narrow", narrow), ("wide", None)):
+        header, body = compare.cells(
+            keys, rows, confidence=1 - alpha, comparison=comparison, columns=columns
+        )
+        p_column = len(header) - 1 if comparison is not None else -1
 
-    def marked(column: int, text: str) -> str:
-        return "significant" if column == p_column and text.endswith(" *") else ""
+        def marked(column: int, text: str, p_column: int = p_column) -> str:
+            return "significant" if column == p_column and text.endswith(" *") else ""
 
-    intro = f"Rows of seeds show mean ± sample std [the mean's {1 - alpha:.0%} t-interval]."
+        css_id = "compare" if name == "narrow" else "compare-all"
+        tables[name] = table_context(header, body, css_id=css_id, cell_class=marked)
+    intro = (
+        f"Rows of seeds show mean ± sample std [the mean's {1 - alpha:.0%} t-interval] for "
+        "losses and scores; throughput, tokens and wall time have no interval."
+    )
     if comparison is not None:
         intro += (
             f" Against the baseline row, on {comparison.result}: the difference with its"
             f" interval, and the Holm-adjusted p-value (* below {alpha:g}, ns above)."
         )
-    table = html_table(header, body, css_id="compare", cell_class=marked)
-    return f"<h2>Compare</h2><p class='note'>{html.escape(intro)}</p>{table}"
+    verdicts = []
+    for verdict in compare.verdicts_of(keys, rows, comparison):
+        sentence, _, warning = verdict.text.partition(" Warning: ")
+        verdicts.append(
+            {
+                "sentence": sentence,
+                "warning": f"Warning: {warning}" if warning else "",
+                "significant": bool(verdict.significant),
+                "weak": verdict.weak,
+            }
+        )
+    return {"intro": intro, **tables}, verdicts
 
 
-def curves_section(runs: Sequence[Run], metrics: Sequence[str], x: str) -> str:
+def curves_context(
+    runs: Sequence[Run], metrics: Sequence[str], x: str, alpha: float
+) -> dict[str, Any]:
     drawn: list[str] = []
 
     def draw(path: Path) -> None:
-        drawn.extend(plot.plot(runs, path, x=x, metrics=["loss", "eval_loss", *metrics]))
+        drawn.extend(
+            plot.plot(
+                runs, path, x=x, metrics=["loss", "eval_loss", *metrics], confidence=1 - alpha
+            )
+        )
 
     url = png_data_url(draw)
-    alt = "curves of " + ", ".join(drawn)
-    return f'<h2>Curves</h2><img id="curves" alt="{html.escape(alt)}" src="{url}">'
+    seeds = any(len(members) > 1 for _, members in group_by_settings(runs, varied_keys(runs)))
+    note = (
+        f"A group of seeds is drawn as its mean with the mean's {1 - alpha:.0%} t-interval as a "
+        "band (each seed thin behind it)."
+        if seeds
+        else ""
+    )
+    return {"url": url, "alt": "curves of " + ", ".join(drawn), "band_note": note}
 
 
-def fit_section(runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ()) -> str:
+def fit_context(runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ()) -> dict[str, Any]:
     """The parametric fit of the runs and, where they hold IsoFLOP budgets, the IsoFLOP fit,
     extrapolated to the `predict` targets (`llmtrain fit --predict`'s); or why there is no fit
     (nothing is extrapolated from a failed one)."""
     from llmtrain.ablate import fit_command
 
-    title = "<h2>Scaling-law fits</h2>"
     try:
         fits = fit_command.fit_runs(runs, loss_key=loss_key)
     except UserError as error:
-        return f'{title}<p id="no-fit" class="note">No fit: {html.escape(str(error))}</p>'
-    note = ""
+        return {"error": str(error)}
+    no_isoflop = ""
     try:
         fits = fit_command.with_isoflop(fits)
     except UserError as error:
-        reason = html.escape(str(error))
-        note = f'<p id="no-isoflop" class="note">No IsoFLOP fit: {reason}</p>'
+        no_isoflop = str(error)
     targets = [fit_command.parse_target(text) for text in predict]
     if fits.isoflop is None:  # a compute target needs the IsoFLOP optimum
         targets = [t for t in targets if t.compute is None]
     fits = fit_command.with_predictions(fits, targets)
     url = png_data_url(lambda path: fit_command.draw_fits(fits, path))
     text = "\n".join(fit_command.render_fits(fits))
-    return (
-        f'{title}<pre id="fit">{html.escape(text)}</pre>{note}'
-        f'<img id="fit-plot" alt="the fits against the runs" src="{url}">'
-    )
+    return {"error": "", "text": text, "no_isoflop": no_isoflop, "url": url}
 
 
-def runs_section(runs: Sequence[Run]) -> str:
+def runs_context(runs: Sequence[Run]) -> dict[str, Any]:
     keys = varied_keys(runs)
     header = ["run", "status", *keys, "step", "tokens", "wall time s", "error"]
     body = []
@@ -153,7 +186,7 @@ def runs_section(runs: Sequence[Run]) -> str:
     def unfinished(column: int, text: str) -> str:
         return "unfinished" if column == 1 and text != "finished" else ""
 
-    return "<h2>Runs</h2>" + html_table(header, body, css_id="runs", cell_class=unfinished)
+    return table_context(header, body, css_id="runs", cell_class=unfinished)
 
 
 def report_html(
@@ -168,21 +201,22 @@ def report_html(
     loss_key: str = "eval_loss",
     predict: Sequence[str] = (),
 ) -> str:
-    """The page: the compare table, curves, fits (extrapolated to `predict`), the runs."""
+    """The page: the verdict sentences, the compare table, curves, fits (extrapolated to
+    `predict`), the runs."""
     generated = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    finished = sum(run.finished for run in runs)
-    sections = [
-        compare_section(runs, metrics, baseline, on, alpha),
-        curves_section(runs, metrics, x),
-        fit_section(runs, loss_key, predict),
-        runs_section(runs),
-    ]
-    return (
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
-        f"<h1>{html.escape(title)}</h1>"
-        f"<p class='note'>{len(runs)} runs, {finished} finished; generated {generated} by"
-        " llmtrain report.</p>" + "".join(sections) + "</body></html>\n"
+    compare_part, verdicts = compare_context(runs, metrics, baseline, on, alpha)
+    return render_page(
+        title=title,
+        runs=len(runs),
+        finished=sum(run.finished for run in runs),
+        generated=generated,
+        verdicts=verdicts,
+        no_verdict="No baseline named: with --baseline ROW (e.g. --baseline lr=0.001) each "
+        "other row is tested against it here, in one sentence each.",
+        compare=compare_part,
+        curves=curves_context(runs, metrics, x, alpha),
+        fit=fit_context(runs, loss_key, predict),
+        runs_table=runs_context(runs),
     )
 
 
@@ -190,20 +224,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
     )
-    parser.add_argument("-o", "--output", required=True, help="the HTML file to write")
+    parser.add_argument("-o", "--output", required=True, help="the HTML file to write (required)")
     parser.add_argument("--title", default=None, help="default: the sweeps' names")
     compare.add_metric_arguments(parser)
     compare.add_baseline_arguments(parser)
-    parser.add_argument("--x", choices=("step", "tokens"), default="step")
     parser.add_argument(
-        "--loss", default="eval_loss", help="the loss the fits use (eval_loss or loss)"
+        "--x", choices=("step", "tokens"), default="step", help="the curves' x axis (default: step)"
+    )
+    parser.add_argument(
+        "--loss",
+        default="eval_loss",
+        help="the loss the fits use, eval_loss or loss (default: eval_loss)",
     )
     parser.add_argument(
         "--predict",
         action="append",
         default=[],
         metavar="TARGET",
-        help="extrapolate the fits to N=..,D=.. or C=.. (as llmtrain fit; repeatable)",
+        help="extrapolate the fits to N=..,D=.. or C=.. (as llmtrain fit; repeatable; "
+        "default: none)",
     )
 
 

@@ -3,7 +3,9 @@
 One panel per metric (train `loss` and, where runs have it, `eval_loss`; any logged metric
 with `--metric`, every `downstream/<task>/<metric>` with `--downstream`), against steps or
 tokens, three panels a row. Runs that differ only in their seed share a colour and one legend
-entry; a metric logged with a `<metric>_stderr` gets a ± stderr band. matplotlib is an optional
+entry: their mean at the x values every seed logged, with the mean's 95% t-interval as a band
+(each seed drawn thin behind it; `--per-run` draws one line per run instead). A single run's
+metric logged with a `<metric>_stderr` gets a ± stderr band. matplotlib is an optional
 extra: `pip install 'llmtrain-ablate[plot]'`.
 """
 
@@ -43,6 +45,48 @@ def smooth(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
+def _curve(run: Run, metric: str, x: str, smoothing: float) -> tuple[list, list]:
+    xs, ys = run.series(metric, x)
+    if metric == "loss" and smoothing and xs:
+        ys = smooth(ys, smoothing)
+    return xs, ys
+
+
+def band(
+    members: Sequence[Run],
+    metric: str,
+    x: str = "step",
+    *,
+    smoothing: float = 0.0,
+    confidence: float = 0.95,
+) -> tuple[list[float], list[float], list[float], list[float]] | None:
+    """A group of seeds' curve: at each x that every seed logged, (xs, the mean over the seeds,
+    the mean's `confidence` t-interval low and high: n - 1 degrees of freedom). None for fewer
+    than two seeds with the metric or no x they share."""
+    from scipy import stats
+
+    curves = [dict(zip(*_curve(run, metric, x, smoothing), strict=True)) for run in members]
+    curves = [c for c in curves if c]
+    if len(curves) < 2:
+        return None
+    shared = sorted(set.intersection(*(set(c) for c in curves)))
+    if not shared:
+        return None
+    n = len(curves)
+    t = float(stats.t.ppf((1 + confidence) / 2, n - 1))
+    xs, means, lows, highs = [], [], [], []
+    for at in shared:
+        values = [float(c[at]) for c in curves]
+        mean = sum(values) / n
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        half = t * sd / math.sqrt(n)
+        xs.append(at)
+        means.append(mean)
+        lows.append(mean - half)
+        highs.append(mean + half)
+    return xs, means, lows, highs
+
+
 def plot(
     runs: Sequence[Run],
     output: str | Path,
@@ -52,8 +96,12 @@ def plot(
     smoothing: float = 0.0,
     log_y: bool = False,
     title: str | None = None,
+    bands: bool = True,
+    confidence: float = 0.95,
 ) -> list[str]:
-    """Draw and save; returns the metrics drawn (those some run has)."""
+    """Draw and save; returns the metrics drawn (those some run has). `bands`: a group of
+    seeds is drawn as its mean with the mean's `confidence` interval as a band (and each seed
+    thin behind it); without, one line per run."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -82,12 +130,29 @@ def plot(
     for ax, metric in zip(axes, drawn, strict=True):
         for (settings, members), colour in zip(groups, colours, strict=True):
             name = label(settings, short) if keys else None
+            marker = "o" if metric == "eval_loss" or metric.startswith(DOWNSTREAM) else None
+            seeds = band(members, metric, x, smoothing=smoothing, confidence=confidence)
+            if bands and seeds is not None:  # a group of seeds: its mean and the mean's band
+                for run in members:
+                    xs, ys = _curve(run, metric, x, smoothing)
+                    ax.plot(xs, ys, color=colour, alpha=0.25, linewidth=0.8)
+                xs, means, lows, highs = seeds
+                ax.plot(
+                    xs,
+                    means,
+                    color=colour,
+                    linewidth=1.6,
+                    marker=marker,
+                    markersize=3,
+                    label=f"{name or members[0].name} ({len(members)} seeds): mean, "
+                    f"{confidence:.0%} CI",
+                )
+                ax.fill_between(xs, lows, highs, color=colour, alpha=0.2, linewidth=0)
+                continue
             for i, run in enumerate(members):
-                xs, ys = run.series(metric, x)
+                xs, ys = _curve(run, metric, x, smoothing)
                 if not xs:
                     continue
-                if metric == "loss" and smoothing:
-                    ys = smooth(ys, smoothing)
                 shown_name = (name or run.name) if i == 0 else None
                 if shown_name and len(members) > 1:
                     shown_name += f" ({len(members)} seeds)"
@@ -97,7 +162,7 @@ def plot(
                     color=colour,
                     alpha=1.0 if len(members) == 1 else 0.7,
                     linewidth=1.4,
-                    marker="o" if metric == "eval_loss" or metric.startswith(DOWNSTREAM) else None,
+                    marker=marker,
                     markersize=3,
                     label=shown_name,
                 )
@@ -126,8 +191,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
     )
-    parser.add_argument("-o", "--output", required=True, help="the figure: .png, .svg or .pdf")
-    parser.add_argument("--x", choices=("step", "tokens"), default="step", help="the x axis")
+    parser.add_argument(
+        "-o", "--output", required=True, help="the figure: .png, .svg or .pdf (required)"
+    )
+    parser.add_argument(
+        "--x", choices=("step", "tokens"), default="step", help="the x axis (default: step)"
+    )
     parser.add_argument(
         "--metric",
         action="append",
@@ -138,13 +207,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--downstream",
         action="store_true",
-        help="also a panel for every downstream/<task>/<metric> the runs logged",
+        help="also a panel for every downstream/<task>/<metric> the runs logged (default: off)",
     )
     parser.add_argument(
-        "--smooth", type=float, default=0.0, help="EMA weight for the train loss, 0 to <1"
+        "--smooth",
+        type=float,
+        default=0.0,
+        help="EMA weight for the train loss, 0 to <1 (default: 0, none)",
     )
-    parser.add_argument("--log-y", action="store_true", help="logarithmic loss axis")
-    parser.add_argument("--title", default=None)
+    parser.add_argument(
+        "--log-y", action="store_true", help="logarithmic loss axis (default: linear)"
+    )
+    parser.add_argument(
+        "--per-run",
+        action="store_true",
+        help="one line per run (default: a group of seeds as its mean with a 95%% CI band)",
+    )
+    parser.add_argument("--title", default=None, help="the figure's title (default: none)")
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -165,6 +244,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         smoothing=args.smooth,
         log_y=args.log_y,
         title=args.title,
+        bands=not args.per_run,
     )
     print(f"{len(runs)} runs, {', '.join(drawn)} -> {args.output}", file=sys.stderr)
     return 0

@@ -32,7 +32,7 @@ def llmtrain_commands(register):
         "compare",
         Command(
             help="a table of runs or sweeps: what varies, eval loss, downstream metrics, "
-            "tokens/s, MFU, wall time",
+            "tokens/s; with --baseline each row's difference, p-value and verdict",
             configure=compare.configure,
             run=compare.run,
         ),
@@ -57,8 +57,8 @@ def llmtrain_commands(register):
     register(
         "report",
         Command(
-            help="one self-contained HTML page of runs or sweeps: the compare table with "
-            "intervals and significance, curves, scaling-law fits, each run's settings",
+            help="one self-contained HTML page of runs or sweeps: the verdict, the compare "
+            "table with intervals and significance, curves, scaling-law fits, each run's settings",
             configure=html_report.configure,
             run=html_report.run,
         ),

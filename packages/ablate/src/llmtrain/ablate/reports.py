@@ -264,8 +264,13 @@ def find_trace(run: Path, step: int | None, rank: int) -> Path:
 def configure_profile(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a run directory, or a trace file (.json)")
     parser.add_argument("--step", type=int, default=None, help="the window (default: the newest)")
-    parser.add_argument("--rank", type=int, default=0)
-    parser.add_argument("--top", type=int, default=20, help="how many operators (and kernels)")
+    parser.add_argument("--rank", type=int, default=0, help="whose trace (default: 0)")
+    parser.add_argument(
+        "--top", type=int, default=20, help="how many operators (and kernels) (default: 20)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print the numbers as JSON (default: the tables)"
+    )
     parser.add_argument(
         "--sort",
         choices=("gpu", "cpu"),
@@ -284,12 +289,22 @@ def run_profile(args: argparse.Namespace, ctx: Context) -> int:
     if not isinstance(trace, dict):
         raise UserError(f"{trace_file}: not a Chrome trace (no traceEvents object)")
     gpu = gpu_profile(trace)
+    if gpu is not None and args.json:
+        ops = sorted(gpu.ops, key=lambda op: -(op.cpu_self_us if args.sort == "cpu" else op.gpu_us))
+        document = {**attrs.asdict(gpu), "ops": [attrs.asdict(op) for op in ops[: args.top]]}
+        document["kernels"] = document["kernels"][: args.top]
+        print(json.dumps({"trace": str(trace_file), "gpu": document}, indent=1))
+        return 0
     if gpu is not None:
         _print_gpu_profile(trace_file, gpu, args.top, args.sort)
         return 0
     ops = top_ops(trace)
     if not ops:
         raise UserError(f"{trace_file}: holds no operator events")
+    if args.json:
+        listed = [attrs.asdict(op) for op in ops[: args.top]]
+        print(json.dumps({"trace": str(trace_file), "ops": listed}, indent=1))
+        return 0
     total = sum(op.self_us for op in ops) or 1.0
     print(f"{trace_file}: top {min(args.top, len(ops))} of {len(ops)} operators by self time")
     width = min(max(len(op.name) for op in ops[: args.top]), 60)
@@ -415,6 +430,9 @@ def rank_stats(run: Path, skip_first: bool = True) -> list[RankStats]:
 
 def configure_ranks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", help="a run directory")
+    parser.add_argument(
+        "--json", action="store_true", help="print the numbers as JSON (default: the table)"
+    )
 
 
 def slowest_rank(stats: list[RankStats]) -> RankStats:
@@ -429,6 +447,10 @@ def slowest_rank(stats: list[RankStats]) -> RankStats:
 def run_ranks(args: argparse.Namespace, ctx: Context) -> int:
     stats = rank_stats(Path(args.run))
     slowest = slowest_rank(stats)
+    if args.json:
+        document = {"ranks": [attrs.asdict(s) for s in stats], "slowest": slowest.rank}
+        print(json.dumps(document, indent=1))
+        return 0
     print(
         f"{'rank':>4}  {'windows':>7}  {'step s (median)':>15}  {'p90':>9}  "
         f"{'data wait':>9}  {'sync wait':>9}  {'late by':>8}  {'peak MiB':>9}"
