@@ -63,12 +63,21 @@ training: {{steps: {steps}, log_every: 10, checkpoint_every: {max(steps // 2, 1)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dir", default="quickstart", help="where everything goes")
     parser.add_argument(
-        "--steps", type=int, default=600, help="training steps (600: a few minutes)"
+        "--dir", default="quickstart", help="where everything goes (default: quickstart)"
     )
-    parser.add_argument("--documents", type=int, default=4000)
-    parser.add_argument("--prompt", default="The cat")
+    parser.add_argument(
+        "--steps", type=int, default=600, help="training steps (default: 600, a few minutes)"
+    )
+    parser.add_argument(
+        "--documents",
+        type=int,
+        default=4000,
+        help="documents in the generated corpus (default: 4000)",
+    )
+    parser.add_argument(
+        "--prompt", default="The cat", help="the text the sample goes on from (default: The cat)"
+    )
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
