@@ -22,7 +22,7 @@ def test_run_without_arguments_says_the_config_is_missing(run_cli, capsys):
         run_cli("run")
     assert info.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
-    assert last == "llmtrain run: error: the following arguments are required: config"
+    assert last == "llmtrain run: error: the following arguments are required: CONFIG"
 
 
 def test_global_flags_may_follow_the_config(tmp_path, run_cli):
