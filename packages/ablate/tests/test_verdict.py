@@ -131,13 +131,32 @@ def test_a_row_of_one_run_is_untested_and_says_why(tmp_path, make_run, run_cli):
     assert "untested: 1 run with a value against the baseline's 3" in verdict["text"]
 
 
-def test_the_default_table_fits_100_columns_and_columns_all_shows_every_result(lr_sweep, run_cli):
+def test_the_default_table_fits_100_columns_and_columns_all_shows_every_result(
+    lr_sweep, run_cli, tmp_path, make_run
+):
     for args in ((), ("--baseline", "lr=0.001"), ("--per-run",)):
         code, out, err = run_cli("compare", lr_sweep, *args)
         assert code == 0, err
-        table = out.split("\n\n")[0].splitlines()
-        assert max(len(line) for line in table) <= compare.TABLE_WIDTH, (args, out)
-        assert max(len(line) for line in out.splitlines()) <= compare.TABLE_WIDTH, args
+        assert max(len(line) for line in out.splitlines()) <= compare.TABLE_WIDTH, (args, out)
+    # two settings that vary, long statuses, a baseline: still within 100 characters
+    grid = tmp_path / "grid"
+    for lr in (1e-3, 3e-3):
+        for layers in (2, 12):
+            for seed in range(3):
+                name = f"lr={lr:g},n_layers={layers},seed={seed}"
+                settings = config(name, lr, seed, data={"seq_len": 64 * layers})
+                noise = ((seed * 31 + layers * 17 * (seed + 1) + int(lr * 1e4) * 7) % 11) / 100
+                final = 3.0 - seed / 7 - layers / 100 - noise
+                make_run(grid, name, settings, [4.0, 3.0 + seed / 10], [None, final])
+    code, out, err = run_cli("compare", grid, "--baseline", "lr=0.001,seq_len=128")
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= compare.TABLE_WIDTH, out
+    header, _, *lines = out.split("\n\n")[0].splitlines()
+    assert header.split() == ["seq_len", "lr", "runs", "status", "final_eval_loss", "diff", "p",
+                              "(holm)"]  # fmt: skip
+    means = slice(header.index("final_eval_loss"), header.index("diff"))
+    assert all("3 incomplete" in line and "[" not in line[means] for line in lines), out
+    assert sum("[" in line for line in lines) == 3  # the differences' intervals
     code, out, _ = run_cli("compare", lr_sweep)
     assert out.splitlines()[0].split() == [
         "lr",

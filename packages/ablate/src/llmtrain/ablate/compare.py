@@ -256,6 +256,7 @@ def render(
     confidence: float = 0.95,
     comparison: Comparison | None = None,
     columns: Sequence[str] | None = None,
+    intervals: bool = True,
 ) -> str:
     """`fmt`: table, markdown, csv or json. `sort` a result column: the lowest first, or the
     highest where higher is better (accuracies). `confidence`: of the intervals over seeds.
@@ -268,7 +269,13 @@ def render(
     if fmt == "json":
         return _json(keys, rows, sort, confidence, comparison)
     header, body = cells(
-        keys, rows, sort=sort, confidence=confidence, comparison=comparison, columns=columns
+        keys,
+        rows,
+        sort=sort,
+        confidence=confidence,
+        comparison=comparison,
+        columns=columns,
+        intervals=intervals,
     )
     sentences = [v.text for v in verdicts_of(keys, rows, comparison)]
     if fmt == "markdown":
@@ -336,10 +343,12 @@ def cells(
     confidence: float = 0.95,
     comparison: Comparison | None = None,
     columns: Sequence[str] | None = None,
+    intervals: bool = True,
 ) -> tuple[list[str], list[list[str]]]:
     """(header, one list of cell texts per row, in `sort` order): what the table and markdown
     formats and the HTML report lay out. `columns`: the result columns (None: every one some
-    row has)."""
+    row has). `intervals`: False leaves the means' intervals out (the narrow table with a
+    baseline, whose difference column has the interval that matters)."""
     order, results = _order_and_results(rows, sort)
     if columns is not None:
         by_name = {r.name: r for r in results}
@@ -355,7 +364,7 @@ def cells(
         row = rows[i]
         line = [shown(row.settings[k]) for k in keys] or [row.runs[0].name]
         line += [*([str(len(row.runs))] if seeds else []), row.status]
-        line += [_cell(row, result, confidence) for result in results]
+        line += [_cell(row, result, confidence, intervals) for result in results]
         if comparison is not None:
             line += [comparison.cell(i, fmt_of), comparison.p_cell(i)]
         body.append(line)
@@ -441,7 +450,7 @@ def _order_and_results(rows: Sequence[Row], sort: str | None) -> tuple[list[int]
     return order, results
 
 
-def _cell(row: Row, result: Result, confidence: float) -> str:
+def _cell(row: Row, result: Result, confidence: float, intervals: bool = True) -> str:
     """mean ± std [the mean's interval] over seeds; a value from one run ± the stderr logged
     beside it; blank where no run has it."""
     mean, std = row.stats(result.name)
@@ -451,7 +460,7 @@ def _cell(row: Row, result: Result, confidence: float) -> str:
         std = row.stderr(result.name)
     if std is None or std == 0:
         return result.fmt(mean)
-    interval = row.interval(result.name, confidence) if result.interval else None
+    interval = row.interval(result.name, confidence) if result.interval and intervals else None
     shown_interval = (
         "" if interval is None else f" [{result.fmt(interval[0])}, {result.fmt(interval[1])}]"
     )
@@ -740,6 +749,9 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         confidence=1 - args.alpha,
         comparison=comparison,
         columns=columns,
+        # the narrow table with a baseline: the difference's interval answers the question,
+        # the means' would push it past 100 characters
+        intervals=comparison is None or args.columns is not None,
     )
     if args.output:
         path = write_atomically(args.output, text)

@@ -86,7 +86,12 @@ def compare_context(
     tables = {}
     for name, columns in (("narrow", narrow), ("wide", None)):
         header, body = compare.cells(
-            keys, rows, confidence=1 - alpha, comparison=comparison, columns=columns
+            keys,
+            rows,
+            confidence=1 - alpha,
+            comparison=comparison,
+            columns=columns,
+            intervals=comparison is None or columns is None,
         )
         p_column = len(header) - 1 if comparison is not None else -1
 
@@ -100,9 +105,11 @@ def compare_context(
         "losses and scores; throughput, tokens and wall time have no interval."
     )
     if comparison is not None:
-        intro += (
-            f" Against the baseline row, on {comparison.result}: the difference with its"
-            f" interval, and the Holm-adjusted p-value (* below {alpha:g}, ns above)."
+        intro = (
+            f"Rows of seeds show mean ± sample std (the means' {1 - alpha:.0%} t-intervals are "
+            f"under every result below). Against the baseline row, on {comparison.result}: the "
+            f"difference with its interval, and the Holm-adjusted p-value (* below {alpha:g}, "
+            "ns above)."
         )
     verdicts = []
     for verdict in compare.verdicts_of(keys, rows, comparison):
