@@ -314,6 +314,12 @@ def test_fit_command_prints_writes_json_and_plots(tmp_path, run_cli):
     assert prediction["loss"][1:] == pytest.approx([truth, truth], rel=1e-4)
     assert {r["name"] for r in report["runs"]} == {f"n{i}-d{j}" for i in range(4) for j in range(4)}
     assert report["runs"][0]["compute"] == pytest.approx(6 * 1e7 * 1e9)
+    # --json prints what -o writes
+    code, out, err = run_cli(
+        "fit", sweep, "--bootstrap", "10", "--predict", "N=1e9,D=2e11", "--json"
+    )
+    assert code == 0, err
+    assert json.loads(out) == report
 
     code, _, err = run_cli(
         "fit",

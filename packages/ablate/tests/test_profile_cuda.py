@@ -298,6 +298,14 @@ def test_profile_command_on_a_cuda_trace(tmp_path, run_cli):
     assert kernels[3]["name"] == MEMCPY
     assert len(lines) == 16
     assert " gpu " in out  # what the GPU test of integration_tests looks for
+    # --json: the same numbers, machine-readable
+    code, out, err = run_cli("profile", tmp_path / "run", "--top", "5", "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    assert document["trace"] == str(window / "rank0.json")
+    got = [(op["name"], op["calls"], round(op["gpu_us"] / 1e3, 3)) for op in document["gpu"]["ops"]]
+    assert got[:2] == [("aten::addmm", 2, 0.701), ("aten::mm", 1, 0.15)] and len(got) == 5
+    assert len(document["gpu"]["kernels"]) == 5 and document["gpu"]["streams"] == 2
 
     # by CPU self time instead
     code, out, err = run_cli("profile", window / "rank0.json", "--top", "2", "--sort", "cpu")

@@ -85,6 +85,10 @@ def test_rank_stats_and_the_slowest_rank(tmp_path, run_cli):
     row1 = next(line for line in out.splitlines() if line.strip().startswith("1 "))
     assert row1.endswith("<- slowest")
     assert "slowest: rank 1; the others spend 29.0% of their time waiting for it" in out
+    code, out, _ = run_cli("ranks", tmp_path, "--json")  # the same numbers, machine-readable
+    document = json.loads(out)
+    assert code == 0 and document["slowest"] == 1
+    assert [r["step_time_s"] for r in document["ranks"]] == [s.step_time_s for s in stats]
 
     # with arrival lags (every rank made the same collectives) the latest rank is the slowest
     for rank, lag in ((0, 0.0), (1, 0.01), (2, 0.4)):
