@@ -5,6 +5,8 @@ transformers), exports back to the same weights and tokenizer; bad input is refu
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -183,3 +185,30 @@ def test_tokenizer_kinds_and_a_moved_tokenizer(tmp_path, plugins, tokenizer_json
     text = "héllo <|pad|> wörld 3€"
     assert exported(text)["input_ids"][:6] == list(text.encode("utf-8"))[:6]
     assert exported.eos_token_id == 256 and exported.decode(list(text.encode())) == text
+
+
+def test_help_and_plugins_import_neither_transformers_nor_torch():
+    """Every `llmtrain` start loads this plugin: listing commands and plugins, and the help of
+    `hf` itself, import none of transformers, torch, tokenizers, safetensors or the hub client
+    (only `hf export` / `hf import` running do, and only what they use)."""
+    probe = (
+        "import contextlib, io, sys\n"
+        "from llmtrain.core_mesh.cli import main\n"
+        "for argv in (['--help'], ['plugins'], ['hf', '--help'], ['hf', 'export', '--help'],\n"
+        "             ['hf', 'import', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit:\n"
+        "            pass\n"
+        "    heavy = ('transformers', 'torch', 'tokenizers', 'safetensors', 'huggingface_hub')\n"
+        "    print(' '.join(argv), bool(out.getvalue()), [m for m in heavy if m in sys.modules])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.splitlines() == [
+        "--help True []",
+        "plugins True []",
+        "hf --help True []",
+        "hf export --help True []",
+        "hf import --help True []",
+    ]

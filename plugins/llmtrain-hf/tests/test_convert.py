@@ -12,6 +12,7 @@ from llmtrain_hf.convert import (
     from_hf_model,
     hf_config,
     options_from_hf,
+    save_hf_model,
     to_hf_model,
 )
 
@@ -153,6 +154,27 @@ def test_llmtrain_model_exports_with_its_logits(hf, name):
     again = from_hf_model(theirs)
     for key, value in ours.state_dict().items():
         assert torch.equal(again.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "architecture"),
+    [(name, torch.float32, None) for name in LLMTRAIN_CONFIGS]
+    + [("tiny", torch.bfloat16, None), ("tiny", torch.float32, "MistralForCausalLM")],
+)
+def test_save_hf_model_writes_what_save_pretrained_writes(tmp_path, name, dtype, architecture):
+    """`hf export` writes the files without building the transformers model: byte for byte
+    what that model's save_pretrained writes (tied heads left out, padding ids suppressed)."""
+    ours = random_llmtrain(LLMTRAIN_CONFIGS[name])
+    kwargs = dict(eos_token_id=0, dtype=dtype, architecture=architecture)
+    save_hf_model(str(tmp_path / "direct"), ours, **kwargs)
+    to_hf_model(ours, **kwargs).save_pretrained(tmp_path / "transformers")
+    files = sorted(p.name for p in (tmp_path / "transformers").iterdir())
+    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "direct").iterdir()) == files
+    for file in files:
+        assert (tmp_path / "direct" / file).read_bytes() == (
+            tmp_path / "transformers" / file
+        ).read_bytes(), file
 
 
 def test_export_uses_llmtrain_gelu_and_every_number(hf):

@@ -659,6 +659,37 @@ def to_hf_model(
     return hf.to(dtype).eval()
 
 
+def save_hf_model(
+    directory: str,
+    model: Transformer,
+    *,
+    eos_token_id: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    architecture: str | None = None,
+) -> None:
+    """Write what `to_hf_model(model, ...).save_pretrained(directory)` writes (config.json,
+    generation_config.json, model.safetensors) without building the transformers model: its
+    modeling code is not imported (`hf export` starts faster) and no second, randomly
+    initialised copy of the weights is made (a large model exports in the memory of one)."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    options = model.cfg
+    arch = architecture_of(options, architecture)
+    config = hf_config(options, eos_token_id=eos_token_id, dtype=dtype, architecture=arch)
+    state = to_hf_state_dict(model.state_dict(), options)
+    if options.tied_embeddings:
+        del state["lm_head.weight"]  # the embedding: save_pretrained leaves tied copies out too
+    state = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    config.save_pretrained(directory)
+    generation = GenerationConfig.from_model_config(config)
+    if options.padded_vocab_size > options.vocab_size:
+        # llmtrain never samples the padding ids; neither does transformers' generate then
+        generation.suppress_tokens = list(range(options.vocab_size, options.padded_vocab_size))
+    generation.save_pretrained(directory)
+    save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+
+
 def from_hf_model(hf_model: Any) -> Transformer:
     """An llmtrain `Transformer` (float32, eval mode; its options are `.cfg`) with the weights of
     a transformers model of a supported architecture (`ARCHITECTURES`)."""

@@ -21,7 +21,7 @@ from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models.transformer import Transformer, build_model
-from llmtrain_hf.convert import GPT2, architecture_of, portable_config, to_hf_model
+from llmtrain_hf.convert import GPT2, architecture_of, portable_config, save_hf_model
 from llmtrain_hf.hf_dir import HFDir, read_config, read_weights_of
 from llmtrain_hf.tokenizer import (
     TokenizerExport,
@@ -107,10 +107,11 @@ def export_checkpoint(
     else:
         tok = TokenizerExport(None, "--no-tokenizer: no tokenizer files written")
     notes.append(tok.note)
-    hf = to_hf_model(model, eos_token_id=tok.eos_token_id, dtype=DTYPES[dtype], architecture=arch)
     source = f"{checkpoint.rstrip('/')}/step-{step}"
     with _staged(out) as staging:
-        hf.save_pretrained(staging)
+        save_hf_model(
+            staging, model, eos_token_id=tok.eos_token_id, dtype=DTYPES[dtype], architecture=arch
+        )
         portable_config(staging, cfg)
         save_tokenizer(tok, staging)
         with open(os.path.join(staging, "llmtrain.json"), "w", encoding="utf-8") as f:
