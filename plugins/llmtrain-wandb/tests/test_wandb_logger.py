@@ -144,8 +144,8 @@ def test_offline_run_logs_every_step_and_the_config(data, tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, 31))
     assert history(recs) == expected(metrics)  # every key, every step, exactly
     assert [step for step, items in history(recs) if "loss/eval" in items] == [10, 20, 30]
-    # W&B makes a section of each key's part before its first `/` and sorts sections by name:
-    # `loss` comes first, and every step logs its loss keys first
+    # W&B makes a section of each key's part before its first `/`: `loss` is the first by name,
+    # and the first W&B sees (every step logs its loss keys first)
     sections = sorted({key.split("/")[0] for _, items in history(recs) for key in items})
     assert sections == ["loss", "memory", "optim", "perf", "progress"]
     for _, items in history(recs):
