@@ -1,7 +1,7 @@
 """How long `llmtrain hf import` and `llmtrain hf export` take for a tiny model, and where the
 time goes: python tools/bench_hf_startup.py [--rounds 5] [--profile].
 
-For a model this small (a Llama of ~120k parameters with a 300-token BPE tokenizer, made here:
+For a model this small (a Llama of ~100k parameters with a 300-token BPE tokenizer, made here:
 nothing is downloaded) the commands' time is their start: imports, not tensors. Each round runs,
 as fresh processes in rotating order, the two commands on the same directories (import of a
 transformers directory with its tokenizer into a checkpoint; export of that checkpoint, tokenizer

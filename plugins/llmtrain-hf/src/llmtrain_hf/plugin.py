@@ -48,11 +48,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    from transformers.utils import logging as hf_logging
-
+    # transformers is imported where a step needs it (config.json, the tokenizer files), not
+    # here: a refused argument or a missing checkpoint answers without it
     from llmtrain_hf.transfer import export_checkpoint, import_hf
 
-    hf_logging.disable_progress_bar()
     if args.action == "export":
         report = export_checkpoint(
             args.checkpoints,
