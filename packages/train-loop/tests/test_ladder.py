@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import ClassVar
 
 import attrs
@@ -252,22 +253,99 @@ def test_a_base_with_training_tokens_gets_steps_instead(installed, tmp_path, run
         (["--budgets=-1e13", "--tokens-per-param", "20"], "--budgets: -1e13 is not positive"),
         (["--budgets", "1e13", "--tokens-per-param", "20,x"], "--tokens-per-param: 'x' is not"),
         (["--budgets", "1e13,1e13", "--tokens-per-param", "20"], "1e13 is given twice"),
-        (["--budgets", "1e9", "--tokens-per-param", "20"], "--budgets 1e9 with --tokens-per-param 20: too small"),
-        (["--budgets", "1e12", "--tokens-per-param", "10"], "no shape within 10% of N = 129,099"),
         (["--budgets", "1e13", "--tokens-per-param", "20", "--aspect-ratio", "128,32"], "MIN,MAX"),
         (["--budgets", "1e13", "--tokens-per-param", "20", "--grid", "model.n_layers=2,4"],
-         "model.n_layers cannot be swept with it"),
+         "refused: model.n_layers (--grid 'model.n_layers=2,4')"),
         (["--budgets", "1e13", "--tokens-per-param", "20", "--zip", "data.micro_batch=4,8"],
-         "data.micro_batch cannot be swept with it"),
+         "refused: data.micro_batch (--zip 'data.micro_batch=4,8')"),
     ],
 )  # fmt: skip
 def test_bad_ladders_are_one_line_errors(tmp_path, run_cli, args, message):
     sweeps = tmp_path / "sweeps"
     code, _, err = run_cli("sweep", write_base(tmp_path), "--ladder", *args, "--dir", sweeps)
-    assert code != 0
+    assert code == 2
     (line,) = err.strip().splitlines()
     assert line.startswith("error: ") and message in line, line
     assert not sweeps.exists()
+
+
+def alone(plugins, base, budget, ratio) -> str | None:
+    """Why the rung (budget, ratio) fails on its own, or None when it has a shape."""
+    try:
+        rungs_of(base, plugins, budgets=(budget,), ratios=(ratio,))
+    except UserError as exc:
+        (line,) = [line for line in str(exc).splitlines() if line.startswith("  C=")]
+        return line
+    return None
+
+
+def failing_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("  C=")]
+
+
+def suggested(err: str, prefix: str) -> list[float]:
+    (line,) = [line for line in err.splitlines() if line.startswith(prefix)]
+    return [float(value) for value in line.split()[-1].split(",")]
+
+
+def test_every_failing_rung_is_listed_with_the_smallest_budget_that_works(
+    installed, tmp_path, run_cli
+):
+    base = write_base(tmp_path)
+    budgets, ratios = (1e9, 1e12, 1e13, 2e13), (10, 20, 40)
+    sweeps = tmp_path / "sweeps"
+    code, out, err = run_cli(
+        "sweep", base, "--ladder", "--budgets", "1e9,1e12,1e13,2e13", "--tokens-per-param",
+        "10,20,40", "--dir", sweeps,
+    )  # fmt: skip
+    assert code == 2 and out == "" and not sweeps.exists()
+    lines = err.strip().splitlines()
+    # one message, naming the flag: every failing rung, nothing else
+    assert lines[0].startswith("error: --budgets 1e9,1e12,1e13,2e13: ")
+    expected = [
+        why for c in budgets for r in ratios if (why := alone(installed, base, c, r)) is not None
+    ]
+    assert failing_lines(err) == expected
+    assert f"{len(expected)} of 12 rungs have no model shape" in lines[0]
+    # all of 1e9 is below the smallest shape; some of 1e12 is between shapes; 1e13 works
+    assert sum("C=1e9," in line for line in expected) == 3
+    assert all("below the smallest shape (d_model 32, 1 layer: " in line for line in expected[:3])
+    assert any("C=1e12," in line and "off, more than 10%" in line for line in expected)
+    assert not any("C=1e13," in line for line in expected)
+    assert "N = 4,082: below" in expected[0]  # sqrt(1e9 / 60)
+
+    # the smallest budget reported works for every ratio, and none below it does
+    (smallest,) = suggested(err, "the smallest budget with a shape for every ratio")
+    rungs_of(base, installed, budgets=(smallest,), ratios=ratios)  # raises if it does not work
+    config = ladder_base(str(base), installed)
+    options = installed.options_of("model", config.model)
+    rule = ladder.shape_rule(options, "tiny", ladder.DEFAULT_ASPECT)
+    describe = ladder.meta_describer(installed, config.model)
+    space = ladder.ShapeSpace(rule, lambda shape: describe(shape).n_non_embedding_params)
+    # rounded up to 2 significant digits: at most 10% above the exact smallest one
+    for i in range(200):
+        below = smallest / 1.1 * (1e-3) ** (i / 200)
+        assert any(space.problem(math.sqrt(below / (6 * r))) is not None for r in ratios), below
+
+    # the next working budgets above the failing ones: the ladder they make runs
+    fixed = suggested(err, "the next budgets that work above the failing ones")
+    # 1e9 and 1e12 both move up to the smallest working budget (once); working ones stay
+    assert fixed == [smallest, 1e13, 2e13] and 1e12 < smallest < 1e13
+    assert len(rungs_of(base, installed, budgets=fixed, ratios=ratios)) == 9
+    code, out, err = run_cli(
+        "sweep", base, "--ladder", "--budgets", ",".join(map(str, fixed)),
+        "--tokens-per-param", "10,20,40", "--dry-run", "--dir", sweeps,
+    )  # fmt: skip
+    assert code == 0, err
+
+
+def test_a_budget_between_shapes_names_the_nearest_shape(installed, tmp_path):
+    with pytest.raises(UserError) as info:
+        rungs_of(write_base(tmp_path), installed, budgets=(1e12,), ratios=(10,))
+    # N = sqrt(1e12 / 60) = 129,099: d_model 96 with 2 layers (or 128 with 1) is too far off
+    (line,) = failing_lines(str(info.value))
+    assert line.startswith("  C=1e12, r=10: N = 129,099: the nearest shape (d_model ")
+    assert "more than 10%" in line
 
 
 def test_the_too_small_error_names_the_smallest_shape(installed, tmp_path):
@@ -279,8 +357,124 @@ def test_the_too_small_error_names_the_smallest_shape(installed, tmp_path):
         tmp_path / "base.yaml",
         {"d_model": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1},
     )
-    assert f"(d_model 32, 1 layer(s): {smallest:,})" in str(info.value)
-    assert f"needs C >= {ladder.compact(6 * 20 * smallest**2)}" in str(info.value)
+    assert f"below the smallest shape (d_model 32, 1 layer: {smallest:,} parameters)" in str(
+        info.value
+    )
+    # one ratio: its smallest budget puts N at the smallest shape, rounded up
+    (budget,) = suggested(str(info.value), "the smallest budget")
+    assert 6 * 20 * smallest**2 <= budget <= 1.1 * 6 * 20 * smallest**2
+
+
+# the keys a ladder sets, given by hand in every spelling and place: the same refusal, before
+# the base is read or anything is sized (a budget of 1e9 would fail to size)
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        (["model.n_heads=8"], "model.n_heads (override 'model.n_heads=8')"),
+        (["model={kind: tiny, vocab_size: 320, max_seq_len: 64, n_heads: 8}"],
+         "model.n_heads (override 'model={kind: tiny, vocab_size: 320, max_seq_len: 64, "
+         "n_heads: 8}')"),
+        (["model.n_kv_heads=null"], "model.n_kv_heads (override 'model.n_kv_heads=null')"),
+        (["model.mlp_hidden=256"], "model.mlp_hidden (override 'model.mlp_hidden=256')"),
+        (["training={steps: 5}"], "training.steps (override 'training={steps: 5}')"),
+        (["training.tokens=100000"], "training.tokens (override 'training.tokens=100000')"),
+        (["--grid", "model.n_heads=8,16"], "model.n_heads (--grid 'model.n_heads=8,16')"),
+        (["--zip", "model.n_heads=8,16", "--zip", "optimizer.lr=0.1,0.2"],
+         "model.n_heads (--zip 'model.n_heads=8,16')"),
+        (["--grid", "model={kind: tiny}"], "model (--grid 'model={kind: tiny}')"),
+    ],
+)  # fmt: skip
+def test_ladder_keys_are_refused_the_same_way_in_every_spelling(tmp_path, run_cli, argv, refused):
+    code, _, err = run_cli(
+        "sweep", write_base(tmp_path), "--ladder", "--budgets", "1e9", "--tokens-per-param",
+        "20", "--dry-run", *argv,
+    )  # fmt: skip
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: --ladder sets each rung's model.d_model, model.n_layers, ")
+    assert f"; refused: {refused}. Give the base's shape in the base config file" in line
+
+
+def test_every_refused_key_is_named_at_once(tmp_path, run_cli):
+    code, _, err = run_cli(
+        "sweep", write_base(tmp_path), "--ladder", "--budgets", "1e13", "--tokens-per-param",
+        "20", "--dry-run", "model.n_heads=8", "training.steps=3", "--grid", "data.seq_len=32,64",
+    )  # fmt: skip
+    assert code == 2
+    assert (
+        "refused: model.n_heads (override 'model.n_heads=8'); training.steps (override "
+        "'training.steps=3'); data.seq_len (--grid 'data.seq_len=32,64')."
+    ) in err
+
+
+def test_the_base_file_and_other_overrides_give_the_shape(installed, tmp_path, run_cli):
+    """n_heads in the base file sets head_dim; overrides of keys no rung sets are the base's."""
+    base = write_base(tmp_path, model="{kind: tiny, vocab_size: 320, max_seq_len: 64, n_heads: 8}")
+    for extra in ([], ["model.vocab_size=400"], ["model={kind: tiny, max_seq_len: 64}"]):
+        code, _, err = run_cli(
+            "sweep", base, "--ladder", "--budgets", "1e13", "--tokens-per-param", "20",
+            "--dry-run", *extra,
+        )  # fmt: skip
+        assert code == 0, (extra, err)
+    # without --ladder the same override is an ordinary one
+    code, _, err = run_cli(
+        "sweep", base, "--grid", "optimizer.lr=0.1,0.2", "model.n_heads=2", "--dry-run"
+    )
+    assert code == 0, err
+    (rung,) = rungs_of(base, installed, budgets=(1e13,), ratios=(20,))
+    assert rung.shape["d_model"] == 8 * rung.shape["n_heads"]  # head_dim 64 / 8
+
+
+# --- the laptop preset ---
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "ladder-laptop.yaml"
+
+
+def test_the_laptop_preset_sizes_the_example_for_a_cpu(installed, tmp_path, run_cli):
+    code, out, err = run_cli(
+        "sweep", EXAMPLE, "--ladder", "--preset", "laptop", "--dry-run", "--dir", tmp_path
+    )  # fmt: skip
+    assert code == 0, err
+    preset = ladder.PRESETS["laptop"]
+    ids = [f"C={ladder.compact(c)},r={r:g}" for c in preset.budgets for r in preset.ratios]
+    assert [row[0] for row in table_rows(out)] == ids
+    rungs = ladder.ladder(
+        ladder_base(str(EXAMPLE), installed),
+        installed,
+        budgets=preset.budgets,
+        ratios=preset.ratios,
+        aspect=preset.aspect,
+    )
+    # laptop-sized: small models, under 3M tokens in all (about two minutes on a CPU); two
+    # budgets of three sizes each, for two IsoFLOP profiles
+    assert all(r.shape["d_model"] <= 128 and r.shape["n_layers"] <= 4 for r in rungs)
+    assert all(16 <= r.shape["d_model"] / r.shape["n_layers"] <= 64 for r in rungs)
+    assert sum(r.tokens for r in rungs) < 3_000_000
+    for budget in preset.budgets:
+        assert len({r.params for r in rungs if r.budget == budget}) == 3
+
+
+def test_flags_given_with_a_preset_replace_its_values(tmp_path, run_cli):
+    code, _, err = run_cli(
+        "sweep", EXAMPLE, "--ladder", "--preset", "laptop", "--budgets", "1e12",
+        "--launch", "print", "--dir", tmp_path,
+    )  # fmt: skip
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "laptop" / "manifest.json").read_text())
+    assert [run["id"] for run in manifest["runs"]] == ["C=1e12,r=2", "C=1e12,r=8", "C=1e12,r=32"]
+    assert (
+        manifest["command"].split(" --dir ")[0].endswith("--ladder --preset laptop --budgets 1e12")
+    )
+    # the preset's aspect band still applies
+    assert all(16 <= row["d_model"] / row["n_layers"] <= 64 for row in manifest["ladder"])
+
+
+def test_a_preset_needs_ladder_and_a_known_name(tmp_path, run_cli):
+    code, _, err = run_cli("sweep", EXAMPLE, "--preset", "laptop", "--dry-run")
+    assert code == 2 and "--preset size a model ladder: add --ladder" in err
+    with pytest.raises(SystemExit) as exited:  # argparse's choices, shown in --help
+        run_cli("sweep", EXAMPLE, "--ladder", "--preset", "desktop", "--dry-run")
+    assert exited.value.code == 2
 
 
 def test_ladder_flags_need_ladder(tmp_path, run_cli):

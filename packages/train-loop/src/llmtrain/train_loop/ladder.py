@@ -37,6 +37,20 @@ then counted whole.
 Steps = ceil(D / tokens per step), where a step is the run's global batch (`data.batch_sizes`
 for the data-parallel size of the sweep's processes) x seq_len; the run's tokens are then within
 one step of D. The table reports the actual N, D, D / N and C = F D of each rung.
+
+A rung that has no shape is an error, and the error lists every such rung (its budget, ratio,
+target N and why: below the smallest shape, or the nearest shape too far) with the smallest
+budget at which every given ratio has a shape (`smallest_budget`), so one try finds a ladder.
+
+`--preset NAME` fills the budgets, ratios and aspect band that flags leave unset (`PRESETS`):
+`laptop` sizes six runs that train on one CPU in about two minutes from a base like
+`examples/ladder-laptop.yaml` (head_dim 8).
+
+The keys a rung sets (`RUNG_KEYS`: the model's shape and the run length) are never given by
+hand on the sweep's command line, in any spelling: an override `model.n_heads=8`, one inside a
+mapping `model={kind: tiny, n_heads: 8}`, or an axis. Axes also may not vary what the rungs are
+sized from (`LADDER_OWNS`: the model, the batch, seq_len, the mesh). `refuse_keys` is that rule,
+checked before anything is sized. The base config file gives the shape the ladder scales.
 """
 
 from __future__ import annotations
@@ -48,7 +62,7 @@ from typing import Any
 
 import attrs
 
-from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem
+from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, parse_override
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.train_loop.run_config import RunConfig, checked_model_options
@@ -58,6 +72,17 @@ DEFAULT_ASPECT = (32.0, 128.0)
 # coarse (the smallest models of a wide head_dim) and its point would mislead a fit
 TOLERANCE = 0.10
 SHAPE_KEYS = ("d_model", "n_layers", "n_heads")
+# the keys every rung sets: given by hand (an override or an axis, in any spelling) they are
+# refused, whether or not this base sets them
+RUNG_KEYS = (
+    "model.d_model",
+    "model.n_layers",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "model.mlp_hidden",
+    "training.steps",
+    "training.tokens",
+)
 # sweep axes that would change the model's size or the tokens per step the ladder computed
 LADDER_OWNS = (
     "model.",
@@ -69,6 +94,30 @@ LADDER_OWNS = (
     "training.steps",
     "training.tokens",
 )
+
+
+@attrs.frozen
+class Preset:
+    """Budgets, ratios and an aspect band that fit together, for `--preset NAME`."""
+
+    budgets: tuple[float, ...]
+    ratios: tuple[float, ...]
+    aspect: tuple[float, float]
+    about: str
+
+
+PRESETS = {
+    # 2 budgets x 3 ratios: two IsoFLOP profiles of three sizes (about 25k to 200k non-embedding
+    # parameters with head_dim 8), 6 runs of 100 to 1,000 steps of 1,024 tokens: about two
+    # minutes on one CPU for examples/ladder-laptop.yaml
+    "laptop": Preset(
+        budgets=(1.2e11, 4.8e11),
+        ratios=(2.0, 8.0, 32.0),
+        aspect=(16.0, 64.0),
+        about="six runs on one CPU in minutes, from a base with head_dim 8 "
+        "(examples/ladder-laptop.yaml)",
+    ),
+}
 
 
 @attrs.frozen
@@ -203,20 +252,47 @@ def parse_aspect(text: str | None) -> tuple[float, float]:
     return values[0], values[1]
 
 
-def check_other_axes(keys: Sequence[str]) -> None:
-    """Sweep axes may vary what the ladder leaves alone (optimizer.lr, seeds), not the model or
-    the tokens per step it sized the rungs with."""
-    owned = [k for k in keys if any(_within(k, owned) for owned in LADDER_OWNS)]
-    if owned:
+def refuse_keys(overrides: Sequence[str], axes: Sequence[tuple[str, str]]) -> None:
+    """The one rule for the keys a ladder meets on the command line, whatever their spelling:
+    `overrides` (`KEY=VALUE`, a mapping value setting each key inside it) may not set what a
+    rung sets (`RUNG_KEYS`); `axes` ((key, flag) of --grid, --zip) may not vary that or what the
+    rungs are sized from (`LADDER_OWNS`). Every refused key in one message, before sizing."""
+    refused: list[str] = []
+    for text in overrides:
+        try:
+            path, value = parse_override(text)
+        except ConfigError:
+            continue  # the sweep reports a malformed override as it does without --ladder
+        for key in _keys_set(path, value):
+            if any(_overlaps(key, owned) for owned in RUNG_KEYS):
+                refused.append(f"{key} (override {text!r})")
+    for key, flag in axes:
+        if any(_overlaps(key, owned) for owned in (*RUNG_KEYS, *LADDER_OWNS)):
+            refused.append(f"{key} ({flag})")
+    if refused:
         raise UserError(
-            f"--ladder sizes the model and the steps from the base config; {', '.join(owned)} "
-            "cannot be swept with it: set them in the base config (or sweep them in separate ladders)"
+            f"--ladder sets each rung's {', '.join(RUNG_KEYS)} and sizes the rungs from the "
+            "base config's model, batch, seq_len and mesh; refused: "
+            f"{'; '.join(dict.fromkeys(refused))}. Give the base's shape in the base config "
+            "file (the ladder keeps its head_dim = d_model / n_heads, n_heads / n_kv_heads and "
+            "mlp_hidden / d_model), and sweep the model, batch or mesh in separate ladders"
         )
 
 
-def _within(key: str, owned: str) -> bool:
-    """`model.d_model` is within `model.`; `data.seq_len` within `data.seq_len`."""
-    return key.startswith(owned) or key == owned.rstrip(".")
+def _keys_set(path: tuple, value: Any) -> list[str]:
+    """The dotted keys an override sets: `model.n_heads=8` one, `model={n_heads: 8, ...}` each
+    key in the mapping (nested ones too)."""
+    key = ".".join(str(p) for p in path)
+    if isinstance(value, dict) and value:
+        return [k for name, item in value.items() for k in _keys_set((*path, name), item)]
+    return [key]
+
+
+def _overlaps(key: str, owned: str) -> bool:
+    """`model.d_model` is within `model.`, `data.seq_len` within `data.seq_len`, and `model`
+    (the whole section) overlaps both `model.` and `model.n_heads`."""
+    owned = owned.rstrip(".")
+    return key == owned or key.startswith(f"{owned}.") or owned.startswith(f"{key}.")
 
 
 # --- shapes and counts ---
@@ -266,34 +342,113 @@ def meta_describer(plugins: Any, choice: Any) -> Callable[[dict[str, int]], Any]
     return describe
 
 
-def nearest_shape(
-    target: float, rule: ShapeRule, count: Callable[[dict[str, int]], int]
-) -> tuple[dict[str, int], int, dict[str, int], int]:
-    """(the shape nearest `target` parameters, its exact count, the smallest shape in the band,
-    its count). Widths grow by head_dim x kv_group until even the fewest layers overshoot."""
-    middle = math.sqrt(rule.aspect[0] * rule.aspect[1])
-    best: tuple[float, float, int, int] | None = None  # (distance, aspect distance, d, layers)
-    smallest: tuple[int, int] | None = None
-    d_model = rule.width_step
-    while True:
-        layers = rule.layer_counts(d_model)
-        if layers:
-            one = count(rule.shape(d_model, 1))
-            per_block = count(rule.shape(d_model, 2)) - one
-            for n_layers in layers:
-                params = one + (n_layers - 1) * per_block
-                key = (abs(params - target), abs(math.log(d_model / n_layers / middle)))
-                if best is None or key < best[:2]:
-                    best = (*key, d_model, n_layers)
-            if smallest is None:
-                smallest = (d_model, layers[0])
-            if one + (layers[0] - 1) * per_block > 2 * target:
-                break  # wider shapes only grow
-        d_model += rule.width_step
-    assert best is not None and smallest is not None
-    chosen = rule.shape(best[2], best[3])
-    least = rule.shape(*smallest)
-    return chosen, count(chosen), least, count(least)
+class ShapeSpace:
+    """Every shape of a rule, with its exact non-embedding count, enumerated lazily: widths grow
+    by head_dim x kv_group, each with the layer counts of the aspect band. The count of a width
+    comes from its model at 1 and 2 layers (blocks are of one size)."""
+
+    def __init__(self, rule: ShapeRule, count: Callable[[dict[str, int]], int]):
+        self.rule = rule
+        self.count = count
+        # (d_model, the layer counts in the band, params at the fewest, params per block)
+        self._widths: list[tuple[int, range, int, int]] = []
+        self._next = rule.width_step
+
+    def _width(self, i: int) -> tuple[int, range, int, int]:
+        while len(self._widths) <= i:
+            d_model = self._next
+            self._next += self.rule.width_step
+            layers = self.rule.layer_counts(d_model)
+            if not layers:
+                continue
+            one = self.count(self.rule.shape(d_model, 1))
+            per_block = self.count(self.rule.shape(d_model, 2)) - one
+            self._widths.append((d_model, layers, one + (layers[0] - 1) * per_block, per_block))
+        return self._widths[i]
+
+    def widths(self, limit: float) -> list[tuple[int, range, int, int]]:
+        """The widths up to the first whose fewest layers count more than `limit` (included)."""
+        out, i = [], 0
+        while True:
+            width = self._width(i)
+            out.append(width)
+            if width[2] > limit:
+                return out
+            i += 1
+
+    def shapes(self, limit: float) -> list[tuple[int, int, int]]:
+        """(params, d_model, n_layers) of every shape of `widths(limit)`, widths then layers
+        ascending."""
+        return [
+            (fewest + (n - layers[0]) * per_block, d_model, n)
+            for d_model, layers, fewest, per_block in self.widths(limit)
+            for n in layers
+        ]
+
+    def smallest(self) -> tuple[int, int, int]:
+        d_model, layers, fewest, _ = self._width(0)
+        return fewest, d_model, layers[0]
+
+    def nearest(self, target: float) -> tuple[int, int, int]:
+        """The shape nearest `target` parameters (ties: the aspect nearest the band's middle,
+        then the narrower)."""
+        middle = math.sqrt(self.rule.aspect[0] * self.rule.aspect[1])
+        return min(
+            self.shapes(2 * target),
+            key=lambda s: (abs(s[0] - target), abs(math.log(s[1] / s[2] / middle))),
+        )
+
+    def problem(self, target: float) -> str | None:
+        """Why a rung of `target` parameters has no shape, or None when it has one."""
+        least, d_model, n_layers = self.smallest()
+        if target < least:
+            return (
+                f"below the smallest shape (d_model {d_model}, {_layers(n_layers)}: "
+                f"{least:,} parameters)"
+            )
+        params, d_model, n_layers = self.nearest(target)
+        if abs(params - target) > TOLERANCE * target:
+            return (
+                f"the nearest shape (d_model {d_model}, {_layers(n_layers)}: {params:,}) is "
+                f"{params / target - 1:+.0%} off, more than {TOLERANCE:.0%}"
+            )
+        return None
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer{'s' if n != 1 else ''}"
+
+
+def smallest_budget(
+    ratios: Sequence[float], space: ShapeSpace, at_least: float = 0.0
+) -> float | None:
+    """The smallest budget from `at_least` on (rounded up to 2 or 3 significant digits) at which
+    every ratio's rung has a shape, or None if there is none below 1e30. The budgets where one
+    ratio works start where its N reaches the smallest shape or comes within 10% of a shape
+    (N = p / 1.1): the smallest budget where all work is `at_least` or one of those starts."""
+    least = space.smallest()[0]
+    low = min(ratios)
+    limit = max(4.0 * least, math.sqrt(at_least / (6 * low)))
+    while 6 * low * limit**2 < 1e30:
+        starts = [least] + [p / (1 + TOLERANCE) for p, _, _ in space.shapes(limit)]
+        trusted = 6 * low * (limit / (1 + TOLERANCE)) ** 2  # later shapes start above this
+        candidates = {6 * r * t * t for r in ratios for t in starts if t >= least}
+        for candidate in sorted({at_least, *(c for c in candidates if c > at_least)}):
+            if candidate >= trusted:
+                break
+            if candidate <= 0:
+                continue
+            for budget in (_round_up(candidate, 2), _round_up(candidate, 3)):
+                if all(space.problem(math.sqrt(budget / (6 * r))) is None for r in ratios):
+                    return budget
+        limit *= 4
+    return None
+
+
+def _round_up(value: float, digits: int) -> float:
+    """`value` rounded up to `digits` significant digits, as the command line reads it back."""
+    scale = 10 ** (math.floor(math.log10(value)) - digits + 1)
+    return float(compact(math.ceil(value / scale * (1 - 1e-12)) * scale))
 
 
 def tokens_per_step(config: RunConfig, world: int, source: str) -> int:
@@ -331,26 +486,22 @@ def ladder(
         return describe(shape).n_non_embedding_params
 
     step_tokens = tokens_per_step(config, world, source)
+    space = ShapeSpace(rule, count)
+    failed = [
+        (budget, ratio, target, why)
+        for budget in budgets
+        for ratio in ratios
+        if (why := space.problem(target := math.sqrt(budget / (6.0 * ratio)))) is not None
+    ]
+    if failed:
+        raise UserError(_no_shape_message(failed, budgets, ratios, rule, space))
     rungs = []
     for budget in budgets:
         for ratio in ratios:
             target = math.sqrt(budget / (6.0 * ratio))
-            shape, params, least, least_params = nearest_shape(target, rule, count)
-            where = f"--budgets {compact(budget)} with --tokens-per-param {_number(ratio)}"
-            if target < least_params:
-                raise UserError(
-                    f"{where}: too small: N = sqrt(C / 6r) = {target:,.0f} parameters, below the "
-                    f"smallest shape in the aspect band (d_model {least['d_model']}, "
-                    f"{least['n_layers']} layer(s): {least_params:,}), which needs C >= "
-                    f"{compact(6 * ratio * least_params**2)}; give larger budgets, or a base "
-                    f"model with a smaller head_dim (now {rule.head_dim})"
-                )
-            if abs(params - target) > TOLERANCE * target:
-                raise UserError(
-                    f"{where}: no shape within {TOLERANCE:.0%} of N = {target:,.0f} (nearest: "
-                    f"d_model {shape['d_model']}, {shape['n_layers']} layers, {params:,}); "
-                    "shapes are too coarse here: give larger budgets or widen --aspect-ratio"
-                )
+            _, d_model, n_layers = space.nearest(target)
+            shape = rule.shape(d_model, n_layers)
+            params = count(shape)  # the whole model counted, not from its blocks
             # the budget in the model's own count (attention included), as `fit` groups budgets
             per_token = float(describe(shape).flops_per_token(config.data.seq_len))
             tokens_wanted = budget / per_token
@@ -370,6 +521,43 @@ def ladder(
                 )
             )
     return rungs
+
+
+def _no_shape_message(
+    failed: Sequence[tuple[float, float, float, str]],
+    budgets: Sequence[float],
+    ratios: Sequence[float],
+    rule: ShapeRule,
+    space: ShapeSpace,
+) -> str:
+    """Every rung without a shape, one line each, and the smallest budget that works."""
+    given = ",".join(str(_number(r)) for r in ratios)
+    low, high = (_number(a) for a in rule.aspect)
+    lines = [
+        f"--budgets {','.join(compact(c) for c in budgets)}: {len(failed)} of "
+        f"{len(budgets) * len(ratios)} rungs have no model shape within {TOLERANCE:.0%} of "
+        f"N = sqrt(C / 6r) (the base's head_dim {rule.head_dim}, {rule.kv_group} query "
+        f"head(s) per kv head, d_model / n_layers in --aspect-ratio {low},{high}):"
+    ]
+    for budget, ratio, target, why in failed:
+        lines.append(f"  C={compact(budget)}, r={_number(ratio)}: N = {target:,.0f}: {why}")
+    smallest = smallest_budget(ratios, space)
+    if smallest is not None:
+        lines.append(
+            f"the smallest budget with a shape for every ratio of --tokens-per-param {given} "
+            f"is {compact(smallest)}"
+        )
+    bad = {budget for budget, *_ in failed}
+    fixed = [c if c not in bad else smallest_budget(ratios, space, at_least=c) for c in budgets]
+    if all(c is not None for c in fixed):
+        lines.append(
+            "the next budgets that work above the failing ones: --budgets "
+            + ",".join(compact(c) for c in dict.fromkeys(fixed))
+        )
+    lines.append(
+        "(or widen --aspect-ratio, or give the base a smaller head_dim = d_model / n_heads)"
+    )
+    return "\n".join(lines)
 
 
 def table(rows: Sequence[tuple[str, Rung]]) -> str:

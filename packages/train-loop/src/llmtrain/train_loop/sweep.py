@@ -625,6 +625,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="MIN,MAX",
         help="--ladder: the band of d_model / n_layers (default 32,128)",
     )
+    parser.add_argument(
+        "--preset",
+        choices=sorted(ladder.PRESETS),
+        default=None,
+        help="--ladder: the budgets, ratios and aspect band of a preset, for what --budgets, "
+        "--tokens-per-param and --aspect-ratio leave unset; "
+        + "; ".join(
+            f"{name}: --budgets {','.join(ladder.compact(c) for c in p.budgets)} "
+            f"--tokens-per-param {','.join(ladder.compact(r) for r in p.ratios)} "
+            f"--aspect-ratio {','.join(ladder.compact(a) for a in p.aspect)}, {p.about}"
+            for name, p in sorted(ladder.PRESETS.items())
+        )
+        + " (default: none)",
+    )
     parser.add_argument("--name", default=None, help="sweep name (default: the base config's name)")
     parser.add_argument("--dir", default="sweeps", help="where sweeps go (default: sweeps)")
     parser.add_argument(
@@ -768,15 +782,30 @@ def _ladder_rungs(
     axes; the ladder's flags without --ladder are refused."""
     flags = {"--budgets": args.budgets, "--tokens-per-param": args.tokens_per_param}
     flags["--aspect-ratio"] = args.aspect_ratio
+    flags["--preset"] = args.preset
     if not args.ladder:
         given = [flag for flag, value in flags.items() if value is not None]
         if given:
             raise UserError(f"{', '.join(given)} size a model ladder: add --ladder")
         return []
-    budgets = ladder.parse_positive_list(args.budgets, "--budgets", "1e15,3e15,1e16")
-    ratios = ladder.parse_positive_list(args.tokens_per_param, "--tokens-per-param", "10,20,40")
-    aspect = ladder.parse_aspect(args.aspect_ratio)
-    ladder.check_other_axes([key for axis in axes for key in axis.keys])
+    preset = ladder.PRESETS.get(args.preset) if args.preset else None
+    if preset is not None and args.budgets is None:
+        budgets = list(preset.budgets)
+    else:
+        budgets = ladder.parse_positive_list(args.budgets, "--budgets", "1e15,3e15,1e16")
+    if preset is not None and args.tokens_per_param is None:
+        ratios = list(preset.ratios)
+    else:
+        ratios = ladder.parse_positive_list(args.tokens_per_param, "--tokens-per-param", "10,20,40")
+    if preset is not None and args.aspect_ratio is None:
+        aspect = preset.aspect
+    else:
+        aspect = ladder.parse_aspect(args.aspect_ratio)
+    # before the base is read: whether a key is refused never depends on the base
+    ladder.refuse_keys(
+        args.overrides,
+        [(key, flag) for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)],
+    )
     base = ladder_base(args.config, ctx.plugins, args.overrides)
     return ladder.ladder(
         base,
@@ -815,15 +844,12 @@ def _command_of(args: argparse.Namespace) -> list[str]:
     if args.seeds is not None:
         words += ["--seeds", str(args.seeds)]
     if args.ladder:
-        words += [
-            "--ladder",
-            "--budgets",
-            args.budgets,
-            "--tokens-per-param",
-            args.tokens_per_param,
-        ]
-        if args.aspect_ratio is not None:
-            words += ["--aspect-ratio", args.aspect_ratio]
+        words.append("--ladder")
+        if args.preset is not None:
+            words += ["--preset", args.preset]
+        for flag in ("budgets", "tokens_per_param", "aspect_ratio"):
+            if getattr(args, flag) is not None:
+                words += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
     if args.name:
         words += ["--name", args.name]
     return [*words, "--dir", args.dir]
