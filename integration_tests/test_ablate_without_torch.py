@@ -60,9 +60,9 @@ def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
     one_run = sweep / "n_layers=2,seed=1"
     for args in (
         ("compare", sweep),
-        ("compare", sweep, "--per-run", "--format", "csv"),
-        ("compare", sweep, "--baseline", "n_layers=1", "--format", "csv"),  # scipy's tests
-        ("compare", *sorted(p for p in sweep.iterdir() if p.is_dir()), "--format", "markdown"),
+        ("compare", sweep, "--per-run", "--json"),
+        ("compare", sweep, "--baseline", "n_layers=1", "--json"),  # scipy's tests
+        ("compare", *sorted(p for p in sweep.iterdir() if p.is_dir()), "--columns", "all"),
         ("ranks", one_run),
     ):
         here = ts.run(ts.llmtrain(*args), timeout=600).stdout

@@ -174,6 +174,12 @@ def compare(*args: object) -> subprocess.CompletedProcess:
     return ts.run(ts.llmtrain("compare", *args), timeout=600)
 
 
+def compare_to(path: Path, *args: object) -> str:
+    """`compare -o path` (its format by the suffix): the file's text."""
+    compare(*args, "-o", path)
+    return path.read_text()
+
+
 # --- 1. the sweep itself ---
 
 
@@ -263,7 +269,7 @@ def test_compare_shows_each_setting_once_with_mean_and_std_over_seeds(sweep, tmp
         assert f"{mean:.4f} ± {statistics.stdev(by_layers[n]):.4f}" in row, row
 
     out = tmp_path / "x.csv"
-    proc = compare(sweep.dir, "--format", "csv", "-o", out)
+    proc = compare(sweep.dir, "-o", out)
     assert proc.stdout == "" and f"4 runs in 2 rows -> {out}" in proc.stderr
     table = list(csv.DictReader(out.open()))
     assert [row["model.n_layers"] for row in table] == ["1", "2"]
@@ -280,7 +286,7 @@ def test_compare_shows_each_setting_once_with_mean_and_std_over_seeds(sweep, tmp
         )
         assert float(row["tokens"]) == TOKENS and float(row["tokens_std"]) == 0
 
-    markdown = compare(sweep.dir, "--per-run", "--format", "markdown").stdout.splitlines()
+    markdown = compare_to(tmp_path / "x.md", sweep.dir, "--per-run").splitlines()
     assert markdown[0].startswith("| n_layers | seed | status")
     assert set(markdown[1]) == {"|", "-"}
     body = [[cell.strip() for cell in line.strip("|").split("|")] for line in markdown[2:]]
@@ -291,15 +297,15 @@ def test_compare_shows_each_setting_once_with_mean_and_std_over_seeds(sweep, tmp
     assert [cells[3] for cells in body] == [f"{finals[run_id]:.4f}" for run_id in IDS]
 
 
-def test_compare_sorts_rows_by_a_result(sweep):
+def test_compare_sorts_rows_by_a_result(sweep, tmp_path):
     finals = {str(sweep.dir / run_id): final_eval_loss(sweep.dir / run_id) for run_id in IDS}
-    text = compare(sweep.dir, "--per-run", "--format", "csv", "--sort", "final_eval_loss").stdout
+    text = compare_to(tmp_path / "runs.csv", sweep.dir, "--per-run", "--sort", "final_eval_loss")
     rows = list(csv.DictReader(text.splitlines()))
     assert [row["run_dirs"] for row in rows] == sorted(finals, key=finals.get)
     values = [float(row["final_eval_loss"]) for row in rows]
     assert values == sorted(finals.values())
 
-    grouped = compare(sweep.dir, "--format", "csv", "--sort", "final_eval_loss").stdout
+    grouped = compare_to(tmp_path / "rows.csv", sweep.dir, "--sort", "final_eval_loss")
     means = [float(row["final_eval_loss"]) for row in csv.DictReader(grouped.splitlines())]
     assert len(means) == 2 and means == sorted(means)
 
@@ -540,7 +546,7 @@ def test_sigterm_to_the_sweep_stops_its_run_with_a_checkpoint(bases, tmp_path):
 # --- 6. failures ---
 
 
-def test_failed_runs_are_reported_and_the_others_finish(failed):
+def test_failed_runs_are_reported_and_the_others_finish(failed, tmp_path):
     err = failed.proc.stderr
     assert failed.proc.returncode == 1, err
     assert "Traceback" not in err
@@ -572,7 +578,7 @@ def test_failed_runs_are_reported_and_the_others_finish(failed):
     assert "data.seq_len: 100 is longer than the model's max_seq_len (64)" in summary["error"]
     assert not (long / "metrics.jsonl").exists() or not ts.read_metrics(long)
 
-    rows = list(csv.DictReader(compare(failed.dir, "--format", "csv").stdout.splitlines()))
+    rows = list(csv.DictReader(compare_to(tmp_path / "x.csv", failed.dir).splitlines()))
     status = {Path(row["run_dirs"]).name: row["status"] for row in rows}
     assert status == dict(zip(failed.ids, ["finished", "failed", "failed"], strict=True))
     table = compare(failed.dir).stdout.splitlines()

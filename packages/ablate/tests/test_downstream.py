@@ -7,7 +7,6 @@ std over seeds, blanks where runs did not log a metric, CSV columns, and the plo
 from __future__ import annotations
 
 import csv
-import io
 import json
 import math
 import statistics
@@ -181,10 +180,10 @@ def test_final_and_best_per_run(sweep):
     assert cells["final_downstream/hellaswag/acc"] == f"0.4900 ± {stderr(0.49):.4f}"
 
 
-def test_compare_downstream_means_over_seeds(sweep, run_cli):
-    code, out, err = run_cli("compare", sweep, "--downstream", "--format", "csv")
+def test_compare_downstream_means_over_seeds(sweep, run_cli, tmp_path):
+    code, _, err = run_cli("compare", sweep, "--downstream", "-o", tmp_path / "x.csv")
     assert code == 0, err
-    table = list(csv.DictReader(io.StringIO(out)))
+    table = list(csv.DictReader((tmp_path / "x.csv").open()))
     assert [row["model.n_layers"] for row in table] == ["1", "2"]
     for row, layers in zip(table, (1, 2), strict=True):
         seeds = [DOWNSTREAM[layers, 0], DOWNSTREAM[layers, 1]]
@@ -222,13 +221,13 @@ def test_compare_downstream_means_over_seeds(sweep, run_cli):
     assert header == ["n_layers", "runs", "status", "final_eval_loss", *finals]  # no tokens/s
 
 
-def test_compare_metric_and_sort(sweep, run_cli):
-    code, out, err = run_cli(
+def test_compare_metric_and_sort(sweep, run_cli, tmp_path):
+    code, _, err = run_cli(
         "compare", sweep, "--per-run", "--metric", "downstream/hellaswag/acc_norm",
-        "--sort", "best_downstream/hellaswag/acc_norm", "--format", "csv",
+        "--sort", "best_downstream/hellaswag/acc_norm", "-o", tmp_path / "metric.csv",
     )  # fmt: skip
     assert code == 0, err
-    table = list(csv.DictReader(io.StringIO(out)))
+    table = list(csv.DictReader((tmp_path / "metric.csv").open()))
     assert [c for c in table[0] if "downstream" in c] == [
         "final_downstream/hellaswag/acc_norm",
         "final_downstream/hellaswag/acc_norm_std",
@@ -244,11 +243,11 @@ def test_compare_metric_and_sort(sweep, run_cli):
     bests = [float(row["best_downstream/hellaswag/acc_norm"]) for row in table]
     assert bests == [0.52, 0.51, 0.46, 0.44]  # accuracies: the highest first
 
-    code, out, _ = run_cli(
-        "compare", sweep, "--per-run", "--downstream", "--format", "csv",
+    code, _, _ = run_cli(
+        "compare", sweep, "--per-run", "--downstream", "-o", tmp_path / "sorted.csv",
         "--sort", "best_downstream/lambada/perplexity",
     )  # fmt: skip
-    table = list(csv.DictReader(io.StringIO(out)))
+    table = list(csv.DictReader((tmp_path / "sorted.csv").open()))
     bests = [row["best_downstream/lambada/perplexity"] for row in table]
     assert bests == ["30.0", "40.0", "41.0", ""]  # perplexity: the lowest first, blanks last
 

@@ -5,7 +5,6 @@ Holm's adjustment: the numbers against the textbook formulas on fixed values, an
 from __future__ import annotations
 
 import csv
-import io
 import math
 import statistics
 
@@ -116,12 +115,13 @@ def test_compare_baseline_marks_what_is_beyond_seed_noise(lr_sweep, run_cli):
     assert cells["0.002"].endswith(f"{p_2:.4g} ns")  # the larger x 1 (above the smaller's x 2)
 
 
-def test_compare_baseline_csv_holds_every_number(lr_sweep, run_cli):
-    code, out, err = run_cli(
-        "compare", lr_sweep, "--baseline", "lr=1e-3", "--format", "csv", "--alpha", "0.1"
+def test_compare_baseline_csv_holds_every_number(lr_sweep, run_cli, tmp_path):
+    out = tmp_path / "x.csv"
+    code, _, err = run_cli(
+        "compare", lr_sweep, "--baseline", "lr=1e-3", "-o", out, "--alpha", "0.1"
     )
     assert code == 0, err
-    table = {row["optimizer.lr"]: row for row in csv.DictReader(io.StringIO(out))}
+    table = {row["optimizer.lr"]: row for row in csv.DictReader(out.open())}
     assert table["0.001"]["test"] == "baseline"
     row = table["0.002"]
     assert row["test"] == "paired"
