@@ -250,25 +250,39 @@ def _flip_at(fraction: float, bit: int) -> Callable[[bytes], bytes]:
     return lambda data: _flip(data, min(len(data) - 1, int(len(data) * fraction)), bit)
 
 
+def damage_family(
+    kind: str,
+    make: Callable[[str, Callable[[bytes], bytes], bool], Callable],
+    *,
+    cuts: int,
+    flips: int,
+    garbage_seed: int,
+    last_byte: bool = True,
+) -> None:
+    """The damages every file of `kind` gets, each a case `make(kind, damage, tolerated)`:
+    `cuts` truncations at random points (and the last byte cut), `flips` random bit flips
+    (tolerated: a flip may leave a file meaning the same), random bytes of the same length
+    and an empty file."""
+    for fraction in sorted(RNG.random() for _ in range(cuts)):
+        case(f"{kind}-cut-at-{fraction:.3f}")(make(kind, _cut_at(fraction), False))
+    if last_byte:
+        case(f"{kind}-last-byte-cut")(make(kind, lambda data: data[:-1], False))
+    for _ in range(flips):
+        fraction, bit = RNG.random(), RNG.randrange(8)
+        case(f"{kind}-flipped-at-{fraction:.3f}-bit-{bit}")(
+            make(kind, _flip_at(fraction, bit), True)
+        )
+    garbage = lambda data: random.Random(garbage_seed).randbytes(len(data))  # noqa: E731
+    case(f"{kind}-garbage")(make(kind, garbage, False))
+    case(f"{kind}-empty")(make(kind, lambda data: b"", False))
+
+
+def _packed(kind: str, damage: Callable[[bytes], bytes], tolerated: bool) -> Callable:
+    return _pack_damaged(kind, damage, may_mean_the_same=tolerated)
+
+
 for _kind in ("jsonl.gz", "jsonl.zst", "txt.gz", "txt.zst"):
-    for _fraction in sorted(RNG.random() for _ in range(6)):
-        case(f"{_kind}-cut-at-{_fraction:.3f}")(
-            _pack_damaged(_kind, _cut_at(_fraction), may_mean_the_same=False)
-        )
-    case(f"{_kind}-last-byte-cut")(
-        _pack_damaged(_kind, lambda data: data[:-1], may_mean_the_same=False)
-    )
-    for _ in range(4):
-        _fraction, _bit = RNG.random(), RNG.randrange(8)
-        case(f"{_kind}-flipped-at-{_fraction:.3f}-bit-{_bit}")(
-            _pack_damaged(_kind, _flip_at(_fraction, _bit), may_mean_the_same=True)
-        )
-    case(f"{_kind}-garbage")(
-        _pack_damaged(
-            _kind, lambda data: random.Random(1).randbytes(len(data)), may_mean_the_same=False
-        )
-    )
-    case(f"{_kind}-empty")(_pack_damaged(_kind, lambda data: b"", may_mean_the_same=False))
+    damage_family(_kind, _packed, cuts=6, flips=4, garbage_seed=1)
     case(f"{_kind}-not-compressed")(
         _pack_damaged(
             _kind,
@@ -284,25 +298,9 @@ for _kind in ("jsonl.gz", "jsonl.zst", "txt.gz", "txt.zst"):
         _pack_damaged(_kind, lambda data: data + b"trailing garbage\n", may_mean_the_same=False)
     )
 
-for _kind in ("parquet", "arrow", "arrow-file"):
-    for _fraction in sorted(RNG.random() for _ in range(4)):
-        case(f"{_kind}-cut-at-{_fraction:.3f}")(
-            _pack_damaged(_kind, _cut_at(_fraction), may_mean_the_same=False)
-        )
-    case(f"{_kind}-last-byte-cut")(
-        _pack_damaged(_kind, lambda data: data[:-1], may_mean_the_same=False)
-    )
-    case(f"{_kind}-garbage")(
-        _pack_damaged(
-            _kind, lambda data: random.Random(2).randbytes(len(data)), may_mean_the_same=False
-        )
-    )
-    case(f"{_kind}-empty")(_pack_damaged(_kind, lambda data: b"", may_mean_the_same=False))
-for _ in range(4):  # Parquet pages carry checksums (Arrow IPC has none to find a flipped bit)
-    _fraction, _bit = RNG.random(), RNG.randrange(8)
-    case(f"parquet-flipped-at-{_fraction:.3f}-bit-{_bit}")(
-        _pack_damaged("parquet", _flip_at(_fraction, _bit), may_mean_the_same=True)
-    )
+# Parquet pages carry checksums, so a flipped bit is found; Arrow IPC has none to find it by
+for _kind, _flips in (("parquet", 4), ("arrow", 0), ("arrow-file", 0)):
+    damage_family(_kind, _packed, cuts=4, flips=_flips, garbage_seed=2)
 
 BAD_RECORDS = {
     "binary-line": (b"\x00\x01\x02\xff\xfe binary", "invalid UTF-8"),
@@ -811,22 +809,12 @@ def _damaged_tokenizer(
     return run
 
 
+def _tokenizer_damaged(kind: str, damage: Callable[[bytes], bytes], tolerated: bool) -> Callable:
+    return _damaged_tokenizer(kind, damage, may_still_load=tolerated)
+
+
 for _kind in ("tokenizer.json", "tiktoken"):
-    for _fraction in sorted(RNG.random() for _ in range(5)):
-        case(f"{_kind}-cut-at-{_fraction:.3f}")(
-            _damaged_tokenizer(_kind, _cut_at(_fraction), may_still_load=False)
-        )
-    for _ in range(4):
-        _fraction, _bit = RNG.random(), RNG.randrange(8)
-        case(f"{_kind}-flipped-at-{_fraction:.3f}-bit-{_bit}")(
-            _damaged_tokenizer(_kind, _flip_at(_fraction, _bit), may_still_load=True)
-        )
-    case(f"{_kind}-garbage")(
-        _damaged_tokenizer(
-            _kind, lambda data: random.Random(4).randbytes(len(data)), may_still_load=False
-        )
-    )
-    case(f"{_kind}-empty")(_damaged_tokenizer(_kind, lambda data: b"", may_still_load=False))
+    damage_family(_kind, _tokenizer_damaged, cuts=5, flips=4, garbage_seed=4, last_byte=False)
     case(f"{_kind}-other-json")(
         _damaged_tokenizer(
             _kind, lambda data: b'{"model_type": "gpt2", "vocab_size": 50257}', may_still_load=False
