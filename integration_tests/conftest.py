@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from laptop_ladder import laptop  # noqa: F401
 from shared_fixtures import one_torch_thread  # noqa: F401
 
 

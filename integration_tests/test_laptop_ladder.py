@@ -1,74 +1,17 @@
-"""The README's "From a sweep to a verdict" on a laptop, command for command: the quickstart's
-data (`llmtrain quickstart --steps 10`), then `llmtrain sweep examples/ladder-laptop.yaml --ladder
---preset laptop` trains its six rungs here, one after another, `llmtrain fit` fits them (with two
-IsoFLOP profiles) and `llmtrain report` writes the page. Each command runs as printed, from a
-directory that holds quickstart/ as the repository root would. About a minute and a half on two
-CPU cores, most of it the six runs.
-
-test_verdict.py checks the report in a browser; this test checks that the documented commands
-work as documented."""
+"""The README's "From a sweep to a verdict" on a laptop, command for command (the `laptop`
+fixture of laptop_ladder.py runs them as printed): the six rungs the sweep planned trained, `fit`
+found two IsoFLOP profiles, `report` wrote the page. test_verdict.py looks at the page in a
+browser; this test checks that the documented commands do what the README says."""
 
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
+from laptop_ladder import RUNGS
+from train_support import read_metrics
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "ladder-laptop.yaml"
-RUNGS = [f"C={c},r={r}" for c in ("1.2e11", "4.8e11") for r in (2, 8, 32)]
-
-
-def readme_commands() -> list[str]:
-    """The laptop commands as the root README shows them, in order."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("## From a sweep to a verdict") :]
-    section = section[: section.index("\n## ", 1)]
-    laptop = section[section.index("On a laptop") :]
-    block = laptop[laptop.index("```bash\n") + 8 :]
-    block = block[: block.index("```")]
-    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
-
-
-def llmtrain(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-    """A README line (`llmtrain ...`) run in `cwd` with this environment's Python."""
-    words = shlex.split(command)
-    assert words[0] == "llmtrain", command
-    proc = subprocess.run(
-        [sys.executable, "-m", "llmtrain", *words[1:]],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, (
-        f"{command} exited {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n"
-        f"--- stderr\n{proc.stderr[-6000:]}"
-    )
-    return proc
-
-
-@pytest.fixture(scope="module")
-def laptop(tmp_path_factory):
-    """The README's laptop commands, run in a fresh directory with the example config in it."""
-    work = tmp_path_factory.mktemp("laptop")
-    (work / "examples").mkdir()
-    (work / "examples" / EXAMPLE.name).write_text(EXAMPLE.read_text(encoding="utf-8"))
-    commands = readme_commands()
-    assert [shlex.split(c)[1] for c in commands] == ["quickstart", "sweep", "fit", "report"]
-    seconds, outputs = {}, {}
-    for command in commands:
-        started = time.perf_counter()
-        outputs[shlex.split(command)[1]] = llmtrain(command, work, timeout=600)
-        seconds[shlex.split(command)[1]] = time.perf_counter() - started
-    print(f"laptop commands took {', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}")
-    return work, outputs
 
 
 def test_the_sweep_trains_the_six_rungs_it_planned(laptop):
@@ -83,6 +26,9 @@ def test_the_sweep_trains_the_six_rungs_it_planned(laptop):
         assert summary["status"] == "finished", rung
         assert summary["non_embedding_params"] == planned[rung]["params"], rung
         assert summary["tokens"] == planned[rung]["tokens"], rung
+        # the example evaluates once, after the last step (eval.at_end): the loss the rung ends at
+        evaluated = [m["step"] for m in read_metrics(sweep / rung) if "eval_loss" in m]
+        assert evaluated == [summary["total_steps"]], rung
     # the table on stderr, then every run finished
     err = outputs["sweep"].stderr
     assert all(rung in err for rung in RUNGS)
