@@ -16,19 +16,27 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "ladder-laptop.yaml"
 RUNGS = [f"C={c},r={r}" for c in ("1.2e11", "4.8e11") for r in (2, 8, 32)]
 
 
-def readme_commands() -> list[str]:
-    """The laptop commands as the root README shows them, in order."""
+def readme_commands() -> dict[str, list[str]]:
+    """The laptop commands as the root README shows them, in order: the ladder's (quickstart,
+    sweep, fit, report) and, after the block's comment line, the ablation's (sweep, compare,
+    report)."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text[text.index("## From a sweep to a verdict") :]
     section = section[: section.index("\n## ", 1)]
     laptop = section[section.index("On a laptop") :]
     block = laptop[laptop.index("```bash\n") + 8 :]
     block = block[: block.index("```")]
-    return [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    groups: dict[str, list[str]] = {"ladder": [], "ablation": []}
+    group = "ladder"
+    for line in block.splitlines():
+        if line.startswith("#"):
+            group = "ablation"
+        elif line.strip():
+            groups[group].append(line.split("#")[0].strip())
+    return groups
 
 
 def llmtrain(command: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
@@ -54,13 +62,21 @@ def laptop(tmp_path_factory):
     """The README's laptop commands, run in a fresh directory with the example config in it."""
     work = tmp_path_factory.mktemp("laptop")
     (work / "examples").mkdir()
-    (work / "examples" / EXAMPLE.name).write_text(EXAMPLE.read_text(encoding="utf-8"))
-    commands = readme_commands()
-    assert [shlex.split(c)[1] for c in commands] == ["quickstart", "sweep", "fit", "report"]
+    for example in (ROOT / "examples").glob("*.yaml"):
+        (work / "examples" / example.name).write_text(example.read_text(encoding="utf-8"))
+    groups = readme_commands()
+    names = {group: [shlex.split(c)[1] for c in lines] for group, lines in groups.items()}
+    assert names == {
+        "ladder": ["quickstart", "sweep", "fit", "report"],
+        "ablation": ["sweep", "compare", "report"],
+    }
     seconds, outputs = {}, {}
-    for command in commands:
-        started = time.perf_counter()
-        outputs[shlex.split(command)[1]] = llmtrain(command, work, timeout=600)
-        seconds[shlex.split(command)[1]] = time.perf_counter() - started
+    for group, lines in groups.items():
+        outputs[group] = {}
+        for command in lines:
+            name = shlex.split(command)[1]
+            started = time.perf_counter()
+            outputs[group][name] = llmtrain(command, work, timeout=600)
+            seconds[f"{group} {name}"] = time.perf_counter() - started
     print(f"laptop commands took {', '.join(f'{k} {v:.0f} s' for k, v in seconds.items())}")
     return work, outputs

@@ -30,14 +30,16 @@ def test_the_sweep_trains_the_six_rungs_it_planned(laptop):
         evaluated = [m["step"] for m in read_metrics(sweep / rung) if "eval_loss" in m]
         assert evaluated == [summary["total_steps"]], rung
     # the table on stderr, then every run finished
-    err = outputs["sweep"].stderr
+    err = outputs["ladder"]["sweep"].stderr
     assert all(rung in err for rung in RUNGS)
     assert "sweep laptop: all 6 runs finished" in err
 
 
 def test_fit_and_report_are_written(laptop):
     work, outputs = laptop
-    assert "alpha" in outputs["fit"].stdout and "IsoFLOP" in outputs["fit"].stdout
+    assert (
+        "alpha" in outputs["ladder"]["fit"].stdout and "IsoFLOP" in outputs["ladder"]["fit"].stdout
+    )
     fit = json.loads((work / "fit.json").read_text())
     assert sorted(run["name"] for run in fit["runs"]) == sorted(RUNGS)
     # each budget's three rungs cost the same FLOPs as the fit counts them: two IsoFLOP profiles
@@ -48,3 +50,31 @@ def test_fit_and_report_are_written(laptop):
     page = (work / "report.html").read_text(encoding="utf-8")
     assert page.lstrip().lower().startswith("<!doctype html")
     assert all(rung in page for rung in RUNGS)
+
+
+def test_the_ablation_states_its_verdict(laptop):
+    """The README's ablation on the quickstart's data: 2 learning rates x 3 seeds. `compare`
+    prints the verdict sentence with the numbers the runs ended at (the paired t-test over the
+    seeds' final eval losses, as scipy computes it), and the report's page opens with it."""
+    from scipy import stats
+
+    work, outputs = laptop
+    sweep = work / "sweeps" / "lr"
+    finals = {}
+    for lr in ("0.001", "0.003"):
+        for seed in range(3):
+            run = sweep / f"lr={lr},seed={seed}"
+            assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+            losses = [m["eval_loss"] for m in read_metrics(run) if "eval_loss" in m]
+            finals.setdefault(lr, []).append(losses[-1])
+    diff = sum(finals["0.003"]) / 3 - sum(finals["0.001"]) / 3
+    p = stats.ttest_rel(finals["0.003"], finals["0.001"]).pvalue
+    verdict = " ".join(outputs["ablation"]["compare"].stdout.split())
+    assert "lr=0.003 vs lr=0.001: final_eval_loss" in verdict, verdict
+    assert f"difference {diff:.4f}" in verdict and f"p = {p:.3g}" in verdict, verdict
+    assert "n = 3 vs 3 seeds" in verdict and "weak" not in verdict
+    word = "better" if diff < 0 else "worse"
+    assert (f"{word}, significant" if p < 0.05 else "within seed noise") in verdict, verdict
+    page = (work / "lr.html").read_text(encoding="utf-8")
+    first = page.index("lr=0.003 vs lr=0.001")
+    assert first < page.index("<table"), "the verdict comes before the tables"

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def test_the_fit_and_the_report_in_a_browser(laptop):
     work, outputs = laptop
     fit = json.loads((work / "fit.json").read_text())
-    assert len(fit["runs"]) == 6 and "alpha" in outputs["fit"].stdout
+    assert len(fit["runs"]) == 6 and "alpha" in outputs["ladder"]["fit"].stdout
     params = fit["parametric"]["params"]
     assert all(params[name] > 0 for name in ("E", "A", "B", "alpha", "beta")), params
     (prediction,) = fit["predictions"]
