@@ -15,7 +15,7 @@ import attrs
 from llmtrain.core_mesh.interfaces import TASK_SCORINGS, Task, Tokenizer
 from llmtrain.downstream.metrics import choice_result, cloze_result, document_result, task_metrics
 from llmtrain.downstream.requests import requests_of
-from llmtrain.downstream.scoring import Batching, DataSplit, PackedRunner, Runner, score
+from llmtrain.downstream.scoring import Batching, DataSplit, PackedRunner, Runner, Score, score
 
 
 @attrs.frozen
@@ -55,7 +55,7 @@ def evaluate_task(
     items = task.items()
     requests = requests_of(task.scoring, items, tokenizer, max_len)
     scores = score(requests, runner, batching, device, split, max_len=max_len)
-    per_item: dict[int, list] = defaultdict(list)
+    per_item: dict[int, list[Score]] = defaultdict(list)
     for request, result in zip(requests, scores, strict=True):
         per_item[request.item].append(result)
     results = []

@@ -28,7 +28,9 @@ def _first_max(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: (values[i], -i))
 
 
-def choice_result(item: TaskItem, lls: list[float], tokens: list[int], greedy: list[bool]) -> dict:
+def choice_result(
+    item: TaskItem, lls: list[float], tokens: list[int], greedy: list[bool]
+) -> dict[str, Any]:
     chars = [max(1, len(item.choice(o))) for o in range(item.n_options)]
     pred = _first_max(lls)
     pred_norm = _first_max([ll / n for ll, n in zip(lls, chars, strict=True)])
@@ -45,7 +47,7 @@ def choice_result(item: TaskItem, lls: list[float], tokens: list[int], greedy: l
     }
 
 
-def cloze_result(item: TaskItem, ll: float, tokens: int, greedy: bool) -> dict:
+def cloze_result(item: TaskItem, ll: float, tokens: int, greedy: bool) -> dict[str, Any]:
     return {
         "where": item.where,
         "loglikelihood": ll,
@@ -54,7 +56,7 @@ def cloze_result(item: TaskItem, ll: float, tokens: int, greedy: bool) -> dict:
     }
 
 
-def document_result(item: TaskItem, ll: float, tokens: int) -> dict:
+def document_result(item: TaskItem, ll: float, tokens: int) -> dict[str, Any]:
     text = item.choices[0]
     return {
         "where": item.where,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.downstream import formats
 from llmtrain.downstream.task_files import FileTask, Reader, TaskOptions
 
@@ -66,7 +66,7 @@ def build_task(name: str, reader: Reader, scoring: str, options: TaskOptions) ->
 
 
 @hookimpl
-def llmtrain_tasks(register):
+def llmtrain_tasks(register: Register) -> None:
     for name, (reader, scoring, options, help_) in BUILTIN_TASKS.items():
         register(
             name,

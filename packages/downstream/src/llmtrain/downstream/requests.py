@@ -93,7 +93,9 @@ def rolling_requests(
     return requests
 
 
-def requests_of(scoring: str, items: Sequence[TaskItem], tokenizer: Tokenizer, max_len: int):
+def requests_of(
+    scoring: str, items: Sequence[TaskItem], tokenizer: Tokenizer, max_len: int
+) -> list[Request]:
     if scoring == "perplexity":
         return rolling_requests(items, tokenizer, max_len)
     return option_requests(items, tokenizer, max_len)

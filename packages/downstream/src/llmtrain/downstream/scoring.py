@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -205,27 +205,43 @@ def score(
     """Every request's score, in the order given (the same list on every rank). `max_len`:
     the most tokens of a packed row (default: the longest request's)."""
     mine = [i for i, r in enumerate(requests) if r.item % split.world == split.rank]
+    # a packed runner takes batches of packed rows, a plain one batches of request indices
+    row_batches: list[list[PackedRow]] = []
+    index_batches: list[list[int]] = []
     if isinstance(runner, PackedRunner):
         limit = max_len or max((len(r.tokens) - 1 for r in requests), default=1)
-        units: list = packed_rows(requests, mine, limit)
-        units.sort(key=lambda row: -len(row.tokens))
+        rows = packed_rows(requests, mine, limit)
+        rows.sort(key=lambda row: -len(row.tokens))
+        row_batches = _batches(rows, batching.rows)
     else:
-        units = sorted(mine, key=lambda i: -len(requests[i].tokens))
-    batches = [units[s : s + batching.rows] for s in range(0, len(units), batching.rows)]
-    n_batches = _most(len(batches), split, device)
-    results: list[tuple[int, float, float, int]] = []
+        index_batches = _batches(
+            sorted(mine, key=lambda i: -len(requests[i].tokens)), batching.rows
+        )
+    n_batches = _most(len(row_batches) + len(index_batches), split, device)  # one is empty
+    results: list[_Result] = []
     for b in range(n_batches):
-        chosen = batches[b] if b < len(batches) else []
         if isinstance(runner, PackedRunner):
-            batch = packed_batch(chosen, batching.rows, _padded(chosen, batching), device)
+            chosen_rows = row_batches[b] if b < len(row_batches) else []
+            padded = _padded(chosen_rows, batching)
+            batch = packed_batch(chosen_rows, batching.rows, padded, device)
             scores = runner(batch).cpu().tolist()
             order = batch.requests
         else:
+            chosen = index_batches[b] if b < len(index_batches) else []
             tokens, targets = batch_tensors([requests[i] for i in chosen], batching, device)
             scores = runner(tokens, targets).cpu().tolist()
             order = tuple(chosen)
         results += [(i, *scores[k], requests[i].scored) for k, i in enumerate(order)]
     return _gathered(results, len(requests), split)
+
+
+# (request index, log-likelihood, tokens not the greedy choice, scored tokens)
+_Result = tuple[int, float, float, int]
+_T = TypeVar("_T")
+
+
+def _batches(units: list[_T], size: int) -> list[list[_T]]:
+    return [units[s : s + size] for s in range(0, len(units), size)]
 
 
 def _padded(rows: Sequence[PackedRow], batching: Batching) -> int:
@@ -241,7 +257,7 @@ def _most(count: int, split: DataSplit, device: Any) -> int:
     return int(value.item())
 
 
-def _gathered(results: list, total: int, split: DataSplit) -> list[Score]:
+def _gathered(results: list[_Result], total: int, split: DataSplit) -> list[Score]:
     if split.world > 1:
         shares: list[Any] = [None] * split.world
         dist.all_gather_object(shares, results, group=split.group)
@@ -254,7 +270,8 @@ def _gathered(results: list, total: int, split: DataSplit) -> list[Score]:
             f"downstream scoring gathered {len(seen)} results for {total} requests "
             f"({len(lost)} missing, {twice} twice): a bug"
         )
-    scores: list[Score | None] = [None] * total
-    for index, loglikelihood, missed, scored in results:
-        scores[index] = Score(loglikelihood, missed == 0, scored)
-    return scores  # type: ignore[return-value]
+    # every index exactly once (checked above): in index order, the results are the requests'
+    return [
+        Score(loglikelihood, missed == 0, scored)
+        for _, loglikelihood, missed, scored in sorted(results, key=lambda r: r[0])
+    ]

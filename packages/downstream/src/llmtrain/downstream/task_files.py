@@ -17,7 +17,7 @@ import sys
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import fsspec
@@ -30,21 +30,25 @@ from llmtrain.core_mesh.interfaces import TaskItem
 FEWSHOT_DELIMITER = "\n\n"  # between few-shot examples and before the question, as the harness
 
 
+# a validated field's type: some are optional (None: unset)
+_Count = TypeVar("_Count", int, int | None)
+
+
 class TaskFileError(UserError):
     """A task file that cannot be read or holds a bad record; the message names file:line."""
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[_Count], value: _Count) -> None:
     if value is not None and value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _not_blank(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _not_blank(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if isinstance(value, str) and not value.strip():
         raise ValueError("must name the task file, got an empty path")
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[_Count], value: _Count) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
@@ -215,7 +219,7 @@ def read_bytes(path: str, options: TaskOptions) -> bytes:
         raise TaskFileError(f"{path}: storage_options: {exc}") from None
     try:
         with fs.open(fs_path, "rb") as f:
-            raw = f.read()
+            raw: bytes = f.read()  # a file opened "rb" reads bytes; fsspec's read is untyped
     except FileNotFoundError:
         raise TaskFileError(f"{path}: no such task file; check the path") from None
     except IsADirectoryError:
@@ -243,11 +247,16 @@ def read_bytes(path: str, options: TaskOptions) -> bytes:
         return raw
     try:
         return _decompress(raw, compression)
-    except (*_DECOMPRESSION_ERRORS, *_loaded(_ZSTD_ERRORS)) as exc:
+    except _decompression_errors() as exc:
         raise TaskFileError(
             f"{path}: not complete {compression} data ({_one_line(exc) or type(exc).__name__}): "
             f"the file is cut short, damaged or not {compression}; download it again"
         ) from None
+
+
+def _decompression_errors() -> tuple[type[BaseException], ...]:
+    # called as the exception is caught, so a zstd module the decompression loaded is seen
+    return (*_DECOMPRESSION_ERRORS, *_loaded(_ZSTD_ERRORS))
 
 
 def _decompress(raw: bytes, compression: str) -> bytes:
@@ -264,7 +273,8 @@ def _decompress(raw: bytes, compression: str) -> bytes:
             raw = frame.unused_data
         return b"".join(parts)
     with fsspec.compression.compr[compression](io.BytesIO(raw), mode="rb") as f:
-        return f.read()
+        data: bytes = f.read()  # a stream opened "rb" reads bytes; fsspec's compr is untyped
+    return data
 
 
 def _one_line(exc: BaseException) -> str:
@@ -310,7 +320,7 @@ def _json_error(exc: ValueError | RecursionError) -> str:
     return "a number too long to read"  # int() refuses more than 4300 digits
 
 
-def json_lines(path: str, options: TaskOptions) -> Iterator[tuple[str, dict]]:
+def json_lines(path: str, options: TaskOptions) -> Iterator[tuple[str, dict[str, Any]]]:
     """(where, record) of every non-blank line of a JSON-lines file; `where` is `path:line`.
     Only a newline ends a line: str.splitlines also splits at U+2028, U+0085, ..., which JSON
     strings may hold raw; a carriage return before the newline is JSON whitespace."""
@@ -351,7 +361,7 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "number")
 
 
-def json_records(path: str, options: TaskOptions) -> Iterator[tuple[str, dict]]:
+def json_records(path: str, options: TaskOptions) -> Iterator[tuple[str, dict[str, Any]]]:
     """Records of a JSON-lines file or of a file holding one JSON array of objects (SciQ's
     release); an array's records are named `path:line` by the line each object starts on. An
     array not closed (a file cut short) or followed by more text is an error."""
