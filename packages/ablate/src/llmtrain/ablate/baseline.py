@@ -10,8 +10,8 @@ adjusted p-value is below alpha.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -35,7 +35,7 @@ class Comparison:
     # per row index: (the row's values, the baseline's values, paired), as tested
     values: dict[int, tuple[list[float], list[float], bool]] = attrs.Factory(dict)
 
-    def cell(self, index: int, fmt) -> str:
+    def cell(self, index: int, fmt: Callable[[float], str]) -> str:
         if index == self.baseline:
             return "baseline"
         diff = self.differences.get(index)
@@ -82,11 +82,11 @@ def _pairs(spec: str, keys: Sequence[str]) -> dict[str, str]:
     return wanted
 
 
-def _matches(settings: dict, wanted: dict[str, str]) -> bool:
+def _matches(settings: dict[str, Any], wanted: dict[str, str]) -> bool:
     return all(_same(settings.get(key), value) for key, value in wanted.items())
 
 
-def _same(setting, text: str) -> bool:
+def _same(setting: Any, text: str) -> bool:
     if shown(setting) == text:
         return True
     try:
@@ -113,10 +113,10 @@ def compare_rows(rows: Sequence[Row], baseline: int, result: Result, alpha: floa
         values = paired or (_values(row.runs, result), _values(base.runs, result))
         differences[i] = difference(*values, 1 - alpha, paired=paired is not None)
         tested_values[i] = (list(values[0]), list(values[1]), paired is not None)
-    tested = [i for i, d in differences.items() if d is not None]
-    adjusted = holm([differences[i].p for i in tested])
-    for i, p in zip(tested, adjusted, strict=True):
-        differences[i] = attrs.evolve(differences[i], p_adjusted=p)
+    tested = {i: d for i, d in differences.items() if d is not None}
+    adjusted = holm([d.p for d in tested.values()])
+    for (i, d), p in zip(tested.items(), adjusted, strict=True):
+        differences[i] = attrs.evolve(d, p_adjusted=p)
     return Comparison(baseline, result.name, alpha, differences, tested_values)
 
 
@@ -136,8 +136,8 @@ def _paired_values(
     return [mine[k] for k in order], [theirs[k] for k in order]
 
 
-def _by_seeds(runs: Sequence[Run], result: Result) -> dict[tuple, float] | None:
-    values = {}
+def _by_seeds(runs: Sequence[Run], result: Result) -> dict[tuple[Any, ...], float] | None:
+    values: dict[tuple[Any, ...], float] = {}
     for run in runs:
         key = tuple(run.settings.get(k) for k in SEED_KEYS)
         value = result.read(run)

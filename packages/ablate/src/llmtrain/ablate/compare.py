@@ -19,7 +19,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -41,6 +41,9 @@ from llmtrain.ablate.runs import (
 from llmtrain.ablate.significance import mean_interval
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
+
+if TYPE_CHECKING:
+    from llmtrain.ablate.verdict import Verdict
 
 
 @attrs.frozen
@@ -120,11 +123,11 @@ def metric_results(metric: str) -> list[Result]:
     results = []
     for prefix, choose in (("final", _final), ("best", _best)):
 
-        def read(run: Run, choose=choose) -> float | None:
+        def read(run: Run, choose: Callable[[Run, str], Point | None] = choose) -> float | None:
             point = choose(run, metric)
             return None if point is None else point[0]
 
-        def stderr(run: Run, choose=choose) -> float | None:
+        def stderr(run: Run, choose: Callable[[Run, str], Point | None] = choose) -> float | None:
             point = choose(run, metric)
             return None if point is None else point[1]
 
@@ -147,7 +150,8 @@ def _steady(run: Run, key: str) -> float | None:
 
 def _tokens(run: Run) -> float | None:
     if run.summary is not None and "tokens" in run.summary:
-        return run.summary["tokens"]
+        tokens: float = run.summary["tokens"]  # summary.json's number of tokens trained on
+        return tokens
     return _last(run, "tokens")
 
 
@@ -325,7 +329,9 @@ def _wrapped(sentence: str) -> str:
     return textwrap.fill(sentence, TABLE_WIDTH, subsequent_indent="  ")
 
 
-def verdicts_of(keys: Sequence[str], rows: Sequence[Row], comparison: Comparison | None) -> list:
+def verdicts_of(
+    keys: Sequence[str], rows: Sequence[Row], comparison: Comparison | None
+) -> list[Verdict]:
     """The verdict sentences of `comparison` (none without one)."""
     from llmtrain.ablate.verdict import verdicts
 
@@ -665,8 +671,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 class DeprecatedFormat(argparse.Action):
     """`--format FMT`, 0.1's spelling: stores FMT after one line on stderr naming the new one."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
         from llmtrain.core_mesh.cli_conventions import DEPRECATED_UNTIL
+
+        assert isinstance(values, str)  # the option takes one argument (no nargs)
 
         new = {"csv": "-o FILE.csv", "markdown": "-o FILE.md", "table": "no option"}[values]
         print(

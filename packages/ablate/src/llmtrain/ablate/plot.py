@@ -45,7 +45,7 @@ def smooth(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
-def _curve(run: Run, metric: str, x: str, smoothing: float) -> tuple[list, list]:
+def _curve(run: Run, metric: str, x: str, smoothing: float) -> tuple[list[float], list[float]]:
     xs, ys = run.series(metric, x)
     if metric == "loss" and smoothing and xs:
         ys = smooth(ys, smoothing)

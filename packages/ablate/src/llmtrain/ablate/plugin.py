@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from llmtrain.ablate import compare, fit_command, html_report, plot, reports
 from llmtrain.core_mesh.cli import Command
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "profile",
         Command(

@@ -66,17 +66,19 @@ def _step_mark(event: dict[str, Any]) -> bool:
     return bool(STEP_MARK.match(str(event.get("name", ""))))
 
 
-def _nesting(events: list[dict[str, Any]]) -> tuple[dict[int, float], dict[int, dict | None]]:
+def _nesting(
+    events: list[dict[str, Any]],
+) -> tuple[dict[int, float], dict[int, dict[str, Any] | None]]:
     """Self time and enclosing event (by `id`) of each event: host events nest on their thread,
     device events on their stream."""
-    by_thread: dict[tuple, list[dict]] = defaultdict(list)
+    by_thread: dict[tuple[Any, Any, str], list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"), _device(e))].append(e)
     self_time: dict[int, float] = {}
-    parent: dict[int, dict | None] = {}
+    parent: dict[int, dict[str, Any] | None] = {}
     for thread in by_thread.values():
         thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict] = []
+        stack: list[dict[str, Any]] = []
         for e in thread:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
@@ -113,6 +115,13 @@ class KernelTime:
     launched_by: str | None  # the operator that launched the most of its time (None: none did)
 
 
+@attrs.define
+class _KernelTally:
+    calls: int = 0
+    gpu_us: float = 0.0
+    launched_by: Counter[str] = attrs.Factory(Counter)  # GPU time by launching operator
+
+
 @attrs.frozen
 class GpuProfile:
     ops: list[OpGpuTime]  # by GPU time, then by CPU self time
@@ -140,15 +149,15 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         return None
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES and not _step_mark(e)]
     self_time, parent = _nesting(host)
-    threads: dict[tuple, list[dict]] = defaultdict(list)
+    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
     for e in host:
         threads[(e.get("pid"), e.get("tid"))].append(e)
-    starts: dict[tuple, list[float]] = {}
+    starts: dict[tuple[Any, Any], list[float]] = {}
     for key, spans in threads.items():
         spans.sort(key=lambda e: (e["ts"], -e["dur"]))
         starts[key] = [e["ts"] for e in spans]
 
-    def innermost(pid: Any, tid: Any, ts: float) -> dict | None:
+    def innermost(pid: Any, tid: Any, ts: float) -> dict[str, Any] | None:
         """The innermost operator on the thread whose span holds `ts`."""
         key = (pid, tid)
         i = bisect.bisect_right(starts.get(key, []), ts) - 1
@@ -158,8 +167,8 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         return span
 
     # the launch point (pid, tid, ts) of each correlation id: the runtime call, else a flow start
-    launches: dict[Any, tuple] = {}
-    flow_ends: dict[tuple, Any] = {}
+    launches: dict[Any, tuple[Any, Any, Any]] = {}  # correlation id: (pid, tid, ts)
+    flow_ends: dict[tuple[Any, Any, Any], Any] = {}
     for e in trace.get("traceEvents", []):
         if not isinstance(e, dict) or e.get("cat") != "ac2g" or "id" not in e:
             continue
@@ -177,7 +186,7 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
 
     gpu_self: dict[int, float] = defaultdict(float)
     gpu_total: dict[int, float] = defaultdict(float)
-    kernels: dict[tuple[str, str], list] = {}
+    kernels: dict[tuple[str, str], _KernelTally] = {}
     unattributed = 0.0
     for e in gpu:
         correlation = _args(e).get("correlation")
@@ -187,20 +196,20 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         owner = innermost(*point) if point is not None else None
         if owner is None:
             owner = by_external.get(_args(e).get("External id"))
-        row = kernels.setdefault((e["name"], e["cat"]), [0, 0.0, Counter()])
-        row[0] += 1
-        row[1] += e["dur"]
+        tally = kernels.setdefault((e["name"], e["cat"]), _KernelTally())
+        tally.calls += 1
+        tally.gpu_us += e["dur"]
         if owner is None:
             unattributed += e["dur"]
             continue
-        row[2][owner["name"]] += e["dur"]
+        tally.launched_by[owner["name"]] += e["dur"]
         gpu_self[id(owner)] += e["dur"]
-        span: dict | None = owner
+        span: dict[str, Any] | None = owner
         while span is not None:
             gpu_total[id(span)] += e["dur"]
             span = parent[id(span)]
 
-    ops: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    ops: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
     for e in host:
         row = ops[e["name"]]
         row[0] += 1
@@ -211,8 +220,8 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
     op_rows = [OpGpuTime(name, int(n), g, gt, s, t) for name, (n, g, gt, s, t) in ops.items()]
     op_rows.sort(key=lambda op: (-op.gpu_us, -op.cpu_self_us, op.name))
     kernel_rows = [
-        KernelTime(name, cat, n, us, by.most_common(1)[0][0] if by else None)
-        for (name, cat), (n, us, by) in kernels.items()
+        KernelTime(name, cat, t.calls, t.gpu_us, _most_time(t.launched_by))
+        for (name, cat), t in kernels.items()
     ]
     kernel_rows.sort(key=lambda k: (-k.gpu_us, k.name))
     streams = {(e.get("pid"), e.get("tid")) for e in gpu}
@@ -223,6 +232,10 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         unattributed_us=unattributed,
         streams=len(streams),
     )
+
+
+def _most_time(by: Counter[str]) -> str | None:
+    return by.most_common(1)[0][0] if by else None
 
 
 def _args(event: dict[str, Any]) -> dict[str, Any]:
@@ -298,20 +311,20 @@ def run_profile(args: argparse.Namespace, ctx: Context) -> int:
     if gpu is not None:
         _print_gpu_profile(trace_file, gpu, args.top, args.sort)
         return 0
-    ops = top_ops(trace)
-    if not ops:
+    top = top_ops(trace)
+    if not top:
         raise UserError(f"{trace_file}: holds no operator events")
     if args.json:
-        listed = [attrs.asdict(op) for op in ops[: args.top]]
+        listed = [attrs.asdict(op) for op in top[: args.top]]
         print(json.dumps({"trace": str(trace_file), "ops": listed}, indent=1))
         return 0
-    total = sum(op.self_us for op in ops) or 1.0
-    print(f"{trace_file}: top {min(args.top, len(ops))} of {len(ops)} operators by self time")
-    width = min(max(len(op.name) for op in ops[: args.top]), 60)
+    total = sum(op.self_us for op in top) or 1.0
+    print(f"{trace_file}: top {min(args.top, len(top))} of {len(top)} operators by self time")
+    width = min(max(len(op.name) for op in top[: args.top]), 60)
     print(
         f"{'operator':<{width}}  {'device':<6}  {'calls':>7}  {'self ms':>10}  {'self %':>6}  {'total ms':>10}"
     )
-    for op in ops[: args.top]:
+    for op in top[: args.top]:
         print(
             f"{_cut(op.name, width):<{width}}  {op.device:<6}  {op.calls:>7}  "
             f"{op.self_us / 1e3:>10.3f}  {100 * op.self_us / total:>5.1f}%  "
@@ -439,8 +452,9 @@ def slowest_rank(stats: list[RankStats]) -> RankStats:
     """Ranks step together, so their step times match; the slowest is the rank the others wait
     for: the one arriving last at the collectives, or (pipelines, where ranks make different
     calls) the one that waits least at the step's first collective."""
-    if all(s.arrival_lag is not None for s in stats):
-        return max(stats, key=lambda s: s.arrival_lag)
+    lags = [(s.arrival_lag, s) for s in stats if s.arrival_lag is not None]
+    if len(lags) == len(stats):
+        return max(lags, key=lambda lag: lag[0])[1]  # the first of equals, as max(stats)
     return min(stats, key=lambda s: s.sync_wait)
 
 

@@ -58,9 +58,15 @@ class Run:
         """(x values, values) of one metric over the logged steps that have it. A line without
         `x` (a metric logged on a line of its own) takes it from a line of the same step."""
         at_step = {m["step"]: m[x] for m in self.metrics if x in m}
-        points = [(m.get(x, at_step.get(m["step"])), m[key]) for m in self.metrics if key in m]
-        points = [p for p in points if p[0] is not None]
-        return [p[0] for p in points], [p[1] for p in points]
+        xs: list[float] = []
+        values: list[float] = []
+        for m in self.metrics:
+            if key in m:
+                at = m.get(x, at_step.get(m["step"]))
+                if at is not None:
+                    xs.append(at)
+                    values.append(m[key])
+        return xs, values
 
     @property
     def status(self) -> str:
@@ -159,9 +165,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 def read_summary(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((path / "summary.json").read_text(encoding="utf-8"))
+        summary: dict[str, Any] = json.loads((path / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
+    return summary  # the JSON object train-loop writes
 
 
 def find_runs(paths: Sequence[str | Path]) -> list[Run]:
@@ -287,9 +294,11 @@ def label(settings: dict[str, Any], short: dict[str, str]) -> str:
     return " ".join(f"{short.get(k, k)}={shown(v)}" for k, v in settings.items()) or "base"
 
 
-def group_by_settings(runs: Sequence[Run], keys: Sequence[str]) -> list[tuple[dict, list[Run]]]:
+def group_by_settings(
+    runs: Sequence[Run], keys: Sequence[str]
+) -> list[tuple[dict[str, Any], list[Run]]]:
     """Runs that differ only in their seeds, together (first-seen order)."""
-    groups: dict[str, tuple[dict, list[Run]]] = {}
+    groups: dict[str, tuple[dict[str, Any], list[Run]]] = {}
     for run in runs:
         flat = run.settings
         settings = {k: flat.get(k) for k in keys if k not in SEED_KEYS}
