@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from pathlib import Path
 
 import structlog
 import torch
 
 from llmtrain.core_mesh.errors import naming_file
-from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.core_mesh.interfaces import Callback, TrainingRun
 from llmtrain.core_mesh.redact import redact_text
 from llmtrain.train_loop import observe
 from llmtrain.train_loop.callbacks import Named
@@ -35,7 +35,7 @@ ORIGIN = "llmtrain-train-loop (built in)"
 log = structlog.get_logger("llmtrain.train")
 
 
-def builtin_callbacks(run: Any) -> list[Named]:
+def builtin_callbacks(run: TrainingRun) -> list[Named]:
     callbacks = [
         ("summary", Summary()),
         ("watchdog", WatchdogCallback()),
@@ -61,15 +61,15 @@ class Summary(Callback):
     ended. A failed run whose summary cannot be written anyway says so in one warning line;
     the run's own error is what ends it."""
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: TrainingRun) -> None:
         if run.world.is_main:
             (run.run_dir / "summary.json").unlink(missing_ok=True)
             _reserve(run.run_dir / "summary.json.tmp", SUMMARY_RESERVE_BYTES)
 
-    def on_run_end(self, run: Any, status: str) -> None:
+    def on_run_end(self, run: TrainingRun, status: str) -> None:
         self._write(run, status)
 
-    def on_failure(self, run: Any, error: BaseException) -> None:
+    def on_failure(self, run: TrainingRun, error: BaseException) -> None:
         status = "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
         # errors echo what they were given (a signed URL, a client's arguments)
         text = redact_text(f"{type(error).__name__}: {error}", getattr(run, "secrets", ()))
@@ -82,7 +82,7 @@ class Summary(Callback):
                 f"{exc.strerror or exc}",
             )
 
-    def _write(self, run: Any, status: str, error: str | None = None) -> None:
+    def _write(self, run: TrainingRun, status: str, error: str | None = None) -> None:
         if not run.world.is_main:
             return
         step = int(run.counters["step"])  # applied steps (a rejected non-finite one is not)
@@ -116,7 +116,7 @@ class Summary(Callback):
         tmp.replace(run.run_dir / "summary.json")
 
 
-def _reserve(path: Any, size: int) -> None:
+def _reserve(path: Path, size: int) -> None:
     """Take `size` bytes of disk at `path` (best effort: a disk already full gets none)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,10 +129,10 @@ def _reserve(path: Any, size: int) -> None:
 class ClosedAtTheEnd(Callback):
     """Closes what it opened when the run ends, however it ends."""
 
-    def on_run_end(self, run: Any, status: str) -> None:
+    def on_run_end(self, run: TrainingRun, status: str) -> None:
         self.close()
 
-    def on_failure(self, run: Any, error: BaseException) -> None:
+    def on_failure(self, run: TrainingRun, error: BaseException) -> None:
         self.close()
 
     def close(self) -> None:
@@ -144,28 +144,33 @@ class WatchdogCallback(ClosedAtTheEnd):
 
     watchdog: observe.Watchdog | None = None
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: TrainingRun) -> None:
         self.watchdog = observe.Watchdog(
             run.config.debug.watchdog, run.run_dir / "logs", run.world.rank
         )
 
-    def before_step(self, run: Any, step: int) -> None:
-        self.watchdog.start("step", step)
+    def _started(self) -> observe.Watchdog:
+        if self.watchdog is None:
+            raise RuntimeError("the watchdog callback got a step or eval event before on_run_start")
+        return self.watchdog
 
-    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
-        self.watchdog.end()
+    def before_step(self, run: TrainingRun, step: int) -> None:
+        self._started().start("step", step)
 
-    def before_eval(self, run: Any, step: int) -> None:
-        self.watchdog.start("eval", step)
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+        self._started().end()
 
-    def after_eval(self, run: Any, step: int, metrics: dict[str, float]) -> None:
-        self.watchdog.end()
+    def before_eval(self, run: TrainingRun, step: int) -> None:
+        self._started().start("eval", step)
 
-    def before_save(self, run: Any, step: int) -> None:
+    def after_eval(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+        self._started().end()
+
+    def before_save(self, run: TrainingRun, step: int) -> None:
         if self.watchdog is not None:  # the save of a run that never started its loop
             self.watchdog.start("save", step)
 
-    def after_save(self, run: Any, step: int) -> None:
+    def after_save(self, run: TrainingRun, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.end()
 
@@ -181,16 +186,21 @@ class ProfilerCallback(ClosedAtTheEnd):
 
     profiler: observe.StepProfiler | None = None
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: TrainingRun) -> None:
         self.profiler = observe.StepProfiler(
             run.config.profile, run.run_dir, run.world.rank, run.device
         )
 
-    def before_step(self, run: Any, step: int) -> None:
-        self.profiler.before_step(step, run.total_steps)
+    def _started(self) -> observe.StepProfiler:
+        if self.profiler is None:
+            raise RuntimeError("the profiler callback got a step event before on_run_start")
+        return self.profiler
 
-    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
-        self.profiler.after_step()
+    def before_step(self, run: TrainingRun, step: int) -> None:
+        self._started().before_step(step, run.total_steps)
+
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+        self._started().after_step()
 
     def close(self) -> None:
         if self.profiler is not None:
@@ -201,20 +211,20 @@ class Throughput(Callback):
     """Per logging window: tokens/s, step time, the shares of time spent waiting for data and
     at the step's first collective, memory, and MFU where the peak FLOP rate is known."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: TrainingRun):
         self.tokens_per_step = run.global_batch * run.config.data.seq_len
         self.flops_per_token = run.description.flops_per_token(run.config.data.seq_len)
         self.peak_flops = peak_flops(run.config.training.peak_tflops, run.device)
         self.world_size = run.world.world_size
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: TrainingRun) -> None:
         self._new_window(run, time.perf_counter())
 
-    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         self.steps += 1
 
     def on_log(
-        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+        self, run: TrainingRun, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
     ) -> None:
         now = time.perf_counter()
         elapsed = max(now - self.started, 1e-9)
@@ -232,7 +242,7 @@ class Throughput(Callback):
             )
         self._new_window(run, now)
 
-    def _new_window(self, run: Any, now: float) -> None:
+    def _new_window(self, run: TrainingRun, now: float) -> None:
         self.started, self.steps = now, 0
         self.data_wait_s, self.sync_wait_s = run.data_wait_s, run.sync_wait_s
 
@@ -257,17 +267,19 @@ class Stragglers(ClosedAtTheEnd):
 
     clock: observe.CollectiveClock | None = None
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: TrainingRun) -> None:
         self.clock = observe.CollectiveClock()
         self.clock.install()
         self.started = time.perf_counter()
 
     def on_log(
-        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+        self, run: TrainingRun, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
     ) -> None:
         now = time.perf_counter()
         elapsed = max(now - self.started, 1e-9)
         self.started = now
+        if self.clock is None:
+            raise RuntimeError("the stragglers callback got on_log before on_run_start")
         keys = ("data_wait", "sync_wait", "peak_memory_mib")
         ranks = self.clock.gather([metrics[k] for k in keys], run.device)
         lag = observe.arrival_lag(ranks)

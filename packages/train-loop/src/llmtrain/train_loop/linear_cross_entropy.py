@@ -23,7 +23,12 @@ neither in the loss nor in the gradient, and the z-loss adds `z * logsumexp²` p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import torch
+
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 IGNORE = -100  # targets with this value (masked tokens) count neither in the loss nor the total
 CHUNK_ELEMENTS = 1 << 27  # logits per softmax chunk: 1024 tokens of a 128k vocabulary
@@ -53,10 +58,10 @@ def chunk_loss_and_grad_(
     return (per_token * counted).sum()
 
 
-_compiled_chunk = None
+_compiled_chunk: ChunkFn | None = None
 
 
-def _chunk_fn(on_cuda: bool, compile_chunks: bool):
+def _chunk_fn(on_cuda: bool, compile_chunks: bool) -> ChunkFn:
     """The chunk function, compiled where it pays: on CUDA Inductor fuses the float32 softmax
     and its gradient into one pass over the bf16 logits; on CPU compiling costs more than it saves
     at the sizes CPUs train."""
@@ -88,7 +93,15 @@ def group_rows(n_tokens: int, vocab: int) -> tuple[int, int]:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, z_loss, compute_dtype, compile_chunks):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        targets: torch.Tensor,
+        z_loss: float,
+        compute_dtype: torch.dtype,
+        compile_chunks: bool,
+    ) -> torch.Tensor:
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tokens, vocab = hidden.size(0), weight.size(0)
         group, chunk = group_rows(n_tokens, vocab)
@@ -96,7 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(compute_dtype)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-        grad_weight = None
+        grad_weight: torch.Tensor | None = None
         for start in range(0, n_tokens, group):
             h = hidden[start : start + group].to(compute_dtype)
             t = targets[start : start + group]
@@ -104,7 +117,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for first in range(0, h.size(0), chunk):
                 rows = slice(first, first + chunk)
                 total += chunk_fn(grad_logits[rows], t[rows], z_loss)
-            if needs_hidden:
+            if grad_hidden is not None:
                 grad_hidden[start : start + group] = grad_logits @ w
             if needs_weight:
                 part = grad_logits.t() @ h
@@ -114,7 +127,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(
+        ctx: Any, grad_total: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         # scaled in place: a second copy of the projection's gradient would raise the peak (a
         # graph through this loss is not for backpropagating twice)
         grad_hidden, grad_weight = ctx.saved_tensors
@@ -142,6 +157,10 @@ def linear_cross_entropy_sum(
         compute_dtype = torch.get_autocast_dtype(hidden.device.type)
     # the matmuls run in compute_dtype explicitly; autocast would recast inside the chunks
     with torch.autocast(hidden.device.type, enabled=False):
-        return _LinearCrossEntropy.apply(
-            flat, weight, targets.reshape(-1), z_loss, compute_dtype, compile_chunks
+        # torch's Function.apply is unannotated (returns Any); forward returns the loss tensor
+        return cast(
+            torch.Tensor,
+            _LinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
+                flat, weight, targets.reshape(-1), z_loss, compute_dtype, compile_chunks
+            ),
         )

@@ -80,10 +80,11 @@ class JsonlSink:
         self.path = Path(run.run_dir) / options.file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():
-            kept = [
-                line for line in self.path.read_text().splitlines() if _step_of(line) is not None
-            ]
-            kept = [line for line in kept if _step_of(line) <= run.start_step]
+            kept = []
+            for line in self.path.read_text().splitlines():
+                step = _step_of(line)
+                if step is not None and step <= run.start_step:
+                    kept.append(line)
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             tmp.replace(self.path)

@@ -25,7 +25,7 @@ from llmtrain.train_loop.run_config import _positive
 log = structlog.get_logger("llmtrain.train")
 
 
-def _above_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _above_one(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 1:
         raise ValueError(f"must be more than 1, got {value}")
 

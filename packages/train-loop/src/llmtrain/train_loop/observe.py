@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import structlog
@@ -21,6 +21,9 @@ import torch
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.train_loop.run_config import DebugConfig, ProfileConfig, WatchdogConfig
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 log = structlog.get_logger("llmtrain.train_loop")
 
@@ -75,7 +78,8 @@ def dump_memory_snapshot(path: Path) -> Path | None:
     """The CUDA allocator's state (and allocation stacks if recorded) for pytorch.org/memory_viz."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.cuda.memory._dump_snapshot(str(path))
+        # torch leaves _dump_snapshot unannotated
+        torch.cuda.memory._dump_snapshot(str(path))  # type: ignore[no-untyped-call]
     except Exception as exc:  # noqa: BLE001 - best effort while handling an OOM
         log.warning("memory.snapshot_failed", error=str(exc))
         return None
@@ -240,28 +244,29 @@ class StepProfiler:
         self.run_dir = run_dir
         self.rank = rank
         self.device = device
-        self.prof = None
+        self.prof: profile | None = None
         self.left = 0
         self.enabled = config is not None and (config.ranks is None or rank in config.ranks)
 
     def before_step(self, step: int, last_step: int) -> None:
         """`step`: the 1-based number of the step about to run; a window that would not end by
         `last_step` is not opened."""
-        if not self.enabled or self.prof is not None or step % self.config.every:
+        c = self.config
+        if not self.enabled or c is None or self.prof is not None or step % c.every:
             return
-        if step + self.config.warmup + self.config.active - 1 > last_step:
+        if step + c.warmup + c.active - 1 > last_step:
             return
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        c = self.config
         activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         first = step + c.warmup
+        last = first + c.active - 1
         self.prof = profile(
             activities=activities,
             schedule=schedule(wait=0, warmup=c.warmup, active=c.active, repeat=1),
-            on_trace_ready=lambda prof: self._export(prof, first),
+            on_trace_ready=lambda prof: self._export(prof, first, last),
             record_shapes=c.record_shapes,
             profile_memory=c.profile_memory,
             with_stack=c.with_stack,
@@ -277,8 +282,7 @@ class StepProfiler:
         if self.left == 0:
             self.close()
 
-    def _export(self, prof: Any, first: int) -> None:
-        last = first + self.config.active - 1
+    def _export(self, prof: profile, first: int, last: int) -> None:
         path = self.run_dir / "profiles" / f"step-{first}" / f"rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")

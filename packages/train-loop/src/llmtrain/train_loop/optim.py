@@ -8,24 +8,27 @@ biases) and embedding tables are excluded by rule. An optimizer plugin's target 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from llmtrain.core_mesh.config import ConfigValueError
 
+if TYPE_CHECKING:
+    from torch import nn
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 0:
         raise ValueError(f"must be positive, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _beta(instance: object, attribute: attrs.Attribute, value: tuple[float, float]) -> None:
+def _beta(instance: object, attribute: attrs.Attribute[Any], value: tuple[float, float]) -> None:
     if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
         raise ValueError(f"must be two numbers in [0, 1), got {list(value)}")
 
@@ -74,7 +77,8 @@ def decay_groups(module: Any, weight_decay: float, params: Any = None) -> list[d
     """Two parameter groups of `params` (default: all of the module's): matrices with weight
     decay; vectors (norm scales, biases) and embedding tables without."""
     embeddings = _embedding_ids(module)
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in module.parameters() if params is None else params:
         if not p.requires_grad:
             continue
@@ -149,7 +153,7 @@ def muon(options: MuonOptions, module: Any) -> list[Any]:
     hidden = [p for p in module.parameters() if p.ndim == 2 and id(p) not in outer]
     hidden_ids = {id(p) for p in hidden}
     rest = [p for p in module.parameters() if id(p) not in hidden_ids]
-    optimizers = []
+    optimizers: list[torch.optim.Optimizer] = []
     if hidden:
         optimizers.append(
             torch.optim.Muon(

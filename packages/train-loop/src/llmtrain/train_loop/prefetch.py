@@ -16,7 +16,9 @@ class Prefetcher:
 
     def __init__(self, dataset: Any, plan: BatchPlan, start_step: int, depth: int = 2):
         self.dataset, self.plan = dataset, plan
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.queue: queue.Queue[tuple[int, dict[str, np.ndarray] | BaseException]] = queue.Queue(
+            maxsize=depth
+        )
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(start_step,), daemon=True)
         self.thread.start()

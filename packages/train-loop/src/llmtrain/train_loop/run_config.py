@@ -8,10 +8,11 @@ Checks that need several sections at once (batch arithmetic, steps or tokens) li
 
 from __future__ import annotations
 
+import math
 import os
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import attrs
 
@@ -30,17 +31,19 @@ from llmtrain.core_mesh.mesh import MeshError, MeshSpec
 from llmtrain.data_pack.sampling import MIN_WEIGHT
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
     if value is not None and value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _positive_number(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+def _positive_number(
+    instance: object, attribute: attrs.Attribute[Any], value: float | None
+) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"must be more than 0, got {value}")
 
@@ -49,22 +52,22 @@ def _positive_number(instance: object, attribute: attrs.Attribute, value: float 
 SEED_LIMIT = 2**64
 
 
-def _seed(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _seed(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and not 0 <= value < SEED_LIMIT:
         raise ValueError(f"must be a whole number from 0 to 2**64 - 1, got {value}")
 
 
-def _not_blank(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _not_blank(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     if not value.strip():
         raise ValueError("must be a path or URL, got an empty string")
 
 
-def _path_or_null(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+def _path_or_null(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
     if value is not None and not value.strip():
         raise ValueError("must be a path or URL (null for the default), got an empty string")
 
 
-def _name(instance: object, attribute: attrs.Attribute, value: str) -> None:
+def _name(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
     """A run name is one safe path component: the run's directory is `run_dir/name`."""
     if value in (".", "..") or any(c in value for c in "/\\\0"):
         raise ValueError(f"must be one directory name (no '/', '\\', '.' or '..'), got {value!r}")
@@ -209,6 +212,14 @@ class TrainingConfig:
         default="refuse", validator=attrs.validators.in_(("refuse", "keep", "recompute"))
     )
 
+    def total_steps(self, tokens_per_step: int) -> int:
+        """`steps`, or the steps that train on `tokens` (rounded up)."""
+        if self.steps is not None:
+            return self.steps
+        if self.tokens is None:  # refused when the config was built
+            raise ValueError("give exactly one of training.steps and training.tokens")
+        return math.ceil(self.tokens / tokens_per_step)
+
     def __attrs_post_init__(self) -> None:
         if (self.steps is None) == (self.tokens is None):
             raise ConfigValueError(
@@ -221,7 +232,7 @@ class CheckpointConfig:
     """Where and how checkpoints go; `dir` defaults to `<run dir>/checkpoints` (any fsspec URL)."""
 
     dir: str | None = attrs.field(default=None, validator=_path_or_null)
-    keep_last: int | None = attrs.field(default=3, validator=_positive)
+    keep_last: int = attrs.field(default=3, validator=_positive)  # the newest is always kept
     keep_every: int | None = attrs.field(default=None, validator=_positive)
     async_save: bool = False
     # threads per rank that write and read the checkpoint's files (the concurrency of its
@@ -259,7 +270,7 @@ class ProfileConfig:
             )
 
 
-def _more_than_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _more_than_one(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value <= 1:
         raise ValueError(f"must be more than 1, got {value}")
 
@@ -305,11 +316,11 @@ class InitConfig:
     storage_options: dict[str, str] = attrs.Factory(dict)
 
 
-def _default_parallel():
+def _default_parallel() -> Choice:
     return Choice.of("parallel")(kind="default")
 
 
-def _default_loggers():
+def _default_loggers() -> list[Choice]:
     logger = Choice.of("logger")
     return [logger(kind="console"), logger(kind="jsonl")]
 
@@ -383,7 +394,8 @@ def checked_model_options(plugins: Any, choice: Any) -> ModelOptions:
             f"({type(options).__name__}) without {', '.join(missing)}; a model plugin's options "
             "class must provide them (llmtrain.core_mesh.interfaces.ModelOptions)"
         )
-    return options
+    # options_of returns Any; the protocol check above found nothing missing
+    return cast(ModelOptions, options)
 
 
 def layout_problems(config: RunConfig, plugins: Any, *, world_size: int | None) -> list[Problem]:

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"must be in [0, 1], got {value}")
 
@@ -63,7 +64,7 @@ def constant(options: WarmupOptions, total_steps: int) -> Schedule:
     return factor
 
 
-def _decaying(shape: Callable[[float], float]):
+def _decaying(shape: Callable[[float], float]) -> Callable[[WarmupOptions, int], Schedule]:
     """A schedule that warms up, then follows shape(progress) from 1 to 0, scaled to min_ratio."""
 
     def build(options: WarmupOptions, total_steps: int) -> Schedule:
@@ -83,7 +84,7 @@ def _decaying(shape: Callable[[float], float]):
 cosine = _decaying(lambda p: 0.5 * (1 + math.cos(math.pi * p)))
 linear = _decaying(lambda p: 1.0 - p)
 
-_DECAYS = {
+_DECAYS: dict[str, Callable[[float], float]] = {
     "linear": lambda p: 1.0 - p,
     "cosine": lambda p: 0.5 * (1 + math.cos(math.pi * p)),
     "sqrt": lambda p: 1.0 - math.sqrt(p),

@@ -17,7 +17,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import structlog
@@ -38,7 +38,7 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo, Tokenizer
 from llmtrain.core_mesh.logs import configure_logging
-from llmtrain.core_mesh.mesh import build_device_mesh
+from llmtrain.core_mesh.mesh import MeshSpec, build_device_mesh
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.core_mesh.redact import redact, secret_values
 from llmtrain.core_mesh.world import (
@@ -47,7 +47,7 @@ from llmtrain.core_mesh.world import (
     init_distributed,
     shutdown_distributed,
 )
-from llmtrain.data_pack.loader import open_windows
+from llmtrain.data_pack.loader import WindowDataset, open_windows
 from llmtrain.data_pack.sampling import BatchPlan
 from llmtrain.train_loop import callbacks, observe, warm_start
 from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
@@ -128,7 +128,7 @@ class Trainer:
         self.train_data = self._open(
             [d.path for d in c.data.train], [d.weight for d in c.data.train]
         )
-        self.eval_data = None
+        self.eval_data: WindowDataset | None = None
         if c.data.eval:
             self.eval_data = self._open([c.data.eval.path], None, shuffle=False)
             packed = self.eval_data.sources[0].dataset.fingerprint
@@ -139,7 +139,7 @@ class Trainer:
                     f"({packed}) than the training data ({trained}); pack it with the same one"
                 )
         tokens_per_step = self.global_batch * c.data.seq_len
-        self.total_steps = c.training.steps or math.ceil(c.training.tokens / tokens_per_step)
+        self.total_steps = c.training.total_steps(tokens_per_step)
         epochs = self.total_steps * self.global_batch / len(self.train_data)
 
         # process group, logs, seeds; from here on a failure also stops the process group
@@ -153,7 +153,14 @@ class Trainer:
             shutdown_distributed(barrier=False)
             raise
 
-    def _build(self, spec, epochs, tokens_per_step, console, resume: bool | None) -> None:
+    def _build(
+        self,
+        spec: MeshSpec,
+        epochs: float,
+        tokens_per_step: int,
+        console: TextIO | None,
+        resume: bool | None,
+    ) -> None:
         """The recipe after the process group: logs, seeds, model, optimizers, callbacks, resume,
         loggers."""
         c, plugins = self.config, self.plugins
@@ -242,7 +249,7 @@ class Trainer:
         self.counters = Values(step=0, tokens=0, skipped=0, consumed=0, elapsed_s=0.0)
         self.checkpoints = Checkpointer(
             c.checkpoint.dir or str(self.run_dir / "checkpoints"),
-            keep=KeepPolicy(last=c.checkpoint.keep_last, every=c.checkpoint.keep_every),
+            keep=KeepPolicy(last=c.checkpoint.keep_last, every=c.checkpoint.keep_every or 0),
             async_save=c.checkpoint.async_save,
             storage_options=c.checkpoint.storage_options,
             io_threads=c.checkpoint.io_threads or DEFAULT_THREADS,
@@ -296,7 +303,9 @@ class Trainer:
             self.sinks = [plugins.build("logger", choice, self.run_info) for choice in c.loggers]
 
     # --- setup helpers ---
-    def _open(self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None):
+    def _open(
+        self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None
+    ) -> WindowDataset:
         c = self.config
         data = open_windows(
             paths,
@@ -354,7 +363,7 @@ class Trainer:
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
         self.callbacks.emit("on_load", self, step)
 
-    def _resume_schedule(self, step: int, trained: dict) -> None:
+    def _resume_schedule(self, step: int, trained: dict[str, Any]) -> None:
         """A resume at `step` whose configured lr schedule is not the one the checkpoint was
         trained with (`trained`, as recorded): go on with the configured one where the lr stays
         where it is; otherwise refuse, keep the trained one or recompute, as
@@ -524,7 +533,8 @@ class Trainer:
         from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 
         packed = self.train_data.sources[0].dataset.meta["tokenizer"]
-        return tokenizer_from_raw(packed["spec"], self.plugins)
+        tokenizer: Tokenizer = tokenizer_from_raw(packed["spec"], self.plugins)
+        return tokenizer
 
     def request_stop(self, reason: str) -> None:
         """End the run after this step without saving it (a callback's call: the steps since
@@ -574,7 +584,9 @@ class Trainer:
         self.counters["tokens"] = self.step * self.global_batch * self.config.data.seq_len
         self.counters["consumed"] = self.step * self.global_batch
 
-    def _to_device(self, batch: dict[str, np.ndarray]) -> tuple[torch.Tensor, ...]:
+    def _to_device(
+        self, batch: dict[str, np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, targets (masked ones set to IGNORE) and document starts (or None)."""
         tokens = torch.from_numpy(batch["tokens"]).to(self.device, non_blocking=True)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -621,14 +633,16 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss and perplexity over the first `data.eval.batches` global batches of the eval set."""
-        c = self.config
+        evaluation, eval_data = self.config.data.eval, self.eval_data
+        if evaluation is None or eval_data is None:
+            raise UserError("data.eval is not set: this run has no held-out data to evaluate")
         plan = BatchPlan(self.global_batch, self.model.data_world, self.model.data_rank)
         total = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
         self.model.train(False)
         try:
-            for step in range(c.data.eval.batches):
-                batch = self.eval_data.read(np.concatenate(plan.step(step)))
+            for step in range(evaluation.batches):
+                batch = eval_data.read(np.concatenate(plan.step(step)))
                 inputs, targets, doc_starts = self._to_device(batch)
                 total += self.model.evaluate(inputs, targets, self.loss_fn, doc_starts=doc_starts)
                 count += (targets != IGNORE).sum()
@@ -667,7 +681,7 @@ class Trainer:
         shutdown_distributed()
 
 
-def _described(record: dict, options: bool) -> str:
+def _described(record: dict[str, Any], options: bool) -> str:
     """'a cosine lr schedule over 600 steps' (with its options, when `options`)."""
     choice = record["lr_scheduler"] or {"kind": "constant"}
     text = choice["kind"]
@@ -714,7 +728,7 @@ def initial_model(plugins: PluginManager, choice: Choice, seed: int) -> torch.nn
     """The whole model initialised on CPU from the run seed: the same on every process (the
     weights a run with `training.init: full` starts from)."""
     with torch.device("meta"):
-        full = plugins.build("model", choice)
+        full: torch.nn.Module = plugins.build("model", choice)
     full.to_empty(device="cpu")
     torch.manual_seed(seed)
     _init_weights(full)
