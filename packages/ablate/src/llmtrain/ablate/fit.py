@@ -19,9 +19,10 @@ ever extrapolated from a failed fit.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -55,8 +56,9 @@ STARTS_RUN = 4
 BOOTSTRAP_STARTS_RUN = 2  # a refit that fails from the full fit's optimum
 
 
-def chinchilla_loss(n: Any, d: Any, params: Sequence[float]) -> np.ndarray:
-    """E + A / N^alpha + B / D^beta for params (E, A, B, alpha, beta)."""
+def chinchilla_loss(n: Any, d: Any, params: Iterable[float]) -> Any:
+    """E + A / N^alpha + B / D^beta for params (E, A, B, alpha, beta): an array for arrays N
+    and D (broadcast), a number for numbers."""
     big_e, big_a, big_b, alpha, beta = params
     return big_e + big_a / np.power(n, alpha) + big_b / np.power(d, beta)
 
@@ -136,20 +138,25 @@ def _objective(
     return float(value), grad
 
 
-def _grid_objectives(grid: np.ndarray, log_n, log_d, log_loss) -> np.ndarray:
+def _grid_objectives(
+    grid: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray
+) -> np.ndarray:
     """The objective at every grid point at once (no gradient)."""
     e, a, b, alpha, beta = (grid[:, i, None] for i in range(5))
     terms = np.stack(
         [np.broadcast_to(e, (len(grid), len(log_n))), a - alpha * log_n, b - beta * log_d]
     )
     residual = np.logaddexp.reduce(terms, axis=0) - log_loss
-    return special.huber(HUBER_DELTA, residual).sum(axis=1)
+    objectives: np.ndarray = special.huber(HUBER_DELTA, residual).sum(axis=1)  # scipy: untyped
+    return objectives
 
 
 GRID = np.array(list(itertools.product(*START_GRID.values())), dtype=float)
 
 
-def _minimise(starts: np.ndarray, log_n, log_d, log_loss) -> optimize.OptimizeResult | None:
+def _minimise(
+    starts: np.ndarray, log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray
+) -> optimize.OptimizeResult | None:
     """L-BFGS from each start; the converged result with the lowest objective (None: none
     converged to a finite value)."""
     best = None
@@ -171,7 +178,9 @@ def _minimise(starts: np.ndarray, log_n, log_d, log_loss) -> optimize.OptimizeRe
     return best
 
 
-def _best_starts(log_n, log_d, log_loss, count: int) -> np.ndarray:
+def _best_starts(
+    log_n: np.ndarray, log_d: np.ndarray, log_loss: np.ndarray, count: int
+) -> np.ndarray:
     objectives = _grid_objectives(GRID, log_n, log_d, log_loss)
     return GRID[np.argsort(objectives, kind="stable")[:count]]
 
@@ -261,7 +270,9 @@ def fit_parametric(
         return _fit_parametric(n, d, loss, names, n_boot, seed)
 
 
-def _fit_parametric(n, d, loss, names, n_boot: int, seed: int) -> ParametricFit:
+def _fit_parametric(
+    n: Any, d: Any, loss: Any, names: Sequence[str] | None, n_boot: int, seed: int
+) -> ParametricFit:
     n, d, loss = (np.asarray(x, dtype=float) for x in (n, d, loss))
     check_points(names, n, d, loss)
     log_n, log_d, log_loss = np.log(n), np.log(d), np.log(loss)
@@ -297,8 +308,13 @@ def _fit_parametric(n, d, loss, names, n_boot: int, seed: int) -> ParametricFit:
     for i, name in enumerate(PARAMETERS):
         low, high = np.percentile(boot[:, i], _PERCENTILES) if len(boot) else (np.nan, np.nan)
         intervals[name] = Interval(float(low), float(high))
+    big_e, big_a, big_b, alpha, beta = (float(p) for p in params)
     return ParametricFit(
-        *(float(p) for p in params),
+        big_e,
+        big_a,
+        big_b,
+        alpha,
+        beta,
         intervals=intervals,
         n_points=len(n),
         objective=float(best.fun),
@@ -438,37 +454,30 @@ def _fit_budget(
     or its vertex lies outside the sampled sizes (an optimum extrapolated from one side is
     where the parabola is least like the true curve: sample sizes on both sides of it)."""
     budget = float(np.exp(np.mean(np.log(compute))))
-    common = {"compute": budget, "names": tuple(names), "n": n, "loss": loss}
+    common = functools.partial(Budget, compute=budget, names=tuple(names), n=n, loss=loss)
     if len(np.unique(n)) < MIN_SIZES_PER_BUDGET:
         reason = f"{len(np.unique(n))} model sizes (needs {MIN_SIZES_PER_BUDGET})"
-        return Budget(
-            **common, parabola=None, n_opt=None, d_opt=None, loss_opt=None, rejected=reason
-        )
+        return common(parabola=None, n_opt=None, d_opt=None, loss_opt=None, rejected=reason)
     log_n = np.log(n)
     c2, c1, c0 = np.polyfit(log_n, loss, 2)
     parabola = (float(c2), float(c1), float(c0))
     if c2 <= 0:
         reason = "the parabola opens downward: no minimum"
-        return Budget(
-            **common, parabola=parabola, n_opt=None, d_opt=None, loss_opt=None, rejected=reason
-        )
+        return common(parabola=parabola, n_opt=None, d_opt=None, loss_opt=None, rejected=reason)
     vertex = -c1 / (2 * c2)
     if not log_n.min() <= vertex <= log_n.max():
         reason = (
             f"the optimum N={math.exp(vertex):.3g} lies outside the sizes run "
             f"({n.min():.3g}-{n.max():.3g})"
         )
-        return Budget(
-            **common, parabola=parabola, n_opt=None, d_opt=None, loss_opt=None, rejected=reason
-        )
+        return common(parabola=parabola, n_opt=None, d_opt=None, loss_opt=None, rejected=reason)
     n_opt = math.exp(vertex)
     # FLOPs per token per parameter (6 for C = 6ND; more with attention FLOPs counted), read
     # off the budget's runs and interpolated to N_opt: D_opt = C / (k N_opt)
     order = np.argsort(log_n)
     per_param = compute / (n * d)
     k = float(np.interp(vertex, log_n[order], per_param[order]))
-    return Budget(
-        **common,
+    return common(
         parabola=parabola,
         n_opt=n_opt,
         d_opt=budget / (k * n_opt),
@@ -518,9 +527,12 @@ def fit_isoflop(
     )
 
 
-def chinchilla_n_opt(compute: float, params: Sequence[float], flops_per_param: float = 6.0):
+def chinchilla_n_opt(
+    compute: float, params: Sequence[float], flops_per_param: float = 6.0
+) -> float:
     """The N that minimises E + A/N^alpha + B/D^beta on C = 6ND (`flops_per_param` N D):
     G (C/6)^(beta/(alpha+beta)) with G = (alpha A / (beta B))^(1/(alpha+beta))."""
     _, big_a, big_b, alpha, beta = params
     g = (alpha * big_a / (beta * big_b)) ** (1 / (alpha + beta))
-    return g * (compute / flops_per_param) ** (beta / (alpha + beta))
+    n_opt: float = g * (compute / flops_per_param) ** (beta / (alpha + beta))  # positive bases
+    return n_opt

@@ -27,7 +27,9 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
 if TYPE_CHECKING:
-    from llmtrain.ablate.fit import IsoFlopFit, ParametricFit
+    from matplotlib.axes import Axes
+
+    from llmtrain.ablate.fit import IsoFlopFit, ParametricFit, Prediction
 
 LOSSES = ("eval_loss", "loss")
 PARAM_COUNTS = {"non_embedding": "non_embedding_params", "all": "params"}
@@ -117,14 +119,15 @@ def read_points(runs: Sequence[Run], loss_key: str, params: str) -> list[RunPoin
             f"runs without summary.json: {_listed(no_summary)}; N and D are read from it "
             f"(written when a run ends)"
         )
-    missing = [run.name for run in runs if not is_number(run.summary.get(params_key))]
+    summaries = [(run, run.summary) for run in runs if run.summary is not None]  # every run's
+    missing = [run.name for run, summary in summaries if not is_number(summary.get(params_key))]
     if missing:
         raise UserError(
             f"summary.json of {_listed(missing)} has no {params_key} (older llmtrain): re-run "
             f"them with this version, which records params, non_embedding_params and "
             f"flops_per_token"
         )
-    missing = [run.name for run in runs if not is_number(run.summary.get("tokens"))]
+    missing = [run.name for run, summary in summaries if not is_number(summary.get("tokens"))]
     if missing:
         raise UserError(f"summary.json of {_listed(missing)} has no tokens count")
     losses = {run.name: final_value(run, loss_key) for run in runs}
@@ -134,12 +137,13 @@ def read_points(runs: Sequence[Run], loss_key: str, params: str) -> list[RunPoin
         raise UserError(
             f"runs that logged no {loss_key}: {_listed(missing)}; fit them on --loss {other}?"
         )
+    final_losses = {name: loss for name, loss in losses.items() if loss is not None}  # all
     points = []
-    for run in runs:
-        n, d = float(run.summary[params_key]), float(run.summary["tokens"])
-        per_token = run.summary.get("flops_per_token")
+    for run, summary in summaries:
+        n, d = float(summary[params_key]), float(summary["tokens"])
+        per_token = summary.get("flops_per_token")
         compute = float(per_token) * d if is_number(per_token) else 6.0 * n * d
-        points.append(RunPoint(run.name, n, d, compute, losses[run.name]))
+        points.append(RunPoint(run.name, n, d, compute, final_losses[run.name]))
     return points
 
 
@@ -352,7 +356,7 @@ def draw(
     figure.savefig(output)
 
 
-def _error_bar(prediction) -> list[list[float]] | None:
+def _error_bar(prediction: Prediction) -> list[list[float]] | None:
     """matplotlib's yerr for a prediction's interval; None without one. Clipped at 0: an
     interval that collapsed onto the value may sit a rounding error beside it."""
     value, low, high = (float(x) for x in (prediction.value, prediction.low, prediction.high))
@@ -361,7 +365,9 @@ def _error_bar(prediction) -> list[list[float]] | None:
     return [[max(value - low, 0.0)], [max(high - value, 0.0)]]
 
 
-def _draw_isoflop(parabolas, laws, isoflop: IsoFlopFit, targets: Sequence[Target]) -> None:
+def _draw_isoflop(
+    parabolas: Axes, laws: Axes, isoflop: IsoFlopFit, targets: Sequence[Target]
+) -> None:
     import matplotlib as mpl
     import numpy as np
 
@@ -377,15 +383,18 @@ def _draw_isoflop(parabolas, laws, isoflop: IsoFlopFit, targets: Sequence[Target
                 lw=1,
                 label=f"C={budget.compute:.2g}",
             )
-        if budget.n_opt is not None:
+        if budget.n_opt is not None and budget.loss_opt is not None:  # both or neither
             parabolas.plot([budget.n_opt], [budget.loss_opt], "x", color=colour, ms=8)
     parabolas.set(xscale="log", xlabel="params N", ylabel="loss", title="IsoFLOP profiles")
     parabolas.legend(fontsize="small")
     used = [b for b in isoflop.budgets if b.rejected is None]
     compute = [b.compute for b in used] + [t.compute for t in targets if t.compute is not None]
     grid = np.geomspace(min(compute), max(compute), 50)
-    laws.scatter([b.compute for b in used], [b.n_opt for b in used], color="C0", label="N_opt")
-    laws.scatter([b.compute for b in used], [b.d_opt for b in used], color="C1", label="D_opt")
+    optima = [  # every used budget has its optimum
+        (b.compute, b.n_opt, b.d_opt) for b in used if b.n_opt is not None and b.d_opt is not None
+    ]
+    laws.scatter([c for c, _, _ in optima], [n for _, n, _ in optima], color="C0", label="N_opt")
+    laws.scatter([c for c, _, _ in optima], [d for _, _, d in optima], color="C1", label="D_opt")
     laws.plot(grid, isoflop.n_opt(grid), color="C0", lw=1)
     laws.plot(grid, isoflop.d_opt(grid), color="C1", lw=1)
     for target in targets:

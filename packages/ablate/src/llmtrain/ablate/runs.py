@@ -13,7 +13,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 import yaml
@@ -204,7 +204,7 @@ def higher_is_better(metric: str) -> bool:
     return metric.rsplit("/", 1)[-1].startswith(HIGHER_IS_BETTER)
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: object) -> TypeGuard[float]:  # int or float, not bool
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
