@@ -8,19 +8,22 @@ import errno
 import math
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import run_paths
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ModelOptions
+from llmtrain.core_mesh.interfaces import ModelOptions, Tokenizer
 from llmtrain.core_mesh.world import World
 from llmtrain.train_loop.lifetime import die_with_the_sweep
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
+
+if TYPE_CHECKING:
+    from llmtrain.data_pack.chat import ChatTemplate
 
 
 # --- llmtrain run ---
@@ -235,7 +238,7 @@ def _continue(model: Any, tokenizer: Any, ids: list[int], **sampling: Any) -> li
 
 def sample_text(
     model: Any,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str,
     *,
     max_new_tokens: int = 100,
@@ -261,7 +264,9 @@ def sample_text(
     return prompt + tokenizer.decode([t for t in new if t != tokenizer.eod_id])
 
 
-def chat_template_of(info: dict, given: str | None, *, stop=(), name: str | None = None):
+def chat_template_of(
+    info: dict[str, Any], given: str | None, *, stop: Sequence[str] = (), name: str | None = None
+) -> ChatTemplate:
     """The template given on the command line, else the one the training data was packed with."""
     from llmtrain.data_pack.chat import ChatTemplate
 
@@ -279,7 +284,11 @@ def chat_template_of(info: dict, given: str | None, *, stop=(), name: str | None
 
 
 def chat_reply(
-    model: Any, tokenizer: Any, template: Any, messages: list[dict[str, str]], **sampling: Any
+    model: Any,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    messages: list[dict[str, str]],
+    **sampling: Any,
 ) -> str:
     """The assistant's reply to `messages`: the template's generation prompt is rendered after
     them, and sampling stops at the template's end of turn (or the end of document)."""

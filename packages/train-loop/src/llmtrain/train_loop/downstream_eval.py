@@ -19,6 +19,7 @@ import structlog
 
 from llmtrain.core_mesh.config import Choice, ConfigValueError
 from llmtrain.core_mesh.interfaces import Callback, Task, TrainingRun
+from llmtrain.core_mesh.plugins import Register
 from llmtrain.train_loop.run_config import _positive
 
 log = structlog.get_logger("llmtrain.train")
@@ -112,7 +113,7 @@ class DownstreamEvaluation(Callback):
         return metrics
 
     @staticmethod
-    def _save_items(run: TrainingRun, name: str, items: list[dict]) -> None:
+    def _save_items(run: TrainingRun, name: str, items: list[dict[str, Any]]) -> None:
         directory = run.run_dir / "downstream" / f"step-{run.step}"
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f"{name}.jsonl.partial"
@@ -121,7 +122,7 @@ class DownstreamEvaluation(Callback):
         partial.replace(directory / f"{name}.jsonl")  # never a half-written file by that name
 
 
-def register_callbacks(register: Any) -> None:
+def register_callbacks(register: Register) -> None:
     register(
         "downstream",
         DownstreamEvaluation,

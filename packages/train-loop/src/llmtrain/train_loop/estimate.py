@@ -100,12 +100,12 @@ def saved_activation_bytes(
             saved[0] += size
         return t
 
-    def before(module, args):
+    def before(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         marks[id(module)] = saved[0]
         if not block_input and args and torch.is_tensor(args[0]):
             block_input.append(args[0].numel() * args[0].element_size())
 
-    def after(module, args, out):
+    def after(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
         per_block.append(saved[0] - marks[id(module)])
 
     hooks = []
@@ -195,9 +195,9 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
     tp_div = (
         tp if options.sequence_parallel else 1
     )  # without SP the norms' activations are whole on every TP rank
-    kept = []
-    for i, size in enumerate(blocks_here):
-        size = size / tp if tp > 1 else size
+    kept: list[float] = []
+    for i, whole in enumerate(blocks_here):
+        size = whole / tp if tp > 1 else whole
         if ac.mode == "full" or (ac.mode == "blocks" and i % ac.every == 0):
             kept.append(block_input / tp_div)
         elif ac.mode == "ops":
@@ -214,7 +214,7 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
     # transients: logits (fp32), their log-softmax and gradient; FSDP's gathered blocks
     loss_tp = tp if options.loss_parallel else 1
     logits = logit_count / cp * 4 * 3 / loss_tp
-    gathered = 0
+    gathered = 0.0
     if shard > 1:
         unsharded_blocks = stage_blocks if options.reshard_after_forward == "never" else 2
         gathered = unsharded_blocks * biggest_block / tp * (param_bytes + reduce_bytes)

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias
@@ -23,6 +23,9 @@ from llmtrain.core_mesh.config import Choice, structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.train_loop.commands import checkpoint_args
 from llmtrain.train_loop.saved_model import load_model, tokenizer_of
+
+if TYPE_CHECKING:
+    from llmtrain.downstream.evaluate import TaskResult
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +204,7 @@ def record_in_run(run_dir: Path, step: int, scores: dict[str, dict[str, Any]]) -
     return path
 
 
-def render(results: list) -> str:
+def render(results: list[TaskResult]) -> str:
     """One line per task and metric: `value ± stderr` where the metric has a standard error."""
     header = ["task", "items", "truncated", "metric", "value"]
     body = []

@@ -64,6 +64,7 @@ import attrs
 
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, parse_override
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ModelDescription
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.train_loop.run_config import RunConfig, checked_model_options
 
@@ -279,7 +280,7 @@ def refuse_keys(overrides: Sequence[str], axes: Sequence[tuple[str, str]]) -> No
         )
 
 
-def _keys_set(path: tuple, value: Any) -> list[str]:
+def _keys_set(path: tuple[str | int, ...], value: Any) -> list[str]:
     """The dotted keys an override sets: `model.n_heads=8` one, `model={n_heads: 8, ...}` each
     key in the mapping (nested ones too)."""
     key = ".".join(str(p) for p in path)
@@ -322,15 +323,15 @@ def shape_rule(options: Any, kind: str, aspect: tuple[float, float]) -> ShapeRul
     )
 
 
-def meta_describer(plugins: Any, choice: Any) -> Callable[[dict[str, int]], Any]:
+def meta_describer(plugins: Any, choice: Any) -> Callable[[dict[str, int]], ModelDescription]:
     """shape -> the `ModelDescription` of the base model with that shape, built on the meta
     device (no memory) by its plugin: its exact parameter counts and FLOPs per token."""
     import torch
 
     options = plugins.options_of("model", choice)
-    described: dict[tuple, Any] = {}
+    described: dict[tuple[tuple[str, int], ...], ModelDescription] = {}
 
-    def describe(shape: dict[str, int]) -> Any:
+    def describe(shape: dict[str, int]) -> ModelDescription:
         key = tuple(sorted(shape.items()))
         if key not in described:
             sized = attrs.evolve(choice, options=attrs.evolve(options, **shape))
@@ -549,10 +550,11 @@ def _no_shape_message(
         )
     bad = {budget for budget, *_ in failed}
     fixed = [c if c not in bad else smallest_budget(ratios, space, at_least=c) for c in budgets]
-    if all(c is not None for c in fixed):
+    found = [c for c in fixed if c is not None]
+    if len(found) == len(fixed):
         lines.append(
             "the next budgets that work above the failing ones: --budgets "
-            + ",".join(compact(c) for c in dict.fromkeys(fixed))
+            + ",".join(compact(c) for c in dict.fromkeys(found))
         )
     lines.append(
         "(or widen --aspect-ratio, or give the base a smaller head_dim = d_model / n_heads)"

@@ -19,7 +19,8 @@ import attrs
 import structlog
 
 from llmtrain.core_mesh.config import ConfigValueError
-from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.core_mesh.interfaces import Callback, TrainingRun
+from llmtrain.core_mesh.plugins import Register
 from llmtrain.train_loop.run_config import _positive
 
 log = structlog.get_logger("llmtrain.train")
@@ -65,7 +66,7 @@ class LossSpikeMonitor(Callback):
         self.spikes = int(state["spikes"])
 
     # --- events ---
-    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         loss = metrics.get("loss")
         if loss is None or not math.isfinite(loss):
             return  # nothing counted, or non-finite: training.non_finite deals with those
@@ -85,7 +86,7 @@ class LossSpikeMonitor(Callback):
             run.request_stop(f"loss spike at step {step}: {what} (callback loss_spike, stop: true)")
 
     def on_log(
-        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+        self, run: TrainingRun, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
     ) -> None:
         # a spike between logged steps shows in the metrics as this count going up
         metrics["loss_spikes"] = float(self.spikes)
@@ -102,13 +103,15 @@ class LossSpikeMonitor(Callback):
 
     # --- what was in the batch ---
     def _report(
-        self, run: Any, step: int, loss: float, median: float, ratio: float, what: str
+        self, run: TrainingRun, step: int, loss: float, median: float, ratio: float, what: str
     ) -> None:
         """Every rank logs its own samples; rank 0 also the batch's place in the data order and
         each data rank's own loss (a gather: every rank gets here at the same step)."""
         from llmtrain.train_loop.observe import gather_floats  # imports torch
 
         model = run.model
+        if run.last_local_loss is None:
+            raise RuntimeError("loss_spike: a step was reported before any step's loss was kept")
         local_sum, local_count = run.last_local_loss
         count = float(local_count)
         mine = float(local_sum) / count if count else math.nan
@@ -147,7 +150,7 @@ class LossSpikeMonitor(Callback):
         log.warning("loss.spike", **fields)
 
 
-def register_callbacks(register: Any) -> None:
+def register_callbacks(register: Register) -> None:
     """train-loop's `llmtrain_callbacks` hook calls this."""
     register(
         "loss_spike",

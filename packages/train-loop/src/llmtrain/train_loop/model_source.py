@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from llmtrain.core_mesh.config import line_of, load_config
+from llmtrain.core_mesh.config import Problem, line_of, load_config
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.core_mesh.redact import refuse_redacted
@@ -48,7 +48,7 @@ def load_run_config(
     process can write them; and the data section against the model and, with `world_size`,
     the launch (`layout_problems`). Every problem with its file and line."""
 
-    def check(config: RunConfig) -> list:
+    def check(config: RunConfig) -> list[Problem]:
         if paths is None:
             return []
         return [

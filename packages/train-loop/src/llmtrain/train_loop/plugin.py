@@ -19,7 +19,7 @@ from llmtrain.core_mesh.config import (
     unstructure,
 )
 from llmtrain.core_mesh.mesh import MeshError
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.core_mesh.redact import redact
 from llmtrain.train_loop import (
     commands,
@@ -89,7 +89,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "config", Command(help="validate or show a run config", configure=_configure, run=_run)
     )
@@ -161,7 +161,7 @@ def llmtrain_commands(register):
 
 
 @hookimpl
-def llmtrain_optimizers(register):
+def llmtrain_optimizers(register: Register) -> None:
     register("adamw", optim.adamw, options=optim.AdamOptions, help="AdamW (fused on CUDA)")
     register("adam", optim.adam, options=optim.AdamOptions, help="Adam, L2 weight decay")
     register("sgd", optim.sgd, options=optim.SGDOptions, help="SGD with (Nesterov) momentum")
@@ -174,7 +174,7 @@ def llmtrain_optimizers(register):
 
 
 @hookimpl
-def llmtrain_lr_schedulers(register):
+def llmtrain_lr_schedulers(register: Register) -> None:
     register(
         "constant", schedules.constant, options=schedules.WarmupOptions, help="warmup, then flat"
     )
@@ -188,12 +188,12 @@ def llmtrain_lr_schedulers(register):
 
 
 @hookimpl
-def llmtrain_loggers(register):
+def llmtrain_loggers(register: Register) -> None:
     register("console", loggers.ConsoleSink, options=loggers.ConsoleOptions, help="progress line")
     register("jsonl", loggers.JsonlSink, options=loggers.JsonlOptions, help="metrics.jsonl")
 
 
 @hookimpl
-def llmtrain_callbacks(register):
+def llmtrain_callbacks(register: Register) -> None:
     loss_spike.register_callbacks(register)
     downstream_eval.register_callbacks(register)

@@ -13,6 +13,7 @@ from typing import Any
 
 from llmtrain.core_mesh.config import Choice, structure, unstructure
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import Tokenizer
 from llmtrain.core_mesh.plugins import PluginManager
 
 
@@ -30,7 +31,9 @@ def model_choice(
     return structure(dict(info), Choice.of("model"), plugins=plugins, source=source)
 
 
-def load_model(checkpoint: str, step: int | None, plugins: PluginManager) -> tuple[Any, dict, int]:
+def load_model(
+    checkpoint: str, step: int | None, plugins: PluginManager
+) -> tuple[Any, dict[str, Any], int]:
     """The whole model (one process, CPU, float32, eval mode) with the weights of a committed
     checkpoint (the newest, or `step`); returns (model, the checkpoint's info, step)."""
     import torch
@@ -54,14 +57,17 @@ def load_model(checkpoint: str, step: int | None, plugins: PluginManager) -> tup
     return model, info, step
 
 
-def tokenizer_of(info: Mapping[str, Any], given: str | None, plugins: PluginManager):
+def tokenizer_of(info: Mapping[str, Any], given: str | None, plugins: PluginManager) -> Tokenizer:
     """The tokenizer `given` on the command line (`tokenizer_choice`'s spellings), else the one
     the checkpoint's training data was packed with."""
     from llmtrain.data_pack.tokenizer import tokenizer_choice, tokenizer_from_raw
 
+    tokenizer: Tokenizer
     if given:
-        return plugins.build("tokenizer", tokenizer_choice(given, plugins))
+        tokenizer = plugins.build("tokenizer", tokenizer_choice(given, plugins))
+        return tokenizer
     spec = info.get("data", {}).get("tokenizer", {}).get("spec")
     if spec is None:
         raise UserError("the checkpoint does not record its tokenizer; pass --tokenizer")
-    return tokenizer_from_raw(spec, plugins)
+    tokenizer = tokenizer_from_raw(spec, plugins)
+    return tokenizer

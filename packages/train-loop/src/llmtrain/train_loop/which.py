@@ -106,8 +106,9 @@ def _starts(log: Path) -> list[tuple[int, int | None, str | None]]:
 
 def _data_parallel(order: DataOrder, world: int, mesh: str | None) -> int:
     """dp_replicate x dp_shard of the logged layout, else of the config's mesh at `world`."""
-    degrees = [re.search(rf"\b{name}=(\d+)", mesh or "") for name in ("dp_replicate", "dp_shard")]
-    if all(degrees):
+    names = ("dp_replicate", "dp_shard")
+    degrees = [m for name in names if (m := re.search(rf"\b{name}=(\d+)", mesh or ""))]
+    if len(degrees) == len(names):
         return math.prod(int(d.group(1)) for d in degrees)
     return order.mesh.resolve(world).dp
 
@@ -227,7 +228,7 @@ def step_batch(
             f"{run_dir / 'config.yaml'}: data.{exc.field}: {exc} ({ranks.found_in})"
         ) from None
     training = order.training
-    total = training.steps or math.ceil(training.tokens / (global_batch * order.data.seq_len))
+    total = training.total_steps(global_batch * order.data.seq_len)
     if step > total:
         raise UserError(f"--step {step} is beyond the run's {total} steps")
     if rank is not None and not 0 <= rank < ranks.count:
@@ -242,7 +243,9 @@ def step_batch(
     return StepBatch(step, global_batch, total, ranks, samples)
 
 
-def _listed(found: Any, batch: StepBatch, order: DataOrder, first_words: FirstWords) -> dict:
+def _listed(
+    found: Any, batch: StepBatch, order: DataOrder, first_words: FirstWords
+) -> dict[str, Any]:
     """One sample and its documents, as plain data."""
     documents = [
         {
