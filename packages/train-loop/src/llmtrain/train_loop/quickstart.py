@@ -93,7 +93,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     configure_logging(console=sys.stderr)  # stdout carries only the sample
     work = Path(args.dir).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    say = lambda text: print(f"[quickstart] {text}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(text: str) -> None:
+        print(f"[quickstart] {text}", file=sys.stderr, flush=True)
+
     say(f"1/6 corpus: {args.documents} documents + a held-out 10% -> {work}")
     write_corpus(work / "train.jsonl", args.documents, seed=0)
     write_corpus(work / "valid.jsonl", max(args.documents // 10, 50), seed=1)

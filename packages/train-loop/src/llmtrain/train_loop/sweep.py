@@ -25,9 +25,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, NoReturn
 
 import attrs
 import yaml
@@ -39,6 +40,7 @@ from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.config import (
     ConfigError,
     ConfigValueError,
+    PathParts,
     Problem,
     apply_overrides,
     dump_config,
@@ -230,7 +232,7 @@ def plan(
     planned = []
     for run_id, settings in zip(ids, all_settings, strict=True):
         raw = copy.deepcopy(base_raw)
-        overridden: dict[tuple, str] = dict(base_overridden)
+        overridden: dict[PathParts, str] = dict(base_overridden)
         try:
             for key, value in settings.items():
                 for path, item in _assignments(raw, key, value, flags[key]):
@@ -279,7 +281,7 @@ def check_sweep_dir(
             raise UserError(f"{flag}: {message}")
 
 
-def _refuse_credentials(raw: dict, source: str) -> None:
+def _refuse_credentials(raw: dict[str, Any], source: str) -> None:
     """Credentials in a run's config are refused: the sweep writes each run's config.yaml and
     the run reads it back, but a config.yaml never holds credentials (the run writes it again
     redacted, and a resumed or requeued run would find the marker)."""
@@ -304,7 +306,9 @@ def _check_not_swept(overrides: Sequence[str], flags: dict[str, str]) -> None:
             )
 
 
-def _assignments(raw: dict, key: str, value: Any, flag: str) -> list[tuple[tuple, Any]]:
+def _assignments(
+    raw: dict[str, Any], key: str, value: Any, flag: str
+) -> list[tuple[PathParts, Any]]:
     """(path, value) pairs a swept key sets; `data.weights` sets each dataset's weight."""
     if key != WEIGHTS:
         return [(key_path(key), value)]
@@ -325,7 +329,7 @@ def _assignments(raw: dict, key: str, value: Any, flag: str) -> list[tuple[tuple
     return [(("data", "train", i, "weight"), weight) for i, weight in enumerate(value)]
 
 
-def _place(raw: dict, run_id: str, sweep_dir: Path) -> None:
+def _place(raw: dict[str, Any], run_id: str, sweep_dir: Path) -> None:
     """Each run lives in <sweep dir>/<run id>; a shared checkpoint.dir gets the same suffix."""
     raw["name"] = run_id
     raw["run_dir"] = str(sweep_dir)
@@ -490,7 +494,10 @@ def _ends_mid_line(path: Path) -> bool:
 def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list[tuple[str, str]]:
     """Run the unfinished runs one after another; returns (run id, why) of the failed ones."""
     failed = []
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     for i, run in enumerate(planned, 1):
         path = run.path(sweep_dir)
         prefix = f"[{i}/{len(planned)}] {run.id}"
@@ -544,11 +551,11 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
 
 
 @contextlib.contextmanager
-def _signals_interrupt():
+def _signals_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP stop the sweep like Ctrl-C, so the running run is stopped with it
     (with SIGTERM: it saves, then exits; it ignores the terminal's SIGINT)."""
 
-    def interrupt(signum, frame):
+    def interrupt(signum: int, frame: FrameType | None) -> NoReturn:
         raise KeyboardInterrupt
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -708,7 +715,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     )
     # dry runs write nothing: the places only must not be taken by files
     check_sweep_dir(planned, sweep_dir, f"--dir {args.dir}", writable=not args.dry_run)
-    say = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
     say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
     if rungs:
         ladder_table = ladder.table([(run.id, _rung_of(run, rungs)) for run in planned])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import structlog
 import torch
@@ -69,7 +69,7 @@ def start(
     warm start's, or the one the resumed checkpoint recorded (None when there is none)."""
     latest = checkpoints.latest_step()
     if latest is not None:
-        recorded = checkpoints.info(latest).get("info", {}).get("init")
+        recorded: dict[str, Any] | None = checkpoints.info(latest).get("info", {}).get("init")
         if init is not None:
             log.info(
                 "run.warm_start_skipped",
@@ -80,7 +80,7 @@ def start(
     if init is None:
         return None
     fmt, url, step = resolve(init, plugins)
-    if fmt == LLMTRAIN:
+    if step is not None:  # resolve gives a step for llmtrain checkpoints (fmt LLMTRAIN) only
         tensors = _load_checkpoint(init, url, step, model, info, plugins)
     else:
         tensors = _load_format(init, fmt, url, model, info, plugins)
@@ -166,16 +166,20 @@ def _llmtrain_source(url: str, init: InitConfig) -> tuple[str, int] | None:
 
 def _step(checkpoints: Checkpointer, step: int | None) -> int:
     try:
-        return checkpoints.resolve_step(step)
+        resolved = checkpoints.resolve_step(step)
     except CheckpointError as exc:
         raise WarmStartError(f"init.step: {exc}") from None
+    if resolved is None:  # callers ask only where committed steps exist
+        raise WarmStartError(f"init.from: {checkpoints.url} holds no committed checkpoint")
+    return resolved
 
 
 def _fs(url: str, storage_options: Mapping[str, str]) -> tuple[Any, str]:
     from fsspec.core import url_to_fs
 
     try:
-        return url_to_fs(url, **storage_options)
+        # fsspec is untyped: url_to_fs gives (the filesystem, the path within it)
+        return cast(tuple[Any, str], url_to_fs(url, **storage_options))
     except (ValueError, ImportError) as exc:  # an unknown protocol or its missing package
         raise WarmStartError(f"init.from: cannot open {url}: {exc}") from None
 
@@ -183,7 +187,7 @@ def _fs(url: str, storage_options: Mapping[str, str]) -> tuple[Any, str]:
 def _exists(fs: Any, root: str) -> bool:
     try:
         fs.invalidate_cache(root)
-        return fs.exists(root)
+        return bool(fs.exists(root))
     except OSError:
         return False
 
@@ -192,7 +196,12 @@ def _exists(fs: Any, root: str) -> bool:
 
 
 def _load_checkpoint(
-    init: InitConfig, url: str, step: int, model: ParallelModel, info: Mapping[str, Any], plugins
+    init: InitConfig,
+    url: str,
+    step: int,
+    model: ParallelModel,
+    info: Mapping[str, Any],
+    plugins: PluginManager,
 ) -> int:
     """DCP into the parts this rank holds, resharded to this run's layout."""
     checkpoints = Checkpointer(url, storage_options=init.storage_options)
@@ -229,7 +238,12 @@ def _load_checkpoint(
 
 
 def _load_format(
-    init: InitConfig, fmt: str, url: str, model: ParallelModel, info: Mapping[str, Any], plugins
+    init: InitConfig,
+    fmt: str,
+    url: str,
+    model: ParallelModel,
+    info: Mapping[str, Any],
+    plugins: PluginManager,
 ) -> int:
     """A plugin's whole state dict (on CPU, every rank the same); each rank keeps its shards."""
     weight_format = plugins.registry("weights").get(fmt).target
@@ -271,11 +285,13 @@ def check_source(
     return expected
 
 
-def _full_tensors(own: Mapping[str, Any], plugins: PluginManager):
+def _full_tensors(
+    own: Mapping[str, Any], plugins: PluginManager
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of this run's whole model (its state dict on the meta device)."""
     choice = model_choice(own, plugins, source="model")
     with torch.device("meta"):
-        module = plugins.build("model", choice)
+        module: torch.nn.Module = plugins.build("model", choice)
     return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
 
 
@@ -326,9 +342,11 @@ def _raw(raw: Mapping[str, Any], options: Any, keys: Sequence[str]) -> str:
 def _options(model_info: Mapping[str, Any], plugins: PluginManager) -> ModelOptions | None:
     """The structured options of a model info dict, or None (a kind this install lacks)."""
     try:
-        return plugins.options_of("model", model_choice(model_info, plugins))
+        # a model plugin's options class provides ModelOptions (checked when a run starts)
+        options: ModelOptions = plugins.options_of("model", model_choice(model_info, plugins))
     except UserError:
         return None
+    return options
 
 
 def _comparable(options: Any, raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -349,7 +367,7 @@ def _comparable(options: Any, raw: Mapping[str, Any]) -> dict[str, Any]:
     return values
 
 
-def _same_family(source: Mapping[str, Any], own: Mapping[str, Any], plugins) -> bool:
+def _same_family(source: Mapping[str, Any], own: Mapping[str, Any], plugins: PluginManager) -> bool:
     """Two kinds that build the same model class from the same options (presets of one family:
     `tiny` and `transformer`)."""
     registry = plugins.registry("model")
