@@ -7,7 +7,7 @@ import json
 from collections.abc import Sequence
 
 from llmtrain.core_mesh.cli import Command, Context
-from llmtrain.core_mesh.plugins import DISABLE_ENV, hookimpl
+from llmtrain.core_mesh.plugins import DISABLE_ENV, Register, hookimpl
 
 
 def _table(rows: Sequence[Sequence[str]]) -> str:
@@ -83,7 +83,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "plugins",
         Command(

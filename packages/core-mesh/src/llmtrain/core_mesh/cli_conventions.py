@@ -20,9 +20,11 @@ import argparse
 import difflib
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from llmtrain.core_mesh.errors import UserError
+
+_N = TypeVar("_N")
 
 # the last release in which the old spellings work; they go in the one after it
 DEPRECATED_UNTIL = "0.2"
@@ -73,11 +75,19 @@ class DeprecatedAlias(argparse.Action):
     (A `ConventionParser` replaces the old spelling by the new one before parsing, so a required
     target counts as given; this action is what a plain parser does with it.)"""
 
-    def __init__(self, option_strings: Sequence[str], dest: str, *, target: argparse.Action, **kw):
+    def __init__(
+        self, option_strings: Sequence[str], dest: str, *, target: argparse.Action, **kw: Any
+    ) -> None:
         self.target = target
         super().__init__(option_strings, dest, **kw)
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
         new = "/".join(self.target.option_strings)
         _warn(f"{parser.prog}: {option_string} is deprecated; use {new}")
         self.target(parser, namespace, values, option_string)
@@ -94,13 +104,15 @@ def deprecated_alias(parser: argparse.ArgumentParser, old: str, new: str) -> arg
     """Make `old` (an option's earlier spelling) work like the option `new` for one more
     release: hidden from the help, printing one deprecation line on stderr."""
     target = _option(parser, new)
+    # `add_argument`'s stub takes no `type=None`; leaving it out is the same
+    typed: dict[str, Any] = {} if target.type is None else {"type": target.type}
     return parser.add_argument(
         old,
         action=DeprecatedAlias,
         target=target,
         dest=target.dest,
         nargs=target.nargs,
-        type=target.type,
+        **typed,
         choices=target.choices,
         metavar=target.metavar,
         default=argparse.SUPPRESS,
@@ -114,12 +126,18 @@ class DeprecatedMainOption(argparse.Action):
     before parsing, with one deprecation line; on another parser the option stores the value."""
 
     def __init__(
-        self, option_strings: Sequence[str], dest: str, *, positional: argparse.Action, **kw
-    ):
+        self, option_strings: Sequence[str], dest: str, *, positional: argparse.Action, **kw: Any
+    ) -> None:
         self.positional = positional
         super().__init__(option_strings, dest, **kw)
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
         _warn(self.message(parser.prog, option_string or self.option_strings[0]))
         setattr(namespace, self.dest, values)
 
@@ -190,7 +208,20 @@ class ConventionParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
-    def parse_known_args(self, args=None, namespace=None):
+    @overload  # the overloads of `argparse.ArgumentParser.parse_known_args`
+    def parse_known_args(
+        self, args: Iterable[str] | None = None, namespace: None = None
+    ) -> tuple[argparse.Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(
+        self, args: Iterable[str] | None, namespace: _N
+    ) -> tuple[_N, list[str]]: ...
+    @overload
+    def parse_known_args(self, *, namespace: _N) -> tuple[_N, list[str]]: ...
+
+    def parse_known_args(
+        self, args: Iterable[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
         args = list(sys.argv[1:] if args is None else args)
         dest = getattr(self, PASSTHROUGH, None)
         passed: list[str] = []

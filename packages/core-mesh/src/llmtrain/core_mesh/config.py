@@ -33,7 +33,14 @@ from typing import Any, ClassVar, Literal, TypeVar
 import attrs
 import cattrs
 import yaml
-from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from llmtrain.core_mesh.errors import UserError, did_you_mean
@@ -50,7 +57,7 @@ YAML_KEY = "llmtrain.yaml_key"
 RUN_PATH = "llmtrain.run_path"
 
 
-def yaml_key(field: attrs.Attribute) -> str:
+def yaml_key(field: attrs.Attribute[Any]) -> str:
     """The key of an attrs field in YAML: its `YAML_KEY` metadata, else its name."""
     return field.metadata.get(YAML_KEY) or field.name
 
@@ -131,13 +138,13 @@ def format_path(path: PathParts) -> str:
 # -- YAML with line numbers --------------------------------------------------------------------
 
 
-class _Lined(dict):
+class _Lined(dict[Any, Any]):
     """A mapping that remembers the line of each key (1-based)."""
 
     lines: dict[Any, int]
 
 
-class _LinedList(list):
+class _LinedList(list[Any]):
     lines: list[int]
 
 
@@ -311,9 +318,8 @@ class Choice:
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
-    return {dict: "mapping", _Lined: "mapping", list: "list", _LinedList: "list"}.get(
-        type(value), type(value).__name__
-    )
+    names: dict[type, str] = {dict: "mapping", _Lined: "mapping", list: "list", _LinedList: "list"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _shown(value: Any) -> str:
@@ -372,7 +378,9 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
         return isinstance(cls, type) and attrs.has(cls) and not issubclass(cls, Choice)
 
     def attrs_hook(cls: type) -> Any:
-        base = make_dict_structure_fn(cls, conv, **_renames(cls))
+        base: cattrs.SimpleStructureHook[Mapping[str, Any], Any] = make_dict_structure_fn(
+            cls, conv, **_renames(cls)
+        )
         validated = [a for a in attrs.fields(cls) if a.validator is not None]
 
         def structure(value: Any, _: type) -> Any:
@@ -383,8 +391,12 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
                     obj = base(value, cls)
                 except BaseValidationError as exc:
                     # report the fields that did structure but fail their validators too
-                    with_notes, without = exc.group_exceptions()
-                    failed = {_key_of(cls, getattr(note, "name", None)) for _, note in with_notes}
+                    with_notes, without = _grouped(exc)
+                    failed = {
+                        _key_of(cls, note.name)
+                        for _, note in with_notes
+                        if isinstance(note, AttributeValidationNote)
+                    }
                     own = _field_problems(conv, cls, value, skip=failed)
                     problems = list(_noted_problems(exc, ()))
                     for sub in without:
@@ -487,9 +499,9 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
 
         return structure
 
-    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is list, list_hook)
-    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is tuple, tuple_hook)
-    conv.register_structure_hook_factory(lambda t: typing.get_origin(t) is Literal, literal_hook)
+    conv.register_structure_hook_factory(_origin_is(list), list_hook)
+    conv.register_structure_hook_factory(_origin_is(tuple), tuple_hook)
+    conv.register_structure_hook_factory(_origin_is(Literal), literal_hook)
     conv.register_structure_hook_factory(is_attrs, attrs_hook)
     conv.register_unstructure_hook_factory(
         is_attrs, lambda cls: make_dict_unstructure_fn(cls, conv, **_renames(cls))
@@ -504,8 +516,17 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
     return conv
 
 
+def _origin_is(origin: object) -> Callable[[Any], bool]:
+    """A hook factory's predicate: the type's `typing.get_origin` is `origin`."""
+
+    def predicate(t: object) -> bool:
+        return typing.get_origin(t) is origin
+
+    return predicate
+
+
 def _field_problems(
-    conv: cattrs.Converter, cls: type, value: Mapping, *, skip: set
+    conv: cattrs.Converter, cls: type, value: Mapping[str, Any], *, skip: set[str]
 ) -> list[Problem]:
     """Validator problems of the fields of `value` that structure on their own."""
     problems = []
@@ -532,15 +553,26 @@ def _validator_message(exc: Exception) -> str:
     return first if isinstance(first, str) else str(exc)
 
 
+def _grouped(
+    exc: BaseValidationError,
+) -> tuple[
+    list[tuple[Exception, AttributeValidationNote | IterableValidationNote]], list[Exception]
+]:
+    """`exc.group_exceptions()`: the sub-exceptions with a field or index note, and the others.
+    (cattrs raises only the two subclasses that have it; any other has no notes to go by.)"""
+    if isinstance(exc, ClassValidationError | IterableValidationError):
+        with_notes, without = exc.group_exceptions()
+        return list(with_notes), without
+    return [], list(exc.exceptions)
+
+
 def _noted_problems(exc: BaseValidationError, path: PathParts) -> Iterator[Problem]:
     """The problems of the sub-exceptions cattrs noted with a field or an index."""
-    for sub, note in exc.group_exceptions()[0]:
-        step = getattr(note, "name", None)
-        if step is None:
-            step = getattr(note, "index", None)
-        else:
-            step = _key_of(getattr(exc, "cl", None), step)
-        yield from _problems_from(sub, (*path, step) if step is not None else path, None)
+    for sub, note in _grouped(exc)[0]:
+        step: str | int = (
+            _key_of(exc.cl, note.name) if isinstance(note, AttributeValidationNote) else note.index
+        )
+        yield from _problems_from(sub, (*path, step), None)
 
 
 def _problems_from(
@@ -556,7 +588,7 @@ def _problems_from(
             yield Problem((*path, key), f"unknown key{hint}; allowed: {', '.join(known)}")
     elif isinstance(exc, BaseValidationError):
         yield from _noted_problems(exc, path)
-        for sub in exc.group_exceptions()[1]:
+        for sub in _grouped(exc)[1]:
             yield from _problems_from(sub, path, None)
     elif isinstance(exc, ConfigValueError):
         yield Problem((*path, *exc.path), str(exc))
@@ -664,7 +696,7 @@ def inside_run_dir(kind: Literal["file", "directory"] = "file") -> Callable[...,
     purpose. A directory may be `.` (the run directory itself). The validator marks the field
     `RUN_PATH` when used as `attrs.field(validator=..., metadata=run_path(kind))`."""
 
-    def check(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    def check(instance: object, attribute: attrs.Attribute[str | None], value: str | None) -> None:
         if value is None:
             return
         path = PurePath(value)

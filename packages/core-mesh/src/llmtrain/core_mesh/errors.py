@@ -30,7 +30,8 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 def no_space(exc: BaseException) -> OSError | None:
     """The out-of-space OSError behind `exc`, if that is what it comes down to: followed through
     causes, contexts and the per-rank `failures` of a distributed checkpoint's error."""
-    pending, seen = [exc], set()
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while pending:
         current = pending.pop()
         if current is None or id(current) in seen:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import structlog
+from structlog.typing import EventDict, Processor
 
 from llmtrain.core_mesh.errors import UserError, no_space
 from llmtrain.core_mesh.redact import environment_secrets, redact_event
@@ -51,16 +52,16 @@ def configure_logging(
     Calling it again replaces the previous set-up (so tests and repeated runs in one process work).
     Returns the JSON log file's path, if any.
     """
-    static = {"rank": rank, "world_size": world_size}
+    static: dict[str, int | str] = {"rank": rank, "world_size": world_size}
     if run_id is not None:
         static["run_id"] = run_id
 
-    def add_static(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    def add_static(_: Any, __: str, event: EventDict) -> EventDict:
         for key, value in static.items():
             event.setdefault(key, value)
         return event
 
-    shared = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
@@ -84,7 +85,7 @@ def configure_logging(
 
     # tracebacks are text before redaction: a rendered traceback (rich's shows locals) would
     # bypass it
-    redacted = [
+    redacted: list[Processor] = [
         structlog.stdlib.ProcessorFormatter.remove_processors_meta,
         structlog.processors.format_exc_info,
         _redactor(secrets),
@@ -191,11 +192,11 @@ def _library_level(given: str | int | None) -> int:
         ) from None
 
 
-def _redactor(secrets: Iterable[str]) -> Any:
+def _redactor(secrets: Iterable[str]) -> Processor:
     # the longest first, so a value that contains another is masked whole
     known = sorted({*secrets, *environment_secrets(os.environ)}, key=len, reverse=True)
 
-    def redact(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    def redact(_: Any, __: str, event: EventDict) -> dict[str, Any]:
         return redact_event(event, known)
 
     return redact
@@ -210,8 +211,8 @@ def _level(level: str | int) -> int:
     return value
 
 
-def _drop_keys(*keys: str) -> Any:
-    def drop(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _drop_keys(*keys: str) -> Processor:
+    def drop(_: Any, __: str, event: EventDict) -> EventDict:
         for key in keys:
             event.pop(key, None)
         return event

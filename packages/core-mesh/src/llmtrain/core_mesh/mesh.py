@@ -24,7 +24,7 @@ class MeshError(UserError):
     pass
 
 
-def _degree(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+def _degree(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
     allowed = -1 if attribute.name == "dp_shard" else 1
     if value < 1 and value != allowed:
         extra = " or -1 (infer from the world size)" if allowed == -1 else ""

@@ -169,7 +169,7 @@ class Registry(Mapping[str, Entry]):
         return len(self._entries)
 
 
-_IMPL_DEFAULTS = {
+_IMPL_DEFAULTS: pluggy.HookimplOpts = {
     "wrapper": False,
     "hookwrapper": False,
     "optionalhook": False,
@@ -182,10 +182,10 @@ _IMPL_DEFAULTS = {
 class _Pluggy(pluggy.PluginManager):
     """Also accept undecorated `llmtrain_*` functions, so a forgotten `@hookimpl` still works."""
 
-    def parse_hookimpl_opts(self, plugin: object, name: str):  # type: ignore[override]
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> pluggy.HookimplOpts | None:
         opts = super().parse_hookimpl_opts(plugin, name)
         if opts is None and name.startswith("llmtrain_") and callable(getattr(plugin, name, None)):
-            return dict(_IMPL_DEFAULTS)  # type: ignore[return-value]
+            return pluggy.HookimplOpts(**_IMPL_DEFAULTS)  # a copy: pluggy may change it
         return opts
 
 

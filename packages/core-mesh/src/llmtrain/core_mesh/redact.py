@@ -104,11 +104,11 @@ def _is_header_secret(name: str) -> bool:
     return is_secret_key(name) and ("-" in name or "authorization" in name.lower())
 
 
-def _masked_value(is_secret: Callable[[str], bool]) -> Callable[[re.Match], str]:
+def _masked_value(is_secret: Callable[[str], bool]) -> Callable[[re.Match[str]], str]:
     """A `re.sub` callback: the match with its `value` group masked when its `name` group is
     secret-looking."""
 
-    def replace(match: re.Match) -> str:
+    def replace(match: re.Match[str]) -> str:
         if not is_secret(match.group("name")):
             return match.group(0)
         text, offset = match.group(0), match.start(0)
@@ -171,20 +171,28 @@ def _hides_something(value: Any) -> bool:
     return value is not None and not isinstance(value, bool) and value != ""
 
 
+def _redacted_mapping(
+    mapping: Mapping[Any, Any], scrub: Callable[[str], str], *, as_text: bool = False
+) -> dict[Any, Any]:
+    """`_redacted` of a mapping: a dict with the values of secret-looking keys masked."""
+    return {
+        k: MARKER
+        if is_secret_key(k) and _hides_something(v)
+        else _redacted(v, scrub, as_text=as_text)
+        for k, v in mapping.items()
+    }
+
+
 def _redacted(value: Any, scrub: Callable[[str], str], *, as_text: bool = False) -> Any:
     """`value` with secrets masked. `as_text`: any other object (an exception, bytes, an attrs
     instance) becomes its scrubbed `str`, which is what a log renderer would print of it."""
     if isinstance(value, Mapping):
-        return {
-            k: MARKER
-            if is_secret_key(k) and _hides_something(v)
-            else _redacted(v, scrub, as_text=as_text)
-            for k, v in value.items()
-        }
+        return _redacted_mapping(value, scrub, as_text=as_text)
     if isinstance(value, list | tuple):
+        sequence = type(value)  # taken before `len` narrows a tuple to a pair
         if len(value) == 2 and is_secret_key(value[0]) and _hides_something(value[1]):
-            return type(value)((value[0], MARKER))  # a (name, value) pair, as headers come
-        return type(value)(_redacted(v, scrub, as_text=as_text) for v in value)
+            return sequence((value[0], MARKER))  # a (name, value) pair, as headers come
+        return sequence(_redacted(v, scrub, as_text=as_text) for v in value)
     if isinstance(value, str):
         return scrub(value)
     if as_text and not isinstance(value, int | float | bool | type(None)):
@@ -196,13 +204,13 @@ def redact(mapping: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of `mapping` for writing out: values of secret-looking keys, at any depth, are
     `MARKER`; passwords in URLs, signed-URL credentials and AWS key ids in strings are masked.
     Other values are kept as they are, so a config without credentials dumps unchanged."""
-    return _redacted(mapping, _redact_strong)
+    return _redacted_mapping(mapping, _redact_strong)
 
 
 def redact_event(event: Mapping[str, Any], known: Iterable[str] = ()) -> dict[str, Any]:
     """A log event with secret-looking fields masked and every string scrubbed as free text."""
     known = tuple(known)
-    return _redacted(event, lambda text: redact_text(text, known), as_text=True)
+    return _redacted_mapping(event, lambda text: redact_text(text, known), as_text=True)
 
 
 def secret_values(mapping: Mapping[str, Any], min_length: int = 8) -> set[str]:

@@ -45,7 +45,8 @@ class StorageError(UserError):
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
     """`exc` and the exceptions behind it (causes and contexts), each once."""
-    pending, seen = [exc], set()
+    pending: list[BaseException | None] = [exc]
+    seen: set[int] = set()
     while pending:
         current = pending.pop(0)
         if current is None or id(current) in seen:

@@ -109,7 +109,9 @@ def init_distributed(
         # a group of one (in-memory store), so mesh and sharding code runs unchanged
         dist.init_process_group(
             backend,
-            store=dist.HashStore(),
+            # torch.distributed imports HashStore without `as HashStore`, so its own stubs do
+            # not export it
+            store=dist.HashStore(),  # type: ignore[attr-defined]
             rank=0,
             world_size=1,
             timeout=timeout,
