@@ -22,6 +22,7 @@ reference on CPU; gradients through the CUDA kernel are checked by the GPU tests
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +116,9 @@ def document_block_mask(doc_ids: torch.Tensor, block_size: int) -> BlockMask:
     full = before & (k_first == q_last) & whole.view(1, n, 1) & whole.view(1, 1, n)
     partial = any_allowed & ~full
 
-    def same_document_causal(b, h, q_idx, kv_idx):
+    def same_document_causal(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
         return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
 
     kv_num, kv_indices = _ordered(partial)
@@ -166,7 +169,21 @@ def flex_runs_here(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-def _flex(q: torch.Tensor):
+class _FlexAttention(Protocol):
+    """flex_attention as `attend` calls it (no `return_lse`: the output alone)."""
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        block_mask: BlockMask | None,
+        enable_gqa: bool,
+    ) -> torch.Tensor: ...
+
+
+def _flex(q: torch.Tensor) -> _FlexAttention:
     # inside a graph being compiled the call joins that graph, and off CUDA (the tests) the eager
     # reference runs; a CUDA caller that is not compiled gets the shared compiled one
     if torch.compiler.is_compiling() or q.device.type != "cuda":
@@ -175,5 +192,5 @@ def _flex(q: torch.Tensor):
 
 
 @functools.cache
-def _compiled_flex_attention():
+def _compiled_flex_attention() -> _FlexAttention:
     return torch.compile(flex_attention)

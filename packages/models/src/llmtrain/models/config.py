@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
 
 from llmtrain.core_mesh.config import YAML_KEY, ConfigValueError
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
 
-def _fraction(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _fraction(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not 0.0 <= value < 1.0:
         raise ValueError(f"must be in [0, 1), got {value}")
 
@@ -24,20 +24,21 @@ def _round_up(value: int, multiple: int) -> int:
     return math.ceil(value / multiple) * multiple
 
 
-def _positive_float(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _positive_float(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"must be a positive number, got {value}")
 
 
-def _above_one(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _above_one(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     # RoPE's wavelengths grow as powers of the base: at 1 or below every pair turns alike
     if not (math.isfinite(value) and value > 1):
         raise ValueError(f"must be a number above 1, got {value}")
 
 
-def _follows_bias(name: str) -> attrs.Attribute:
+def _follows_bias(name: str) -> Any:
     """A per-projection bias switch: `null` (the default) follows `bias`. The attribute is
-    private and its YAML key public, so `cfg.<name>` reads the resolved value."""
+    private and its YAML key public, so `cfg.<name>` reads the resolved value. (Any, as
+    `attrs.field` returns: a placeholder that the class decorator replaces.)"""
     return attrs.field(default=None, metadata={YAML_KEY: name})
 
 

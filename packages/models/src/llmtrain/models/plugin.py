@@ -5,12 +5,17 @@ Loading this module imports no torch; the builder does.
 
 from __future__ import annotations
 
-from llmtrain.core_mesh.plugins import hookimpl
+from typing import TYPE_CHECKING
+
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.models.config import TransformerConfig
 from llmtrain.models.presets import PRESETS
 
+if TYPE_CHECKING:  # loading the plugin imports no torch
+    from llmtrain.models.transformer import Transformer
 
-def build(options: TransformerConfig):
+
+def build(options: TransformerConfig) -> Transformer:
     from llmtrain.models.transformer import build_model
 
     return build_model(options)
@@ -25,7 +30,7 @@ def _summary(name: str) -> str:
 
 
 @hookimpl
-def llmtrain_models(register):
+def llmtrain_models(register: Register) -> None:
     for name in PRESETS:
         register(
             name, build, options=TransformerConfig, defaults=PRESETS[name], help=_summary(name)

@@ -12,18 +12,27 @@ index, so a pipeline stage can drop blocks and keep the names checkpoints use; a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmtrain.core_mesh.interfaces import ModelDescription
-from llmtrain.models.attention_masks import attend, document_mask, positions_in_document
+from llmtrain.models.attention_masks import (
+    DocumentMask,
+    attend,
+    document_mask,
+    positions_in_document,
+)
 from llmtrain.models.config import TransformerConfig
 
 # head_fn(final hidden states (..., d), output matrix (V, d)) -> what forward returns
 HeadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# the cos and sin tables at each token's position, (.., T, 1, head_dim / 2) each
+Rope = tuple[torch.Tensor, torch.Tensor]
+# what attention runs under: causal (None), a boolean mask, or packed documents
+Mask = torch.Tensor | DocumentMask | None
 
 
 def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
@@ -75,7 +84,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LayerCache:
     """Keys and values of one layer for incremental decoding, preallocated to a maximum length."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, *, device, dtype):
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
         self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
@@ -110,16 +128,25 @@ class Attention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope, mask, cache: LayerCache | None, start_pos: int) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None,
+        mask: Mask,
+        cache: LayerCache | None,
+        start_pos: int,
+    ) -> torch.Tensor:
         B, T, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if self.q_norm is not None and not self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q: torch.Tensor = self.wq(x)
+        k: torch.Tensor = self.wk(x)
+        v: torch.Tensor = self.wv(x)
+        if not self.norm_per_head:
+            q, k = self._qk_norm(q, k)
         q = q.view(B, T, -1, self.head_dim)
         k = k.view(B, T, -1, self.head_dim)
         v = v.view(B, T, -1, self.head_dim)
-        if self.q_norm is not None and self.norm_per_head:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.norm_per_head:
+            q, k = self._qk_norm(q, k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -134,7 +161,14 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
         )
         y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.resid_dropout(self.wo(y))
+        out: torch.Tensor = self.resid_dropout(self.wo(y))
+        return out
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k through their norms, when `qk_norm` made them (it makes both or neither)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
 
 class MLP(nn.Module):
@@ -153,7 +187,8 @@ class MLP(nn.Module):
             h = F.gelu(self.w1(x), approximate="tanh")
         else:
             h = F.silu(self.w1(x)) * self.w3(x)
-        return self.dropout(self.w2(h))
+        out: torch.Tensor = self.dropout(self.w2(h))
+        return out
 
 
 class Block(nn.Module):
@@ -169,25 +204,40 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.norm_before = cfg.norm_placement == "pre"
 
-    def forward(self, x, rope=None, mask=None, cache=None, start_pos=0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        mask: Mask = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        out: torch.Tensor
         if self.norm_before:
             x = x + self.attn(self.attn_norm(x), rope, mask, cache, start_pos)
-            return x + self.mlp(self.mlp_norm(x))
-        x = x + self.attn_norm(self.attn(x, rope, mask, cache, start_pos))
-        return x + self.mlp_norm(self.mlp(x))
+            out = x + self.mlp(self.mlp_norm(x))
+        else:
+            x = x + self.attn_norm(self.attn(x, rope, mask, cache, start_pos))
+            out = x + self.mlp_norm(self.mlp(x))
+        return out
 
 
 class Transformer(nn.Module):
+    # buffers registered in __init__ when `positions: rope`
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        # the input and output layers are None on the pipeline stages that do without them
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
         self.pos_emb = (
             nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.positions == "learned" else None
         )
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleDict({str(i): self.make_block(cfg) for i in range(cfg.n_layers)})
-        self.norm = make_norm(cfg, cfg.d_model)
+        self.norm: nn.Module | None = make_norm(cfg, cfg.d_model)
         self.head = (
             None
             if cfg.tied_embeddings
@@ -250,7 +300,7 @@ class Transformer(nn.Module):
             raise ValueError("explicit positions go with neither document masking nor a cache")
         else:
             mask = None if attention_mask is None else attention_mask.unsqueeze(1)
-        h = self.tok_emb(tokens) if self.tok_emb is not None else tokens
+        h: torch.Tensor = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions)
         h = self.drop(h)
@@ -265,10 +315,31 @@ class Transformer(nn.Module):
             h = h[logits_at]
         h = self.norm(h)
         if head_fn is not None:
-            return head_fn(h, self.head.weight if self.head is not None else self.tok_emb.weight)
-        return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
+            return head_fn(h, self._output_matrix())
+        if self.head is not None:
+            logits: torch.Tensor = self.head(h)
+            return logits
+        return F.linear(h, self._output_matrix())
 
-    def _positions_and_mask(self, B, T, device, doc_starts, cache, start_pos):
+    def _output_matrix(self) -> torch.Tensor:
+        """The output projection's weight (padded vocab, d): the head's, else the tied token
+        embedding's."""
+        if self.head is not None:
+            return self.head.weight
+        if self.tok_emb is None:
+            # only an untied model is cut into stages, so a tied one keeps its embedding
+            raise ValueError("a model with tied embeddings needs its token embedding for logits")
+        return self.tok_emb.weight
+
+    def _positions_and_mask(
+        self,
+        B: int,
+        T: int,
+        device: torch.device,
+        doc_starts: torch.Tensor | None,
+        cache: list[LayerCache] | None,
+        start_pos: int,
+    ) -> tuple[torch.Tensor, Mask]:
         """Positions (1 or B, T) and an attention mask (a boolean tensor, or a DocumentMask that
         every layer shares), or None for plain causal attention."""
         index = torch.arange(start_pos, start_pos + T, device=device)
@@ -276,13 +347,15 @@ class Transformer(nn.Module):
             if cache is not None:
                 raise ValueError("document masking is for training; decode one document at a time")
             return positions_in_document(doc_starts), document_mask(doc_starts)
-        mask = None
+        mask: torch.Tensor | None = None
         if cache is not None and T > 1:
             mask = index.unsqueeze(1) >= torch.arange(start_pos + T, device=device).unsqueeze(0)
         return index.unsqueeze(0), mask
 
     def new_cache(self, batch: int, max_len: int) -> list[LayerCache]:
-        ref = next(iter(self.blocks.values())).attn.wk.weight
+        ref = next(iter(self.blocks.values())).get_submodule("attn.wk").weight
+        if not isinstance(ref, torch.Tensor):
+            raise TypeError(f"attn.wk.weight of the first block is a {type(ref).__name__}")
         kv_heads = ref.size(0) // self.cfg.head_dim
         return [
             LayerCache(
@@ -303,8 +376,9 @@ class Transformer(nn.Module):
                 is_residual_out = name.endswith(("attn.wo", "mlp.w2"))
                 std = residual_std if is_residual_out else cfg.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)  # an Embedding has none
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
             elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()
         if cfg.positions == "rope":
@@ -348,7 +422,7 @@ class Transformer(nn.Module):
         experts it does not route to), left out of the FLOPs per token."""
         return 0
 
-    def trim_to_stage(self, block_ids, first: bool, last: bool) -> None:
+    def trim_to_stage(self, block_ids: Sequence[int], first: bool, last: bool) -> None:
         """Keep only what one pipeline stage runs: some blocks, the embeddings if first, the
         final norm and head if last. Block names stay their layer indices, so a stage's state dict
         keys are a subset of the whole model's."""
