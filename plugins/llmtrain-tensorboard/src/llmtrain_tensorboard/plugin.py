@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import attrs
 import yaml
@@ -17,7 +18,7 @@ import yaml
 from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.metric_names import dashboard_metrics
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.core_mesh.redact import redact
 
 
@@ -30,7 +31,7 @@ class TensorBoardOptions:
     )
 
 
-def config_markdown(config: Mapping) -> str:
+def config_markdown(config: Mapping[str, Any]) -> str:
     """The config as a fenced YAML block (TensorBoard renders text summaries as markdown),
     credentials redacted: event files are copied and uploaded freely."""
     text = yaml.safe_dump(redact(config), sort_keys=False, default_flow_style=False)
@@ -73,7 +74,7 @@ class TensorBoardSink:
 
 
 @hookimpl
-def llmtrain_loggers(register):
+def llmtrain_loggers(register: Register) -> None:
     register(
         "tensorboard",
         TensorBoardSink,

@@ -21,7 +21,7 @@ from llmtrain.core_mesh.config import inside_run_dir, run_path
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import RunInfo
 from llmtrain.core_mesh.metric_names import dashboard_metrics
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.core_mesh.redact import redact
 
 ID_FILE = "wandb_run_id"
@@ -143,7 +143,7 @@ class WandbSink:
 
 
 @hookimpl
-def llmtrain_loggers(register):
+def llmtrain_loggers(register: Register) -> None:
     register(
         "wandb",
         WandbSink,
