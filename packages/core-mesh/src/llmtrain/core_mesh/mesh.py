@@ -10,12 +10,15 @@ node), plus the flattened "dp" (all data parallel), "dp_shard_cp" (what FSDP sha
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from llmtrain.core_mesh.config import ConfigValueError
 from llmtrain.core_mesh.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a mesh is built, not with the config
+    from torch.distributed.device_mesh import DeviceMesh
 
 DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -81,7 +84,9 @@ class MeshSpec:
             raise ConfigValueError(field, f"{field}={degree} does not divide {what} ({value})")
 
 
-def build_device_mesh(spec: MeshSpec, device_type: str, world_size: int | None = None) -> Any:
+def build_device_mesh(
+    spec: MeshSpec, device_type: str, world_size: int | None = None
+) -> DeviceMesh:
     """The torch DeviceMesh for a (resolved or resolvable) spec; needs a started process group."""
     import warnings
 

@@ -10,11 +10,14 @@ import gc
 import os
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from llmtrain.core_mesh.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported by the functions that use it
+    import torch
 
 _TORCHRUN = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
 _SLURM = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS")
@@ -85,7 +88,7 @@ def backend_for(device_type: str) -> str:
 
 def init_distributed(
     world: World, device_type: str | None = None, *, timeout_s: float = 600.0
-) -> Any:
+) -> torch.device:
     """Start the default process group and return this process's device.
 
     On CUDA each process takes the GPU of its local rank. A world of one gets an in-memory group;
