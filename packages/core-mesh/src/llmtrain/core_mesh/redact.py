@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from llmtrain.core_mesh.errors import UserError
 
 MARKER = "<redacted>"
+
+_T = TypeVar("_T")
 
 # a word that makes any name secret (`client_secret`, `db_password`, `X-Amz-Credential`)
 _SECRET_WORDS = frozenset(
@@ -256,7 +258,7 @@ def redacted_paths(raw: Any, path: str = "") -> list[str]:
     return [found for where, value in items for found in redacted_paths(value, where)]
 
 
-def refuse_redacted(raw: Any, source: str) -> Any:
+def refuse_redacted(raw: _T, source: str) -> _T:
     """`raw` (a parsed config), unless it holds redacted values: those would be sent as
     credentials, so reading them back is an error that says what to do instead."""
     paths = redacted_paths(raw)
