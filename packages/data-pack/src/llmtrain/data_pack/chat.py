@@ -25,12 +25,15 @@ import itertools
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
+
+if TYPE_CHECKING:
+    import jinja2
 
 CHATML_SOURCE = (
     "{% for message in messages %}"
@@ -63,8 +66,10 @@ def _token_text(value: Any) -> str | None:
     """A tokenizer_config.json token entry: a string, or an AddedToken object with `content`."""
     if isinstance(value, str):
         return value
-    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
-        return value["content"]
+    if isinstance(value, Mapping):
+        content = value.get("content")
+        if isinstance(content, str):
+            return content
     return None
 
 
@@ -130,10 +135,12 @@ class ChatTemplate:
         return cls(**{f.name: meta[f.name] for f in attrs.fields(cls) if f.name in meta})
 
     @property
-    def compiled(self) -> Any:
+    def compiled(self) -> jinja2.Template:
         return _compile(self.source, self.origin)
 
-    def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt=False) -> str:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = False
+    ) -> str:
         """The conversation as text; RenderError when the template refuses it."""
         import jinja2
 
@@ -212,11 +219,13 @@ def _variables(config: Mapping[str, Any]) -> dict[str, str]:
     return {key: value for key, value in found.items() if value is not None}
 
 
-def _from_directory(url: str, fs: Any, path: str, name: str | None):
+def _from_directory(
+    url: str, fs: Any, path: str, name: str | None
+) -> tuple[str, str, dict[str, str]]:
     """(source, origin, variables) of a Hugging Face model directory's chat template."""
 
     def has(file: str) -> bool:
-        return fs.exists(f"{path.rstrip('/')}/{file}")
+        return bool(fs.exists(f"{path.rstrip('/')}/{file}"))
 
     config_url = f"{url}/tokenizer_config.json"
     config = _read_json(config_url) if has("tokenizer_config.json") else {}
@@ -230,10 +239,10 @@ def _from_directory(url: str, fs: Any, path: str, name: str | None):
     if has("chat_template.jinja"):
         return _read_text(f"{url}/chat_template.jinja"), f"{url}/chat_template.jinja", variables
     if has("chat_template.json"):
-        source = _read_json(f"{url}/chat_template.json").get("chat_template")
-        if not isinstance(source, str):
+        text = _read_json(f"{url}/chat_template.json").get("chat_template")
+        if not isinstance(text, str):
             raise TemplateError(f"{url}/chat_template.json: no chat_template text in it")
-        return source, f"{url}/chat_template.json", variables
+        return text, f"{url}/chat_template.json", variables
     raise TemplateError(
         f"{url}: no chat template in this directory (looked for chat_template in "
         "tokenizer_config.json, chat_template.jinja and chat_template.json); give a template "
@@ -267,7 +276,7 @@ def _raise(message: str) -> None:
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(source: str, origin: str) -> Any:
+def _compile(source: str, origin: str) -> jinja2.Template:
     """A sandboxed Jinja template, with the conventions chat templates are written for
     (trimmed blocks, `raise_exception`, `tojson`, `strftime_now`)."""
     import datetime

@@ -11,7 +11,7 @@ is read whole or refused.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
 READ_BYTES = 1 << 16  # compressed bytes given to the decoder at a time (bounds what one call makes)
 NAMES = {"gzip": "gzip", "zstd": "zstd"}
@@ -28,7 +28,19 @@ class DamagedStream(Exception):
         self.position = position
 
 
-def _decoder(compression: str) -> Any:
+class _Decoder(Protocol):
+    """What zlib's and zstandard's decompression objects have in common, as used here."""
+
+    @property
+    def eof(self) -> bool: ...
+
+    @property
+    def unused_data(self) -> bytes: ...
+
+    def decompress(self, data: bytes, /) -> bytes: ...
+
+
+def _decoder(compression: str) -> _Decoder:
     if compression == "gzip":
         return zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing, its CRC and size checked
     import zstandard
@@ -53,7 +65,7 @@ class Decompressed:
         self.raw = raw
         self.compression = compression
         self.position = 0  # compressed bytes read from `raw`
-        self._decoder: Any = None  # None: between members (or before the first)
+        self._decoder: _Decoder | None = None  # None: between members (or before the first)
         self._pending = b""  # compressed bytes not given to a decoder yet
         self._members = 0
         self._errors = _decode_errors()

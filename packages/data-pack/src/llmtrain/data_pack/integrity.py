@@ -21,6 +21,7 @@ import zarr
 from fsspec.core import url_to_fs
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
+from zarr.core.metadata import ArrayV3Metadata
 from zarr.storage import WrapperStore
 
 from llmtrain.core_mesh.storage_errors import storage_errors
@@ -65,11 +66,15 @@ class DamagedDatasetError(DatasetError):
             more = f", and {len(damage) - 1} more damaged chunk(s) ({names}{etc})"
         super().__init__(f"{url}: {first.array} chunk {first.key} {first.problem}{more} {REPACK}")
 
-    def __reduce__(self):  # DataLoader workers send it back to the main process pickled
+    def __reduce__(
+        self,
+    ) -> tuple[
+        type[DamagedDatasetError], tuple[str, list[ChunkDamage]]
+    ]:  # DataLoader workers send it back to the main process pickled
         return type(self), (self.url, self.damage)
 
 
-class RecordingStore(WrapperStore):
+class RecordingStore(WrapperStore[Store]):
     """Notes the size and CRC-32 of every chunk written through it: the dataset's integrity
     record, computed from the bytes as they are stored, so a pack reads nothing back."""
 
@@ -84,7 +89,7 @@ class RecordingStore(WrapperStore):
         await self._store.set(key, value)
         if not key.endswith("zarr.json"):  # array metadata is rewritten at every resize
             data = value.as_numpy_array()
-            self.record[key] = [int(data.nbytes), zlib.crc32(data)]
+            self.record[key] = [int(data.nbytes), zlib.crc32(data.data)]
 
     async def _set_many(self, values: Iterable[tuple[str, Buffer]]) -> None:
         for key, value in values:
@@ -99,7 +104,7 @@ def chunk_order(key: str) -> tuple[int, ...]:
     return tuple(int(part) for part in key.split("/") if part.isdigit())
 
 
-class CheckedStore(WrapperStore):
+class CheckedStore(WrapperStore[Store]):
     """The store a dataset is read through. zarr reads a chunk that is not there as its fill
     value; here a chunk the dataset needs that is missing, or that a whole read finds with
     another size or CRC-32 than recorded, is a DamagedDatasetError naming it, also when it is
@@ -196,7 +201,7 @@ class CheckedArray:
     """A stored array whose reads raise a DamagedDatasetError naming the chunk file when a chunk
     does not decode, instead of zarr's internal error; everything else is the zarr array's."""
 
-    def __init__(self, array: zarr.Array, name: str, url: str):
+    def __init__(self, array: zarr.Array[Any], name: str, url: str):
         self._array = array
         self.name = name
         self.url = url
@@ -208,8 +213,8 @@ class CheckedArray:
             raise AttributeError(attr)
         return getattr(self._array, attr)
 
-    def __len__(self) -> int:
-        return len(self._array)
+    def __len__(self) -> int:  # zarr's Array has no len(): the length of its first axis
+        return int(self._array.shape[0])
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return np.asarray(self[...], dtype=dtype)
@@ -233,7 +238,10 @@ class CheckedArray:
     def key(self, unit: int) -> str:
         """The name of stored object `unit` in the array's folder, e.g. c/2."""
         coords = (unit,) + (0,) * (self._array.ndim - 1)
-        return self._array.metadata.chunk_key_encoding.encode_chunk_key(coords)
+        metadata = self._array.metadata
+        if not isinstance(metadata, ArrayV3Metadata):  # datasets are written as zarr v3 only
+            raise DatasetError(f"{self.url}: {self.name} is not a zarr v3 array {REPACK}")
+        return metadata.chunk_key_encoding.encode_chunk_key(coords)
 
     def keys(self) -> list[str]:
         """Every stored object of the grid (the other axes are never split here)."""
@@ -260,10 +268,12 @@ def stored_sizes(url: str, storage_options: Mapping[str, Any]) -> dict[str, int]
     return {path.removeprefix(prefix): int(info["size"]) for path, info in found.items()}
 
 
-def batches(items: list[tuple[str, str, int, int]], limit: int) -> Iterator[list]:
+def batches(
+    items: list[tuple[str, str, int, int]], limit: int
+) -> Iterator[list[tuple[str, str, int, int]]]:
     """Consecutive runs of (array, key, size, crc) items of at most `limit` bytes (one item at
     least)."""
-    batch: list = []
+    batch: list[tuple[str, str, int, int]] = []
     total = 0
     for item in items:
         if batch and total + item[2] > limit:

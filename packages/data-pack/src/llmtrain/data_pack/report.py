@@ -90,6 +90,8 @@ def inspect_dataset(
             "train_roles": chat["train_roles"],
             "too_long": chat["too_long"],
         }
+        # PackedDataset refuses to open a chat dataset without its loss mask
+        assert dataset.loss_mask is not None
         counted = np.flatnonzero(np.asarray(dataset.loss_mask[start : start + len(ids)]))
         report["sample"]["counted"] = counted.tolist()
         if tok is not None:  # each run of counted tokens, decoded: what the loss trains on

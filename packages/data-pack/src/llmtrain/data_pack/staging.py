@@ -200,7 +200,7 @@ class WriteGate:
             return self._changed.wait_for(lambda: self._active == 0, timeout)
 
 
-class GatedStore(WrapperStore):
+class GatedStore(WrapperStore[Store]):
     """A zarr store whose every change (and a local store's opening, which makes its directory)
     passes through a `WriteGate`. The gate is left when the change is done, also if the coroutine
     that waits for it is cancelled (the file write in its thread goes on regardless)."""
@@ -222,7 +222,7 @@ class GatedStore(WrapperStore):
         task.add_done_callback(self._done)
         return await asyncio.shield(task)
 
-    def _done(self, task: asyncio.Future) -> None:
+    def _done(self, task: asyncio.Future[Any]) -> None:
         self.gate.leave()
         if not task.cancelled():
             task.exception()  # retrieved: its waiter (if still there) raises it, else nobody

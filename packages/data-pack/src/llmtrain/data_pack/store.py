@@ -37,13 +37,14 @@ import os
 import posixpath
 import shutil
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeGuard
 
 import attrs
 import numpy as np
 import structlog
 import zarr
+import zarr.codecs
 from fsspec.core import url_to_fs
 from zarr.abc.store import Store
 
@@ -146,7 +147,7 @@ def _join(url: str, name: str) -> str:
     return url.rstrip("/") + "/" + name
 
 
-def _store(url: str, storage_options: Mapping[str, Any] | None, *, read_only: bool):
+def _store(url: str, storage_options: Mapping[str, Any] | None, *, read_only: bool) -> Store:
     if _is_local(url):
         return zarr.storage.LocalStore(_local_path(url), read_only=read_only)
     return zarr.storage.FsspecStore.from_url(
@@ -174,7 +175,7 @@ def _unreadable(path: str, kind: str, exc: BaseException) -> DatasetError:
     return DatasetError(f"{path} cannot be read as zarr {kind} metadata ({reason}) {REPACK}")
 
 
-def _is_count(value: Any, *, positive: bool = False) -> bool:
+def _is_count(value: object, *, positive: bool = False) -> TypeGuard[int]:
     return type(value) is int and value >= (1 if positive else 0)
 
 
@@ -276,7 +277,9 @@ class AppendArray:
         self.written = 0
         self._pending: list[np.ndarray] = []
         self._pending_len = 0
-        self.on_write = None  # called with each chunk-aligned block written (and its offset)
+        self.on_write: Callable[[int, np.ndarray], None] | None = (
+            None  # called with each chunk-aligned block written (and its offset)
+        )
 
     def append(self, values: np.ndarray) -> None:
         if len(values):
@@ -516,7 +519,9 @@ class PackedDataset:
     def _open_group(self, store: Store) -> tuple[zarr.Group, dict[str, Any]]:
         try:
             group = zarr.open_group(store=store, mode="r", zarr_format=3)
-            meta = dict(group.attrs.get(META_KEY) or {})
+            attributes = group.attrs.get(META_KEY)
+            # not a mapping (damaged): no fields, so refused below as not a complete dataset
+            meta = dict(attributes) if isinstance(attributes, Mapping) else {}
         except (FileNotFoundError, zarr.errors.GroupNotFoundError, zarr.errors.ContainsArrayError):
             if not _is_local(self.url):
                 fs = url_to_fs(self.url, **self.storage_options)[0]
@@ -782,6 +787,8 @@ class PackedDataset:
 
     def read_heads(self, block: int) -> np.ndarray:
         """The stored first tokens of chunks [block*64, block*64 + 64), one row each."""
+        if self.chunk_heads is None:
+            raise ValueError(f"{self.url} stores no chunk heads (see head_tokens)")
         rows = self.chunk_heads.chunks[0]
         return np.asarray(self.chunk_heads[block * rows : (block + 1) * rows])
 
@@ -869,7 +876,7 @@ class DatasetWriter:
             compression=compression,
         )
         self.offsets.append(np.zeros(1, np.int64))
-        self.mask = None
+        self.mask: AppendArray | None = None
         if loss_mask:
             self.mask = AppendArray(
                 out.array_store("loss_mask"),
@@ -919,9 +926,11 @@ class DatasetWriter:
                 "a loss mask goes with every token of a masked dataset, and only there"
             )
         if mask is not None:
+            assert self.mask is not None  # checked above: a mask goes with a masked dataset
             self.mask.append(mask)
             self.counted += int(np.count_nonzero(mask))
         if origins is not None:
+            assert self.origins is not None  # checked above, as for the mask
             self.origins.append(origins)
         starts = ends - doc_lengths
         # chunk c's first document: the first one starting at or after c * chunk_tokens

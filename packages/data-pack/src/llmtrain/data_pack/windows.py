@@ -12,7 +12,7 @@ to back, each ended by eod): inputs are its first seq_len tokens, targets its la
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +36,7 @@ class ChunkCache:
         self._bytes = 0
         self.reads = 0
 
-    def _get(self, kind: str, chunk: int, load) -> np.ndarray:
+    def _get(self, kind: str, chunk: int, load: Callable[[int], np.ndarray]) -> np.ndarray:
         key = (kind, chunk)
         found = self._items.get(key)
         if found is not None:
@@ -59,9 +59,10 @@ class ChunkCache:
         """The first `need` tokens of a chunk without decoding it, when they are stored apart
         and the chunk itself is not cached; None otherwise."""
         dataset = self.dataset
-        if need > dataset.head_tokens or ("tokens", chunk) in self._items:
+        heads = dataset.chunk_heads
+        if heads is None or need > dataset.head_tokens or ("tokens", chunk) in self._items:
             return None
-        rows = dataset.chunk_heads.chunks[0]
+        rows = heads.chunks[0]
         if 4 * rows * dataset.head_tokens * dataset.dtype.itemsize > self.max_bytes:
             return None  # a block of heads would crowd out the chunks themselves
         block = self._get("heads", chunk // rows, dataset.read_heads)
@@ -116,7 +117,9 @@ class TokenWindows:
         return {"dataset": self.dataset, "seq_len": self._seq_len, "cache_bytes": self.cache_bytes}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["dataset"], state["seq_len"], cache_bytes=state["cache_bytes"])
+        type(self).__init__(
+            self, state["dataset"], state["seq_len"], cache_bytes=state["cache_bytes"]
+        )
 
     @property
     def seq_len(self) -> int:
@@ -130,7 +133,7 @@ class TokenWindows:
         return max(1, self.dataset.chunk_tokens // self._seq_len)
 
     def window(self, index: int) -> np.ndarray:
-        return self.read([index])[0][0]
+        return self.read([index])[0][0, :]
 
     def read(
         self, indices: Sequence[int] | np.ndarray, *, doc_starts: bool = False
