@@ -18,9 +18,9 @@ from typing import Any
 
 import fsspec
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, load_failure
 from llmtrain.checkpoint.safe_io import SafeLoadPlanner
@@ -68,7 +68,7 @@ def load_model_weights(
     with warnings.catch_warnings():  # one process on purpose; DCP warns that it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+            dcp_load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as exc:
             raise load_failure(exc, checkpoints.step_url(step)) from exc
     weights = {key.removeprefix(prefix): value for key, value in tensors.items()}

@@ -33,11 +33,14 @@ import attrs
 import structlog
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from llmtrain.checkpoint.integrity import (
@@ -135,7 +138,8 @@ def rng_state(python: random.Random | None = None) -> dict[str, Any]:
     state: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
     if python is not None:
         state["python"] = _jsonable(python.getstate())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # torch.cuda.is_initialized has no annotations in torch's own source
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
@@ -236,7 +240,7 @@ class Checkpointer:
         # (a fresh copy per save would fault in a new page for every 4 KiB of state)
         self._stager = _stager() if async_save else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llmtrain-ckpt")
-        self._inflight: Future | None = None
+        self._inflight: Future[None] | None = None
 
     # -- what exists ------------------------------------------------------------------------
 
@@ -272,7 +276,8 @@ class Checkpointer:
 
     def _read(self, step: int, name: str) -> bytes:
         self.fs.invalidate_cache(self._path(step, name).rsplit("/", 1)[0])
-        return self.fs.cat_file(self._path(step, name))
+        data: bytes = self.fs.cat_file(self._path(step, name))  # fsspec is untyped
+        return data
 
     def _commit(self, step: int) -> Commit:
         try:
@@ -313,10 +318,11 @@ class Checkpointer:
     ) -> None:
         """Every file the manifest lists is there at its recorded size (the files of the random
         states only when `rng`: a weights-only load does not read them)."""
-        for name in ordered(commit.files or {}):
+        files = commit.files or {}
+        for name in ordered(files):
             if name.startswith(f"{RNG_DIR}/") and not rng:
                 continue
-            recorded, got = commit.files[name]["size"], listing.get(name)
+            recorded, got = files[name]["size"], listing.get(name)
             problem = "is missing" if got is None else size_problem(got, recorded)
             if got != recorded:
                 raise damaged(self.step_url(step), f"{self.step_url(step)}/{name}", problem)
@@ -414,21 +420,21 @@ class Checkpointer:
         return reader, metadata
 
     def _dcp_save(self, step: int, state: dict[str, Any], writer: StreamWriter) -> None:
-        dcp.save(state, storage_writer=writer)
+        dcp_save(state, storage_writer=writer)
 
-    def _async(self, step: int, state: dict[str, Any], writer: StreamWriter) -> Future:
-        response = dcp.async_save(
+    def _async(self, step: int, state: dict[str, Any], writer: StreamWriter) -> Future[Any]:
+        response = dcp_async_save(
             state,
             storage_writer=writer,
             process_group=self._group,
             async_stager=self._stager,
         )
-        if hasattr(response, "staging_completion"):
+        if isinstance(response, AsyncSaveResponse):
             response.staging_completion.result()
             return response.upload_completion
         return response
 
-    def _with_retries(self, step: int, action) -> None:
+    def _with_retries(self, step: int, action: Callable[[], object]) -> None:
         for attempt in range(self.retries + 1):
             try:
                 action()
@@ -470,8 +476,8 @@ class Checkpointer:
     def _finish(
         self,
         step: int,
-        upload: Future | None,
-        info: dict,
+        upload: Future[Any] | None,
+        info: dict[str, Any],
         started: float,
         writer: StreamWriter,
         rng_files: dict[str, Any],
@@ -589,7 +595,7 @@ class Checkpointer:
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
         check_compatible(plain, metadata, self.step_url(step))
         try:
-            dcp.load(plain, storage_reader=reader, planner=SafeLoadPlanner())
+            dcp_load(plain, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointException as exc:
             raise load_failure(
                 exc,
@@ -660,8 +666,9 @@ class Checkpointer:
                     f"is missing (the step was saved by {saved} rank{plural}, each with its file)"
                 ) from None
             check_bytes(data, (commit.files or {}).get(name))
-            state = parse_json(data, "a random state")
-            check_rng_state(state)
+            parsed = parse_json(data, "a random state")
+            check_rng_state(parsed)
+            state: dict[str, Any] = parsed  # check_rng_state raised unless it is a dict
         return state
 
     def _restore_rng(self, step: int, state: dict[str, Any] | None) -> None:

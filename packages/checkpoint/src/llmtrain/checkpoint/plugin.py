@@ -8,7 +8,7 @@ import json
 
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 
 # what --dtype accepts, for `export` and `hf export` alike
 DTYPES = ("float32", "bfloat16", "float16")
@@ -115,7 +115,7 @@ def _list(args: argparse.Namespace, ctx: Context) -> int:
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "export",
         Command(

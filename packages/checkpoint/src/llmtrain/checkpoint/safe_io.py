@@ -15,10 +15,11 @@ import pickle
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from llmtrain.checkpoint.integrity import METADATA_FILE  # noqa: F401 - also importable here
@@ -60,14 +61,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
-def load_metadata(stream: Any) -> Metadata:
-    return _MetadataUnpickler(stream).load()
+def load_metadata(stream: Any) -> object:
+    """The unpickled `.metadata` (only allow-listed classes; whether it is `Metadata` is the
+    caller's check: see `stream_storage.metadata_problem`)."""
+    loaded: object = _MetadataUnpickler(stream).load()
+    return loaded
 
 
-def _finish_metadata(metadata: Metadata, load_id: Any) -> Metadata:
-    if getattr(metadata, "storage_meta", None) is None:
-        metadata.storage_meta = StorageMeta()
-    metadata.storage_meta.load_id = load_id
+def _finish_metadata(metadata: object, load_id: Any) -> Metadata:
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata is a {type(metadata).__name__}, not Metadata; refusing to load it"
+        )
+    storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+    storage_meta.load_id = load_id
+    metadata.storage_meta = storage_meta
     return metadata
 
 

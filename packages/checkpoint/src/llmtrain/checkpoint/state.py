@@ -25,8 +25,12 @@ class ModelState:
     are cut differently.
     """
 
-    def __init__(self, model: Any, optimizers: Sequence[Any] = ()):
-        self.parts = list(model) if isinstance(model, (list, tuple)) else [model]
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        optimizers: Sequence[Any] = (),
+    ):
+        self.parts = [model] if isinstance(model, torch.nn.Module) else list(model)
         optimizers = list(optimizers)
         if optimizers and not isinstance(optimizers[0], (list, tuple)):
             optimizers = [optimizers]

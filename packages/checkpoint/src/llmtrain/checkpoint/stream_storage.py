@@ -39,7 +39,8 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -78,7 +79,12 @@ from llmtrain.checkpoint.integrity import (
     reading,
     reason,
 )
-from llmtrain.checkpoint.safe_io import SafeFsspecReader, UnsafeCheckpointError, load_metadata
+from llmtrain.checkpoint.safe_io import (
+    SafeFsspecReader,
+    UnsafeCheckpointError,
+    _finish_metadata,
+    load_metadata,
+)
 from llmtrain.core_mesh.errors import naming_file
 
 FORMAT = 2
@@ -123,6 +129,42 @@ def _dtype(name: str) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
+class _Sink(Protocol):
+    """A checkpoint file open for writing: a local file, a `_WholeUpload` or an fsspec file."""
+
+    def write(self, data: memoryview, /) -> int | None: ...
+
+    def fileno(self) -> int: ...
+
+    def __enter__(self) -> _Sink: ...
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> object: ...
+
+
+class _Source(Protocol):
+    """A checkpoint file open for reading: a local file, a `_Span` or an fsspec file."""
+
+    def seek(self, position: int, /) -> object: ...
+
+    def readinto(self, into: memoryview, /) -> int | None: ...
+
+    def __enter__(self) -> _Source: ...
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> object: ...
+
+
 class _Files:
     """Opening the checkpoint's files: plain unbuffered files on a local disk, fsspec files
     elsewhere."""
@@ -135,21 +177,25 @@ class _Files:
     def path(self, name: str) -> str:
         return f"{self.root.rstrip('/')}/{name}"
 
-    def create(self, name: str, size: int):
+    def create(self, name: str, size: int) -> _Sink:
         if self.local:
             return open(self.path(name), "wb", buffering=0)
         if size <= REMOTE_WHOLE:
             return _WholeUpload(self.fs, self.path(name))
-        return self.fs.open(self.path(name), "wb", block_size=REMOTE_BLOCK)
+        sink: _Sink = self.fs.open(self.path(name), "wb", block_size=REMOTE_BLOCK)
+        return sink
 
-    def open(self, name: str, start: int, end: int):
+    def open(self, name: str, start: int, end: int) -> _Source:
         """The file, for reads of bytes start..end (a local file, one ranged request's bytes, or
         an fsspec file that requests each read)."""
         if self.local:
             return open(self.path(name), "rb", buffering=0)
         if end - start <= REMOTE_WHOLE:
             return _Span(self.fs.cat_file(self.path(name), start=start, end=end), start)
-        return self.fs.open(self.path(name), "rb", block_size=REMOTE_BLOCK, cache_type="none")
+        source: _Source = self.fs.open(
+            self.path(name), "rb", block_size=REMOTE_BLOCK, cache_type="none"
+        )
+        return source
 
     def size(self, name: str) -> int:
         return int(self.fs.size(self.path(name)))
@@ -160,11 +206,15 @@ class _WholeUpload:
     memory, which the caller keeps alive and unchanged until then) are joined once."""
 
     def __init__(self, fs: Any, path: str):
-        self.fs, self.path, self.pieces = fs, path, []
+        self.fs, self.path = fs, path
+        self.pieces: list[memoryview] = []
 
     def write(self, piece: memoryview) -> int:
         self.pieces.append(piece)
         return len(piece)
+
+    def fileno(self) -> int:
+        raise io.UnsupportedOperation("a whole upload is no file of the operating system")
 
     def __enter__(self) -> _WholeUpload:
         return self
@@ -198,7 +248,7 @@ class _Span:
         pass
 
 
-def _write_all(f: Any, data: memoryview) -> None:
+def _write_all(f: _Sink, data: memoryview) -> None:
     while data:
         written = f.write(data)
         data = data[written if written is not None else len(data) :]
@@ -229,7 +279,7 @@ class StreamWriter(StorageWriter):
         # metadata (size, hash) and of every data file (size) for the step's COMMITTED
         self.written: dict[str, dict[str, Any]] | None = None
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.url = str(checkpoint_id).rstrip("/")
             self.files = _Files(self.url, self.storage_options)
@@ -246,7 +296,9 @@ class StreamWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return [dataclasses.replace(plan, storage_data=f"__{i}_") for i, plan in enumerate(plans)]
 
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+    def write_data(
+        self, plan: SavePlan, planner: SavePlanner
+    ) -> torch.futures.Future[list[WriteResult]]:
         buckets = _balanced(plan.items, self.threads)
         names = [f"{plan.storage_data}{i}{SUFFIX}" for i in range(len(buckets))]
         lock = threading.Lock()
@@ -257,10 +309,10 @@ class StreamWriter(StorageWriter):
 
         with ThreadPoolExecutor(len(buckets), thread_name_prefix="llmtrain-ckpt-write") as pool:
             done = pool.map(
-                lambda job: self._write_file(*job, resolve), zip(names, buckets, strict=True)
+                lambda name, bucket: self._write_file(name, bucket, resolve), names, buckets
             )
             results = [result for file_results in done for result in file_results]
-        future: torch.futures.Future = torch.futures.Future()
+        future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
         return future
 
@@ -317,12 +369,13 @@ class StreamWriter(StorageWriter):
         return self.url
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return True
 
 
 def _size(written: dict[str, dict[str, Any]], stored: StoredItem) -> int:
-    return written.get(stored.relative_path, {}).get("size", 0)
+    size: int = written.get(stored.relative_path, {}).get("size", 0)
+    return size
 
 
 def _balanced(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -355,7 +408,7 @@ def _item_bytes(item: WriteItem) -> int:
     numel = 1
     for size in data.size:
         numel *= size
-    return numel * torch._utils._element_size(data.properties.dtype)
+    return numel * data.properties.dtype.itemsize
 
 
 # --- reading --------------------------------------------------------------------------------------
@@ -383,28 +436,23 @@ class StreamReader(SafeFsspecReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._checked is not None:  # DCP reads it again: the same checked bytes
-            metadata = load_metadata(io.BytesIO(self._checked))
-            metadata.storage_meta = metadata.storage_meta or StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+            return _finish_metadata(load_metadata(io.BytesIO(self._checked)), self.load_id)
         with reading(self.url, METADATA_FILE):
             data = self.files.fs.cat_file(self.files.path(METADATA_FILE))
             check_bytes(data, (self.manifest or {}).get(METADATA_FILE))
             if not data:
                 raise Damage("is empty")
             try:
-                metadata = load_metadata(io.BytesIO(data))
+                loaded = load_metadata(io.BytesIO(data))
             except UnsafeCheckpointError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure to unpickle: damaged bytes
                 raise Damage(f"is not checkpoint metadata (unpickling: {reason(exc)})") from None
-            problem = metadata_problem(metadata)
+            problem = metadata_problem(loaded)
             if problem is not None:
                 raise Damage(f"is not checkpoint metadata ({problem})")
         self._checked = data
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return _finish_metadata(loaded, self.load_id)
 
     def check_sizes(self, metadata: Metadata, sizes: dict[str, int]) -> None:
         """Every data file the metadata names is in `sizes` (name -> bytes: the step directory's
@@ -445,8 +493,9 @@ class StreamReader(SafeFsspecReader):
         with ThreadPoolExecutor(workers, thread_name_prefix="llmtrain-ckpt-verify") as pool:
             list(pool.map(verify, sorted(by_file)))
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        streamed, older = [], []
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        streamed: list[ReadItem] = []
+        older: list[ReadItem] = []
         for req in plan.items:
             stored = self.storage_data[req.storage_index]
             (streamed if isinstance(stored, StoredItem) else older).append(req)
@@ -475,7 +524,7 @@ class StreamReader(SafeFsspecReader):
                 self._read_file(name, reqs, planner, lock)
             for read in reads:
                 read.result()
-        future: torch.futures.Future = torch.futures.Future()
+        future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
 
@@ -530,15 +579,18 @@ def _landing(target: torch.Tensor, req: ReadItem, stored: StoredItem) -> torch.T
     return torch.empty(stored.shape or (), dtype=dtype)
 
 
-def _read_checked(f: Any, stored: StoredItem, into: memoryview | None, url: str, fqn: str) -> None:
+def _read_checked(
+    f: _Source, stored: StoredItem, into: memoryview | None, url: str, fqn: str
+) -> None:
     """Read the item's bytes into `into` (None: only hash them), checking their length and hash
     (`url`: the step's)."""
     where = f"{url}/{stored.relative_path}"
     f.seek(stored.offset)
     digest, done = xxhash.xxh3_64(), 0
-    scratch = memoryview(bytearray(min(SLICE, stored.length))) if into is None else None
+    # where the bytes go when they are only hashed (none needed when read into `into`)
+    scratch = memoryview(bytearray(min(SLICE, stored.length) if into is None else 0))
     while done < stored.length:
-        if scratch is not None:
+        if into is None:
             piece = scratch[: min(SLICE, stored.length - done)]
         else:
             piece = into[done : min(done + SLICE, stored.length)]
