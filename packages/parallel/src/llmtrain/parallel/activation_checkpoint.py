@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from contextlib import AbstractContextManager
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    SelectiveCheckpointContext,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -35,10 +38,12 @@ _ALWAYS_SAVE = {
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 
 
-def _op_policy():
+def _op_policy() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
     counts: Counter[str] = Counter()
 
-    def policy(ctx, op, *args, **kwargs):
+    def policy(
+        ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
+    ) -> CheckpointPolicy:
         if op in _ALWAYS_SAVE:
             return CheckpointPolicy.MUST_SAVE
         if op in _MATMULS:
@@ -49,16 +54,22 @@ def _op_policy():
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    # torch's create_selective_checkpoint_contexts has no annotations; it returns the
+    # (forward, recompute) context managers that checkpoint's context_fn gives
+    return cast(
+        tuple[AbstractContextManager[Any], AbstractContextManager[Any]],
+        create_selective_checkpoint_contexts(policy),  # type: ignore[no-untyped-call]
+    )
 
 
 def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
     inner = block.forward
 
     @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        extra = {"context_fn": _op_policy} if selective else {}
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if selective:
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=_op_policy, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
 

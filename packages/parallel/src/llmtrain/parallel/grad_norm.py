@@ -23,22 +23,25 @@ def clip_grad_norm_(
 ) -> float:
     """Scale gradients so their global L2 norm is at most `max_norm` (None: only measure); return
     the norm before clipping. `pp_group`: the pipeline group, whose stages hold disjoint params."""
-    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    # (the parameters, their gradients) per group
+    groups: dict[Any, tuple[list[torch.nn.Parameter], list[torch.Tensor]]] = {}
     for p in parameters:
-        if p.grad is None:
+        grad = p.grad
+        if grad is None:
             continue
         # DTensor grads on one mesh with one placement are reduced together; plain tensors apart
-        grad = p.grad
         key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else None
-        groups.setdefault(key, []).append(p)
-    device = next(iter(groups.values()))[0].grad.device if groups else torch.device("cpu")
+        params, grads = groups.setdefault(key, ([], []))
+        params.append(p)
+        grads.append(grad)
+    device = next(iter(groups.values()))[1][0].device if groups else torch.device("cpu")
     total = torch.zeros((), device=device)
-    for params in groups.values():
-        total = total + _squared_norm([p.grad for p in params]).to(device)
+    for _, grads in groups.values():
+        total = total + _squared_norm(grads).to(device)
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
     norm = total.sqrt()
     if max_norm is not None:
-        for params in groups.values():
+        for params, _ in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm.item()

@@ -6,7 +6,7 @@ these options say how each dimension is applied.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -26,12 +26,12 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
     if value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.parallel.options import V_SCHEDULES, Pipeline
+
+if TYPE_CHECKING:
+    import torch
 
 _SCHEDULE_CLASSES = {
     "GPipe": "ScheduleGPipe",
@@ -87,7 +90,7 @@ def build_schedule(
     options: Pipeline,
     *,
     microbatches: int,
-    loss_fn: Callable,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: Any,
     group: Any,
 ) -> Any:

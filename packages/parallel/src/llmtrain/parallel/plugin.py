@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from llmtrain.core_mesh.plugins import hookimpl
+from typing import TYPE_CHECKING
+
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.parallel.options import ParallelOptions
 
+if TYPE_CHECKING:  # imports torch: only when the strategy is built
+    from llmtrain.parallel.strategy import DefaultStrategy
 
-def build(options: ParallelOptions):
+
+def build(options: ParallelOptions) -> DefaultStrategy:
     from llmtrain.parallel.strategy import DefaultStrategy
 
     return DefaultStrategy(options)
 
 
 @hookimpl
-def llmtrain_parallel_strategies(register):
+def llmtrain_parallel_strategies(register: Register) -> None:
     register(
         "default",
         build,

@@ -19,9 +19,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    ValueType,
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -76,10 +78,10 @@ class Parallelized:
     head_fn_ok: bool = False
     _pp_loss: tuple[LossFn, float] | None = None
     _cp_seq_len: int = 0
-    _dims: dict[str, Any] = attrs.field(factory=dict)
+    _dims: dict[str, DeviceMesh] = attrs.field(factory=dict)
 
     # --- the layout ---
-    def dim(self, name: str) -> Any:
+    def dim(self, name: str) -> DeviceMesh:
         """The 1-D mesh of one dimension (pp, dp_replicate, dp_shard, cp, tp, dp, dp_cp, ...)."""
         if name not in self._dims:
             self._dims[name] = self.mesh[name]
@@ -189,18 +191,20 @@ class Parallelized:
         """Load unsharded weights (every rank passes the same); each part takes its own keys."""
         for part in self.parts:
             own = get_model_state_dict(part, options=StateDictOptions(full_state_dict=False))
-            subset = {k: state[k] for k in own}
+            subset: dict[str, ValueType] = {k: state[k] for k in own}
             set_model_state_dict(part, subset, options=StateDictOptions(full_state_dict=True))
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self) -> dict[str, ValueType]:
         """Unsharded weights of the parts this rank holds (every rank gets them)."""
-        full: dict[str, torch.Tensor] = {}
+        full: dict[str, ValueType] = {}
         for part in self.parts:
             full.update(get_model_state_dict(part, options=StateDictOptions(full_state_dict=True)))
         return full
 
     # --- internals ---
-    def _shard_sequence(self, tokens, targets, doc_starts):
+    def _shard_sequence(
+        self, tokens: torch.Tensor, targets: torch.Tensor, doc_starts: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         kwargs: dict[str, torch.Tensor] = {}
         if doc_starts is not None:
             kwargs["doc_starts"] = doc_starts
@@ -237,18 +241,24 @@ class Parallelized:
         ):
             yield
 
-    def _autocast(self):
+    def _autocast(self) -> contextlib.AbstractContextManager[object]:
         """Low-precision compute where no FSDP/DDP wrapper casts the parameters (one process,
         TP or PP without data parallelism): the same param_dtype through autocast."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _loss_parallel(self):
+    def _loss_parallel(self) -> contextlib.AbstractContextManager[object]:
         use = self.options.loss_parallel and self.size("tp") > 1
         return loss_parallel() if use else contextlib.nullcontext()
 
-    def _loss(self, tokens, targets, loss_fn: LossFn, kwargs: dict) -> torch.Tensor:
+    def _loss(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        kwargs: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         """The summed loss of one (micro-)batch: from the hidden states where the loss and the
         layout allow (no logits of the whole batch), else from the logits."""
         if self.head_fn_ok and isinstance(loss_fn, HiddenStateLoss):
@@ -256,16 +266,24 @@ class Parallelized:
             def head_loss(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                 return loss_fn.from_hidden(hidden, weight, targets)
 
-            return self.parts[0](tokens, head_fn=head_loss, **kwargs)
+            loss: torch.Tensor = self.parts[0](tokens, head_fn=head_loss, **kwargs)
+            return loss
         return loss_fn(self._logits(tokens, kwargs), targets)
 
-    def _logits(self, tokens: torch.Tensor, kwargs: dict) -> torch.Tensor:
-        logits = self.parts[0](tokens, **kwargs)
+    def _logits(self, tokens: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits: torch.Tensor = self.parts[0](tokens, **kwargs)
         if isinstance(logits, DTensor) and not self.options.loss_parallel:
             logits = logits.full_tensor()
         return logits
 
-    def _micro_steps(self, tokens, targets, loss_fn, scale, kwargs) -> torch.Tensor:
+    def _micro_steps(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        scale: float,
+        kwargs: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
         n = self.microbatches
         if tokens.size(0) % n:
             raise ValueError(
@@ -282,20 +300,34 @@ class Parallelized:
             if n > 1:
                 set_gradient_sync(self.parts[0], i == n - 1)
             loss = self._loss(tok, tgt, loss_fn, dict(zip(kwargs, extra, strict=True)))
-            (loss * (scale * self._grad_average)).backward()
+            # torch's Tensor.backward has no annotations
+            (loss * (scale * self._grad_average)).backward()  # type: ignore[no-untyped-call]
             total = total + loss.detach().float()
         return total
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._pp_loss is None:
+            raise RuntimeError("the pipeline schedule computed a loss outside a step")
         loss_fn, scale = self._pp_loss
         loss = loss_fn(output, target)
         if scale == 0.0:
             return loss * 0.0 + loss.detach()  # the loss's value, a zero gradient
         return loss * scale
 
-    def _pipeline_step(self, tokens, targets, loss_fn, scale, kwargs, *, train) -> torch.Tensor:
+    def _pipeline_step(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        scale: float,
+        kwargs: dict[str, torch.Tensor],
+        *,
+        train: bool,
+    ) -> torch.Tensor:
         args = (tokens,) if self.has_first_stage else ()
-        target, losses = (targets, []) if self.has_last_stage else (None, None)
+        # the last stage computes the loss: the schedule fills `losses` there, nowhere else
+        target: torch.Tensor | None = targets if self.has_last_stage else None
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         if train:
             scale = scale * self._grad_average
             self._pp_loss = (loss_fn, scale)
@@ -330,12 +362,36 @@ class Parallelized:
 class DefaultStrategy:
     options: ParallelOptions
 
-    def check(self, mesh: MeshSpec, world_size: int, model: ModelDescription, **run) -> MeshSpec:
+    def check(
+        self,
+        mesh: MeshSpec,
+        world_size: int,
+        model: ModelDescription,
+        *,
+        seq_len: int,
+        device_type: str,
+        microbatches: int = 1,
+        document_masking: bool = False,
+    ) -> MeshSpec:
         """See `check_layout`: call before starting process groups."""
-        return check_layout(self.options, mesh, world_size, model, **run)
+        return check_layout(
+            self.options,
+            mesh,
+            world_size,
+            model,
+            seq_len=seq_len,
+            device_type=device_type,
+            microbatches=microbatches,
+            document_masking=document_masking,
+        )
 
     def parallelize(
-        self, model: ModelDescription, device_mesh: Any, device: torch.device, *, microbatches=1
+        self,
+        model: ModelDescription,
+        device_mesh: Any,
+        device: torch.device,
+        *,
+        microbatches: int = 1,
     ) -> Parallelized:
         options = self.options
         size = {name: device_mesh[name].size() for name in DIM_NAMES}
@@ -343,8 +399,11 @@ class DefaultStrategy:
             resolve_plan(model.module, dict(model.tp_plan))  # whole model: every entry must match
         names = {id(m): n for n, m in model.module.named_modules()}
         block_paths = [names[id(b)] for b in model.blocks]
-        parts, stage_ids, ranges = [model.module], [0], [range(len(block_paths))]
+        parts: list[nn.Module] = [model.module]
+        stage_ids, ranges = [0], [range(len(block_paths))]
         if size["pp"] > 1:
+            if model.trim_to_stage is None:  # check_layout refuses such a model first
+                raise ValueError("this model cannot be pipelined: it has no trim_to_stage")
             per_rank = options.pipeline.resolved_stages_per_rank
             ranges = pipeline.split_blocks(
                 len(block_paths),
@@ -387,10 +446,17 @@ class DefaultStrategy:
 
     def _autocast_dtype(self, size: dict[str, int]) -> torch.dtype | None:
         wrapped = size["dp_shard"] * size["cp"] > 1 or size["dp_replicate"] > 1
-        dtype = getattr(torch, self.options.param_dtype)
+        dtype: torch.dtype = getattr(torch, self.options.param_dtype)  # one of options.DTYPES
         return None if wrapped or dtype == torch.float32 else dtype
 
-    def _apply(self, part, blocks, model, device_mesh, size) -> None:
+    def _apply(
+        self,
+        part: nn.Module,
+        blocks: list[tuple[int, nn.Module]],
+        model: ModelDescription,
+        device_mesh: Any,
+        size: dict[str, int],
+    ) -> None:
         options = self.options
         data_sharded = size["dp_shard"] * size["cp"] > 1
         if options.float8:

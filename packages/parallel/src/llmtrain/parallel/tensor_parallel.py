@@ -16,12 +16,14 @@ each name into a torch ParallelStyle (or a small hook) on the `tp` mesh:
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -64,8 +66,10 @@ def resolve_plan(module: nn.Module, plan: dict[str, str], *, strict: bool = True
     return resolved
 
 
-def _gather_sequence(mesh: Any):
-    def hook(module: nn.Module, args: tuple) -> tuple:
+def _gather_sequence(
+    mesh: Any,
+) -> Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...]]:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
@@ -74,7 +78,7 @@ def _gather_sequence(mesh: Any):
     return hook
 
 
-def _style(name: str, sequence_parallel: bool, loss_parallel: bool):
+def _style(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
     sp = sequence_parallel
     if name == "embedding":
         return RowwiseParallel(
