@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import attrs
 import torch
@@ -188,6 +188,18 @@ def _gpt2_mismatches(cfg: TransformerConfig) -> list[str]:
 # --- configs ---------------------------------------------------------------------------------------
 
 
+class _CommonConfig(TypedDict):
+    """The transformers config fields every architecture's config takes alike."""
+
+    vocab_size: int
+    tie_word_embeddings: bool
+    initializer_range: float
+    bos_token_id: None
+    eos_token_id: int | None
+    pad_token_id: None
+    architectures: list[str]
+
+
 def hf_config(
     cfg: TransformerConfig,
     *,
@@ -199,7 +211,7 @@ def hf_config(
     import transformers
 
     arch = architecture_of(cfg, architecture)
-    common = dict(
+    common = _CommonConfig(
         vocab_size=cfg.padded_vocab_size,
         tie_word_embeddings=cfg.tied_embeddings,
         initializer_range=cfg.init_std,
@@ -303,7 +315,7 @@ def source_architecture(config: Any, where: str = "config.json") -> str:
     """The supported architecture of an HF config (by its model_type), or a UserError."""
     model_type = getattr(config, "model_type", None)
     archs = list(getattr(config, "architectures", None) or [])
-    arch = MODEL_TYPES.get(model_type)
+    arch = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if arch is None or any(a != arch for a in archs):
         named = f"{model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
         supported = ", ".join(f"{name} ({t})" for t, name in MODEL_TYPES.items())
@@ -552,11 +564,13 @@ def to_hf_state_dict(
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def _gpt2_block_to_hf(weights, i: int) -> tuple[dict[str, torch.Tensor], set[str]]:
+def _gpt2_block_to_hf(
+    weights: dict[str, torch.Tensor], i: int
+) -> tuple[dict[str, torch.Tensor], set[str]]:
     """One block's fused attention and Conv1D weights (and zero biases where llmtrain has none),
     and the llmtrain names read."""
     ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for norm, ln in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
         # LayerNorm(bias=False) is a LayerNorm with a zero bias
         out.setdefault(
@@ -607,13 +621,16 @@ def from_hf_state_dict(
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
-def _gpt2_block_from_hf(state, cfg: TransformerConfig, i: int):
+def _gpt2_block_from_hf(
+    state: dict[str, torch.Tensor], cfg: TransformerConfig, i: int
+) -> tuple[dict[str, torch.Tensor], set[str]]:
     """One block's q/k/v and Linear weights from the fused, transposed Conv1D ones, and the HF
     names read."""
     ours, theirs = f"blocks.{i}.", f"transformer.h.{i}."
-    out = {}
-    q, k, v = state[f"{theirs}attn.c_attn.weight"].t().split(cfg.d_model, dim=0)
-    qb, kb, vb = state[f"{theirs}attn.c_attn.bias"].split(cfg.d_model)
+    out: dict[str, torch.Tensor] = {}
+    # torch.split, not Tensor.split: the same call, but the method has no annotations
+    q, k, v = torch.split(state[f"{theirs}attn.c_attn.weight"].t(), cfg.d_model, dim=0)
+    qb, kb, vb = torch.split(state[f"{theirs}attn.c_attn.bias"], cfg.d_model)
     for name, w, b in (("wq", q, qb), ("wk", k, kb), ("wv", v, vb)):
         out[f"{ours}attn.{name}.weight"], out[f"{ours}attn.{name}.bias"] = w, b
     for conv, linear in GPT2_CONV1D.items():

@@ -116,7 +116,8 @@ class HFDir:
     def read_bytes(self, name: str) -> bytes:
         where = self.where(name)
         try:
-            return self.fs.cat_file(self.full(name))
+            data: bytes = self.fs.cat_file(self.full(name))  # fsspec has no annotations
+            return data
         except FileNotFoundError:
             raise UserError(f"{where} is missing: {REDOWNLOAD}") from None
         except IsADirectoryError:

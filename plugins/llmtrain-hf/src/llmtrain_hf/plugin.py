@@ -13,7 +13,7 @@ import sys
 from llmtrain.checkpoint.plugin import export_arguments, output_option
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.cli_conventions import main_object
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain_hf.architectures import ARCHITECTURES
 from llmtrain_hf.weights import HFWeights
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "hf",
         Command(
@@ -88,7 +88,7 @@ def llmtrain_commands(register):
 
 
 @hookimpl
-def llmtrain_weight_formats(register):
+def llmtrain_weight_formats(register: Register) -> None:
     register(
         "hf",
         HFWeights(),

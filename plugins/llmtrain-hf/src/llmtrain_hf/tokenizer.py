@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import fsspec
@@ -20,6 +20,9 @@ import fsspec
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.data_pack.tokenizer import TokenizerError, read_bytes, tokenizer_from_raw
+
+if TYPE_CHECKING:  # the entry-point module imports no tokenizers
+    from tokenizers import Tokenizer
 
 
 @attrs.frozen
@@ -119,7 +122,8 @@ def _fast(text: str, eod_id: int, max_len: int) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_str(text)
-    return PreTrainedTokenizerFast(
+    # transformers 5's tokenizer __init__ has no annotations
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok,
         eos_token=tok.id_to_token(eod_id),
         model_max_length=max_len,
@@ -149,7 +153,7 @@ def save_tokenizer(export: TokenizerExport, out: str) -> None:
 # --- import -----------------------------------------------------------------------------------------
 
 
-def _eos_name(hf_dir: str, config: Any, tok: Any) -> str | None:
+def _eos_name(hf_dir: str, config: Any, tok: Tokenizer) -> str | None:
     """The end-of-sequence token of an HF directory: tokenizer_config.json's eos_token, else the
     model config's eos_token_id. A tokenizer_config.json that is not a JSON object is refused."""
     path = os.path.join(hf_dir, "tokenizer_config.json")

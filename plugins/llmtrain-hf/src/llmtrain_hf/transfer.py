@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -21,7 +22,8 @@ from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models.transformer import Transformer, build_model
-from llmtrain_hf.convert import GPT2, architecture_of, portable_config, save_hf_model
+from llmtrain_hf.architectures import GPT2
+from llmtrain_hf.convert import architecture_of, portable_config, save_hf_model
 from llmtrain_hf.hf_dir import HFDir, read_config, read_weights_of
 from llmtrain_hf.tokenizer import (
     TokenizerExport,
@@ -50,7 +52,7 @@ class Report:
 
 
 @contextlib.contextmanager
-def _one_process():
+def _one_process() -> Iterator[None]:
     """Quiet DCP's warning that it runs without a process group: that is the intent here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -134,7 +136,7 @@ STALE_WEIGHTS = re.compile(
 
 
 @contextlib.contextmanager
-def _staged(out: str):
+def _staged(out: str) -> Iterator[str]:
     """A directory to write the export into, beside `out`, that becomes `out` when the block
     ends (its files moved in, config.json last); removed if the block fails. A partly written
     export never sits in `out` looking complete (config.json is what marks one)."""
@@ -270,7 +272,7 @@ def _empty_destination(out: str) -> Checkpointer:
 
 
 @contextlib.contextmanager
-def _removed_on_failure(out: str):
+def _removed_on_failure(out: str) -> Iterator[None]:
     """Create `out`; if what follows fails, remove what it wrote: all of `out` when this made it,
     else the files and directories it added. A directory that cannot be created is a UserError."""
     from fsspec.core import url_to_fs
