@@ -47,7 +47,7 @@ def _local(url: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _opened(url: str, storage_options: dict | None) -> Iterator[Any]:
+def _opened(url: str, storage_options: dict[str, Any] | None) -> Iterator[Any]:
     """A file pyarrow reads: memory-mapped when local, an fsspec file otherwise."""
     path = _local(url)
     if path is not None:
@@ -102,7 +102,7 @@ def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
         yield from reader
 
 
-def schema_of(source: Source, storage_options: dict | None = None) -> pa.Schema:
+def schema_of(source: Source, storage_options: dict[str, Any] | None = None) -> pa.Schema:
     with _opened(source.url, storage_options) as f:
         if source.format == "parquet":
             return _parquet(f, source.url).schema_arrow
@@ -114,7 +114,7 @@ def plan_columnar(
     number: int,
     split_bytes: int,
     index: Iterator[int],
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Iterator[Task]:
     """A file's tasks: runs of row groups (Parquet) or record batches (local Arrow) of about
     `split_bytes`, each knowing the number of its first row."""
@@ -152,7 +152,7 @@ def plan_columnar(
             size += sizes[stop][1]
             stop += 1
         rows = sum(n for n, _ in sizes[group_start:stop])
-        common = dict(first_line=row, input_bytes=source.size * size // total)
+        input_bytes = source.size * size // total
         if source.format == "parquet":
             yield Task(
                 next(index),
@@ -160,18 +160,25 @@ def plan_columnar(
                 source.url,
                 "parquet",
                 row_groups=tuple(range(group_start, stop)),
-                **common,
+                first_line=row,
+                input_bytes=input_bytes,
             )
         else:
             yield Task(
-                next(index), number, source.url, "arrow", batches=(group_start, stop), **common
+                next(index),
+                number,
+                source.url,
+                "arrow",
+                batches=(group_start, stop),
+                first_line=row,
+                input_bytes=input_bytes,
             )
         row += rows
         group_start = stop
 
 
 def read_batches(
-    task: Task, columns: Sequence[str], storage_options: dict | None = None
+    task: Task, columns: Sequence[str], storage_options: dict[str, Any] | None = None
 ) -> Iterator[tuple[int, pa.RecordBatch | ColumnarError]]:
     """(first row, batch of `columns`) for a task's rows, at most READ_ROWS rows a batch. A part
     that fails to decode comes as a ColumnarError in its batch's place, naming the row group or
@@ -282,4 +289,5 @@ def column_values(batch: pa.RecordBatch, path: str) -> list[Any]:
     array: Any = batch.column(batch.schema.get_field_index(top))
     if rest:
         array = pc.struct_field(array, rest)
-    return array.to_pylist()
+    values: list[Any] = array.to_pylist()
+    return values

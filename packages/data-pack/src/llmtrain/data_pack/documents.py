@@ -101,7 +101,7 @@ def _id_of(record: Any, id_field: str) -> str:
 def read_documents(
     task: Task,
     selection: Selection,
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     *,
     limit_rows: int | None = None,
 ) -> Documents:
@@ -141,11 +141,12 @@ def _jsonl(docs: Documents, task: Task, lines: list[bytes], selection: Selection
                     continue
             except RecordMismatch as exc:
                 why = str(exc.args[0])
-        text = None
+        text = ""
         if why is None:
-            text, why = text_of(record, get, line)
-        if why is None:
-            why = selection.size_problem(text)
+            found, why = text_of(record, get, line)
+            if found is not None:  # else why says what is wrong
+                text = found
+                why = selection.size_problem(text)
         if why is not None:
             docs.fail(number, task.source, why)
             if selection.stop_on_bad:
@@ -173,10 +174,13 @@ def _text_lines(docs: Documents, task: Task, lines: list[bytes], selection: Sele
         docs.add(text, number, task.source, "")
 
 
-def _text_files(task: Task, selection: Selection, storage_options: dict | None) -> Documents:
+def _text_files(
+    task: Task, selection: Selection, storage_options: dict[str, Any] | None
+) -> Documents:
     """Whole files, each one document. A file that is not UTF-8 stops the pack, naming it, or
     without `stop_on_bad` is bad (number 0, its own source in `bad_sources`)."""
     docs = Documents()
+    why: str | None
     for source, url in task.members:
         try:
             data = read_text_file(url, storage_options)
@@ -207,7 +211,7 @@ def _text_files(task: Task, selection: Selection, storage_options: dict | None) 
 
 
 def _columnar(
-    task: Task, selection: Selection, storage_options: dict | None, limit_rows: int | None
+    task: Task, selection: Selection, storage_options: dict[str, Any] | None, limit_rows: int | None
 ) -> Documents:
     from llmtrain.data_pack.columnar import (
         ColumnarError,
@@ -243,7 +247,7 @@ def _columnar(
         docs.n_lines += len(texts)
         for i, text in enumerate(texts):
             number = row + i - first
-            if records is not None:
+            if where is not None and records is not None:
                 try:
                     if not where.keep(records[i]):
                         docs.drop(task.source)
@@ -303,7 +307,7 @@ def _records(batch: Any, where: Where) -> list[dict[str, Any]]:
 def text_batches(
     sources: Sequence[Source],
     field: str,
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     split_bytes: int = 16 << 20,
 ) -> Iterator[tuple[list[str], int]]:
     """Every non-empty document of the inputs in order, a task's at a time with the input bytes

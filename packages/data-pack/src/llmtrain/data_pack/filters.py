@@ -133,7 +133,7 @@ class Where:
             tuple(fields for _, fields in compiled),
         )
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[Sequence[str]], Where], tuple[tuple[str, ...]]]:
         return (Where.parse, (self.expressions,))
 
     @property
@@ -358,6 +358,7 @@ class _Compiler:
             return constant(OPERATORS[type(op)](left.value, right.value))
         if isinstance(left, _Literal):
             left, right, op = right, left, MIRRORED[type(op)]()
+        assert isinstance(left, _Field)  # two literals were compared above
         if isinstance(right, _Literal):
             if right.value is None:  # the one comparison with null that is not unknown
                 return is_null(left.get) if isinstance(op, ast.Eq) else is_valid(left.get)
@@ -421,7 +422,8 @@ class _Compiler:
                 raise self.refuse(left_node, f"compares {ARTICLES[left.kind]} with {kind}s", "")
             found = on_null if left.value is None else left.value in values
             return constant(found if not negate or found is None else not found)
-        get, path, exact = left.get, left.path, EXACT_TYPES.get(kind, ())
+        get, path = left.get, left.path
+        exact = EXACT_TYPES.get(kind, ()) if kind is not None else ()
 
         def test(record: Record) -> bool | None:
             value = get(record)
@@ -465,7 +467,8 @@ class _Compiler:
             isinstance(node, ast.UnaryOp)
             and isinstance(node.op, (ast.USub, ast.UAdd))
             and isinstance(node.operand, ast.Constant)
-            and type(node.operand.value) in (int, float)
+            and isinstance(node.operand.value, (int, float))
+            and type(node.operand.value) in (int, float)  # not a bool
         ):
             value = node.operand.value
             return _Literal(-value if isinstance(node.op, ast.USub) else value)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.process import BaseProcess
 from typing import Any, Literal
 
 import attrs
@@ -109,7 +110,7 @@ class _Workers:
     they import the readers and the tokenizer stack while this process builds and checks the
     tokenizer they are then given. With one worker, tasks run in this process."""
 
-    def __init__(self, workers: int, storage_options: dict):
+    def __init__(self, workers: int, storage_options: dict[str, Any]):
         self.pool: ProcessPoolExecutor | None = None
         self.count = max(1, workers)
         self.runs = 0
@@ -128,15 +129,15 @@ class _Workers:
 
     def run(
         self, tasks: Iterable[Task], settings: PackSettings, tokenizer: Any
-    ) -> Iterator[TaskResult]:
+    ) -> Generator[TaskResult, None, None]:
         """Results in task order. `tokenizer`: pickled bytes, or its spec (see `_portable`)."""
+        task: Task | None = None  # the one under way, named when a worker dies
         if self.pool is None:
             for task in tasks:
                 yield tokenize_task(task, settings, tokenizer)
             return
         tokenizer = self._by_file(tokenizer)
-        pending: collections.deque = collections.deque()
-        task = None
+        pending: collections.deque[tuple[Task, Future[TaskResult]]] = collections.deque()
         try:
             for task in tasks:
                 pending.append((task, self.pool.submit(tokenize_task, task, settings, tokenizer)))
@@ -155,7 +156,7 @@ class _Workers:
             for _, future in pending:
                 future.cancel()
 
-    def _result(self, future: Future) -> TaskResult:
+    def _result(self, future: Future[TaskResult]) -> TaskResult:
         """The future's result, or BrokenProcessPool as soon as a worker has died. The pool
         itself may never notice: a worker killed while sending its result leaves the pool's
         reader thread waiting for the rest of that message."""
@@ -166,10 +167,10 @@ class _Workers:
                 if any(process.exitcode is not None for process in self._processes()):
                     raise BrokenProcessPool("a worker process died") from None
 
-    def _processes(self) -> list:
+    def _processes(self) -> list[BaseProcess]:
         return list((getattr(self.pool, "_processes", None) or {}).values())
 
-    def _by_file(self, tokenizer: bytes | dict) -> str | dict:
+    def _by_file(self, tokenizer: bytes | dict[str, Any]) -> str | dict[str, Any]:
         """A pickled tokenizer as a file the workers read: a task's arguments are pickled for
         every task, a path costs nothing."""
         if isinstance(tokenizer, dict):
@@ -234,7 +235,7 @@ class _Encoder:
 
     name: str  # fast or reference
     for_workers: Any
-    check: Future | None = None
+    check: Future[tuple[int | None, int]] | None = None
 
     def settle(self) -> None:
         """Wait for the check; raise _FastDiffers if the fast encoder failed it. Called before
@@ -254,10 +255,10 @@ class _FastDiffers(Exception):
 
 def _choose_encoder(
     tokenizer: Any,
-    raw: dict,
+    raw: dict[str, Any],
     sources: Sequence[Source],
     settings: PackSettings,
-    storage_options: dict,
+    storage_options: dict[str, Any],
 ) -> _Encoder:
     """Use the fast BPE path only if it gives the reference ids on a sample of every input. The
     workers start with it at once while a thread here checks it on the sample: the check costs no
@@ -295,12 +296,12 @@ def _settled_first(
         results.close()
 
 
-def _reference_encoder(tokenizer: Any, raw: dict) -> _Encoder:
+def _reference_encoder(tokenizer: Any, raw: dict[str, Any]) -> _Encoder:
     return _Encoder("reference", _portable(tokenizer.with_fast(False), {**raw, "fast": "off"}))
 
 
 def _sample_texts(
-    sources: Sequence[Source], settings: PackSettings, storage_options: dict
+    sources: Sequence[Source], settings: PackSettings, storage_options: dict[str, Any]
 ) -> list[str]:
     """Documents from the start of each input (up to 16 files, FAST_SAMPLE_BYTES in all; a longer
     document's start); bad records are left out here (the pack itself reports them)."""
@@ -495,7 +496,7 @@ def pack(
     return summary
 
 
-def _portable(tokenizer: Any, raw: dict) -> bytes | dict:
+def _portable(tokenizer: Any, raw: dict[str, Any]) -> bytes | dict[str, Any]:
     """What the workers get: the tokenizer pickled (built and checked once, here), or its spec
     if it does not pickle (each worker builds it through the plugins). Pickled bytes rather than
     the object: a process start blocks until the new process has read its arguments, so an object
@@ -552,7 +553,7 @@ def _write(
     settings: PackSettings,
     pool: _Workers,
     encoder: _Encoder,
-    storage_options: dict,
+    storage_options: dict[str, Any],
     writer: DatasetWriter,
     split_bytes: int,
     meter: Progress,
@@ -564,7 +565,7 @@ def _write(
     empty = blank = too_long = 0
     chat = settings.chat
     skip = settings.on_bad_line == "skip"
-    sink = writer if chat is None else BlockPacker(writer, chat.seq_len, settings.eod_id)
+    packer = None if chat is None else BlockPacker(writer, chat.seq_len, settings.eod_id)
     bad_lines: list[dict[str, Any]] = []
     per_file = [{"kept": 0, "dropped": 0, "bad": 0} for _ in sources]
     bad_files: list[tuple[int, str]] = []
@@ -582,7 +583,7 @@ def _write(
             )
             raise PackError(f"{where}: {why}{hint}")
         if len(bad_lines) < MAX_RECORDED_BAD_LINES:
-            entry = {"file": source_.url, "reason": why}
+            entry: dict[str, str | int] = {"file": source_.url, "reason": why}
             if number is not None and source_.unit != "file":
                 entry[source_.unit] = number
             bad_lines.append(entry)
@@ -606,7 +607,9 @@ def _write(
             bad(source, first + relative, why)
             per_file[source]["bad"] += 1
         per_file[task.source]["bad"] += result.lost_rows
-        if chat is None:
+        if packer is None:
+            if result.doc_sources is None or result.doc_numbers is None or result.doc_ids is None:
+                raise ValueError(f"task {result.index}: a text result without its origins")
             origins = Origins(result.doc_sources, first + result.doc_numbers, result.doc_ids)
             writer.add(result.tokens, result.doc_lengths, origins=origins)
             for source, n in zip(*np.unique(result.doc_sources, return_counts=True), strict=True):
@@ -614,7 +617,9 @@ def _write(
             for source, n in result.dropped.items():
                 per_file[source]["dropped"] += n
         else:
-            sink.add(result.tokens, result.doc_lengths, result.mask)
+            if result.mask is None:
+                raise ValueError(f"task {result.index}: a chat result without its loss mask")
+            packer.add(result.tokens, result.doc_lengths, result.mask)
         too_long += result.too_long
         empty += result.empty_documents
         blank += result.blank_lines
@@ -623,8 +628,8 @@ def _write(
     for source, why in bad_files:  # unreadable files after the last task
         per_file[source]["bad"] += 1
         bad(source, None, why)
-    if chat is not None:
-        sink.close()
+    if packer is not None:
+        packer.close()
     writer.close()
     counts = {
         "documents": writer.n_documents,
@@ -633,10 +638,10 @@ def _write(
         "blank_lines": blank,
         "bad_lines": sum(f["bad"] for f in per_file),
     }
-    if chat is not None:
+    if packer is not None:
         counts.update(
             counted_tokens=writer.counted,
-            padding_tokens=sink.padding,
+            padding_tokens=packer.padding,
             too_long=too_long,
         )
     else:

@@ -93,7 +93,7 @@ def _exit_with_the_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def init_worker(storage_options: dict) -> None:
+def init_worker(storage_options: dict[str, Any]) -> None:
     """Set a worker up before its first task: it imports the tokenizer module meanwhile, while the
     pack's process is still building the tokenizer it will be given."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core; no thread pools inside
@@ -107,7 +107,7 @@ def warm_up() -> None:
     """A task that does nothing: submitting one per worker starts them all at once."""
 
 
-def _tokenizer(given: bytes | str | dict) -> Any:
+def _tokenizer(given: bytes | str | dict[str, Any]) -> Any:
     """The tokenizer a task names, loaded once per worker: the parent's tokenizer pickled
     (nothing to rebuild or check again), in bytes or in a file of them, or its spec when it does
     not pickle (built here through the plugins)."""
@@ -126,10 +126,12 @@ def _tokenizer(given: bytes | str | dict) -> Any:
     return tokenizer
 
 
-def tokenize_task(task: Task, settings: PackSettings, tokenizer: bytes | str | dict) -> TaskResult:
+def tokenize_task(
+    task: Task, settings: PackSettings, tokenizer: bytes | str | dict[str, Any]
+) -> TaskResult:
     """Read a task's documents and tokenize them (each ended by eod). `tokenizer`: see
     `_tokenizer`."""
-    tokenizer = _tokenizer(tokenizer)
+    tok = _tokenizer(tokenizer)
     if settings.chat is not None:
         data = read_range(task, _worker["storage_options"])
         size = len(data)
@@ -137,15 +139,15 @@ def tokenize_task(task: Task, settings: PackSettings, tokenizer: bytes | str | d
         del data  # the lines hold the bytes now (a long line is then held once)
         if lines and not lines[-1]:
             lines.pop()
-        return _chat_task(task, settings, tokenizer, lines, size)
+        return _chat_task(task, settings, tok, lines, size)
     docs = read_documents(task, settings.selection, _worker["storage_options"])
     texts = [] if docs.bad and settings.on_bad_line == "error" else docs.texts
     dtype = np.dtype(settings.dtype)
     pieces, lengths = [], []
     for begin in range(0, len(texts), settings.batch_docs):
         batch = texts[begin : begin + settings.batch_docs]
-        encode = getattr(tokenizer, "encode_batch_arrays", None) or tokenizer.encode_batch
-        tokens, doc_lengths = _with_eod(encode(batch), tokenizer.eod_id, dtype, settings.vocab_size)
+        encode = getattr(tok, "encode_batch_arrays", None) or tok.encode_batch
+        tokens, doc_lengths = _with_eod(encode(batch), tok.eod_id, dtype, settings.vocab_size)
         pieces.append(tokens)
         lengths.append(doc_lengths)
     kept = len(texts)
@@ -173,6 +175,8 @@ def _chat_task(
 ) -> TaskResult:
     """Conversations to tokens and loss masks, each fitted to the sequence length."""
     chat = settings.chat
+    if chat is None:
+        raise ValueError("a chat task needs chat settings")
     template = ChatTemplate.from_meta(chat.template)
     encoders = _worker["chat_encoders"]  # of this tokenizer
     if template.source not in encoders:

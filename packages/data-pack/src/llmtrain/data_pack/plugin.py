@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING, Any
 
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.data_pack.progress import LOG_EVERY_SECONDS, ProgressSettings
 from llmtrain.data_pack.tokenizer import (
     BytesOptions,
@@ -22,9 +23,12 @@ from llmtrain.data_pack.tokenizer import (
     TiktokenTokenizer,
 )
 
+if TYPE_CHECKING:
+    from llmtrain.data_pack.chat import ChatSettings
+
 
 @hookimpl
-def llmtrain_tokenizers(register):
+def llmtrain_tokenizers(register: Register) -> None:
     register(
         "bytes",
         BytesTokenizer,
@@ -45,8 +49,8 @@ def llmtrain_tokenizers(register):
     )
 
 
-def _storage_options(items: list[str]) -> dict:
-    options = {}
+def _storage_options(items: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -361,7 +365,7 @@ def _progress(args: argparse.Namespace) -> ProgressSettings:
     return ProgressSettings.for_stderr(not args.no_progress, args.progress_every)
 
 
-def _tokenizer_raw(args: argparse.Namespace, ctx: Context) -> dict:
+def _tokenizer_raw(args: argparse.Namespace, ctx: Context) -> dict[str, Any]:
     from llmtrain.data_pack.tokenizer import choice_to_raw, tokenizer_choice
 
     choice = tokenizer_choice(args.tokenizer, ctx.plugins, args.tokenizer_option)
@@ -372,7 +376,7 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
-def _chat_settings(args: argparse.Namespace):
+def _chat_settings(args: argparse.Namespace) -> ChatSettings:
     from llmtrain.data_pack.chat import ChatSettings, ChatTemplate
 
     template = ChatTemplate.load(args.template, stop=args.stop, name=args.template_name)
@@ -388,7 +392,7 @@ def _chat_settings(args: argparse.Namespace):
     )
 
 
-def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
+def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict[str, Any]) -> int:
     from llmtrain.data_pack.pack import pack
 
     chat = _chat_settings(args) if args.action == "pack-chat" else None
@@ -442,7 +446,7 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict) -> int:
     return 0
 
 
-def _train(args: argparse.Namespace, storage_options: dict) -> int:
+def _train(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
     from llmtrain.data_pack.train_tokenizer import train_tokenizer
 
     vocab = train_tokenizer(
@@ -462,7 +466,7 @@ def _train(args: argparse.Namespace, storage_options: dict) -> int:
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "data",
         Command(

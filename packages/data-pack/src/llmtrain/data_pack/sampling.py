@@ -23,9 +23,9 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from fractions import Fraction
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import attrs
 import numpy as np
@@ -40,11 +40,16 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(np.random.SeedSequence([int(k) for k in key])))
 
 
-class _Lru:
-    def __init__(self, size: int):
-        self.size, self.items = size, collections.OrderedDict()
+_K = TypeVar("_K", bound=Hashable)
+_V = TypeVar("_V")
 
-    def get(self, key, make):
+
+class _Lru(Generic[_K, _V]):
+    def __init__(self, size: int):
+        self.size = size
+        self.items: collections.OrderedDict[_K, _V] = collections.OrderedDict()
+
+    def get(self, key: _K, make: Callable[[], _V]) -> _V:
         if key in self.items:
             self.items.move_to_end(key)
             return self.items[key]
@@ -75,14 +80,15 @@ class EpochOrder:
         self.pool = max(1, pool_blocks)
         self.seed, self.source, self.shuffle = seed, source, shuffle
         self.n_blocks = -(-n_windows // self.block)
-        self._epochs = _Lru(2)
-        self._pools = _Lru(4)
+        self._epochs: _Lru[int, tuple[np.ndarray, np.ndarray]] = _Lru(2)
+        self._pools: _Lru[tuple[int, int], np.ndarray] = _Lru(4)
 
     def _block_size(self, blocks: np.ndarray) -> np.ndarray:
-        return np.minimum((blocks + 1) * self.block, self.n) - blocks * self.block
+        sizes: np.ndarray = np.minimum((blocks + 1) * self.block, self.n) - blocks * self.block
+        return sizes
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        def make():
+        def make() -> tuple[np.ndarray, np.ndarray]:
             blocks = _rng(self.seed, self.source, epoch, _SALT_BLOCKS).permutation(self.n_blocks)
             sizes = self._block_size(blocks)
             pool_sizes = np.add.reduceat(sizes, np.arange(0, self.n_blocks, self.pool))
@@ -91,7 +97,7 @@ class EpochOrder:
         return self._epochs.get(epoch, make)
 
     def _pool(self, epoch: int, pool: int) -> np.ndarray:
-        def make():
+        def make() -> np.ndarray:
             blocks, _ = self._epoch(epoch)
             chosen = blocks[pool * self.pool : (pool + 1) * self.pool]
             windows = np.concatenate(
@@ -146,7 +152,7 @@ class Mixture:
             cumulative.append(cumulative[-1] + w)
         self._cumulative = cumulative
         self.seed, self.block = seed, block
-        self._blocks = _Lru(4)
+        self._blocks: _Lru[int, tuple[np.ndarray, np.ndarray]] = _Lru(4)
 
     def counts(self, n: int) -> list[int]:
         """How many of the first n global samples each source gets: exact when n is a multiple
@@ -155,7 +161,7 @@ class Mixture:
         return [b - a for a, b in itertools.pairwise(floors)]
 
     def _block(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        def make():
+        def make() -> tuple[np.ndarray, np.ndarray]:
             before = self.counts(k * self.block)
             inside = [b - a for a, b in zip(before, self.counts((k + 1) * self.block), strict=True)]
             labels = np.repeat(np.arange(len(inside)), inside)
@@ -217,7 +223,7 @@ class Sampler:
             for i, s in enumerate(sources)
         ]
         if len(sources) > 1:
-            self.mixture = Mixture(weights or [1.0] * len(sources), seed=seed)
+            self.mixture: Mixture | None = Mixture(weights or [1.0] * len(sources), seed=seed)
         else:
             self.mixture = None
 

@@ -19,7 +19,7 @@ import itertools
 import json
 import posixpath
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -134,7 +134,7 @@ def _known_input(path: str) -> bool:
 
 def expand_inputs(
     patterns: Sequence[str],
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     input_format: str = "auto",
     *,
     text_per_line: bool = False,
@@ -160,10 +160,12 @@ def expand_inputs(
     return sources
 
 
-def _expand(pattern: str, storage_options: dict | None, input_format: str) -> list[Source]:
+def _expand(
+    pattern: str, storage_options: dict[str, Any] | None, input_format: str
+) -> list[Source]:
     """The input files one pattern names."""
     fs, path = url_to_fs(pattern, **(storage_options or {}))
-    infos: dict[str, dict] = {}
+    infos: dict[str, dict[str, Any]] = {}
     matches = [path]
     if fs.glob and any(c in path for c in "*?["):
         # one listing gives every match's type and size (no request per match on S3)
@@ -188,7 +190,7 @@ def _expand(pattern: str, storage_options: dict | None, input_format: str) -> li
     return found
 
 
-def _source(url: str, info: dict, input_format: str) -> Source:
+def _source(url: str, info: dict[str, Any], input_format: str) -> Source:
     kind = format_of(url, input_format)
     compression = compression_of(url) if kind in ("jsonl", "text") else None
     return Source(url, int(info.get("size") or 0), compression, kind)
@@ -268,7 +270,7 @@ def _arrow_dataset(fs: Any, path: str, url: str) -> list[Source]:
 def plan_tasks(
     sources: Sequence[Source],
     chunk_bytes: int,
-    storage_options: dict | None = None,
+    storage_options: dict[str, Any] | None = None,
     *,
     skip_bad: bool = False,
     bad_files: list[tuple[int, str]] | None = None,
@@ -308,7 +310,7 @@ def _line_tasks(
     number: int,
     chunk_bytes: int,
     index: Iterator[int],
-    storage_options: dict | None,
+    storage_options: dict[str, Any] | None,
 ) -> Iterator[Task]:
     """Byte ranges of a plain line file; batches of whole lines of a compressed one."""
     kind = source.format
@@ -386,7 +388,7 @@ def _text_task(index: int, files: list[tuple[int, Source]]) -> Task:
     )
 
 
-def read_text_file(url: str, storage_options: dict | None = None) -> bytes:
+def read_text_file(url: str, storage_options: dict[str, Any] | None = None) -> bytes:
     """A whole text file, decompressed (.gz, .zst); an UnreadableInput if that fails."""
     with (
         storage_errors(url, error=InputError),
@@ -394,14 +396,15 @@ def read_text_file(url: str, storage_options: dict | None = None) -> bytes:
     ):
         compression = compression_of(url)
         if compression is None:
-            return f.read()
+            data: bytes = f.read()
+            return data
         try:
             return Decompressed(f, compression).read_all()
         except DamagedStream as exc:
             raise _damaged(url, exc, None) from None
 
 
-def read_range(task: Task, storage_options: dict | None = None) -> bytes:
+def read_range(task: Task, storage_options: dict[str, Any] | None = None) -> bytes:
     """The whole lines a byte-range task owns: those whose first byte is in [start, end). Where
     they begin and where the last one ends are found first, and the lines read with one call: a
     line of any length is held once, not as the range, its tail and their concatenation."""
@@ -421,7 +424,8 @@ def read_range(task: Task, storage_options: dict | None = None) -> bytes:
             begin = newline + 1
         end = _newline_at(f, task.end - 1)
         f.seek(begin)
-        return f.read() if end is None else f.read(end + 1 - begin)
+        lines: bytes = f.read() if end is None else f.read(end + 1 - begin)
+        return lines
 
 
 _SCAN_BYTES = 1 << 16
@@ -435,14 +439,14 @@ def _newline_at(f: Any, position: int, stop: int | None = None) -> int | None:
         block = f.read(_SCAN_BYTES if stop is None else min(_SCAN_BYTES, stop - position))
         if not block:
             return None
-        found = block.find(b"\n")
+        found: int = block.find(b"\n")
         if found >= 0:
             return position + found
         position += len(block)
     return None
 
 
-def field_getter(field: str):
+def field_getter(field: str) -> Callable[[Any], Any]:
     """A function reading the dotted path `field` ("text", "meta.body") from a parsed record."""
     parts = field.split(".")
 
@@ -497,7 +501,7 @@ def _maybe_big_integer(record: Any) -> bool:
     return False
 
 
-def text_of(record: Any, get, line: bytes) -> tuple[str | None, str | None]:
+def text_of(record: Any, get: Callable[[Any], Any], line: bytes) -> tuple[str | None, str | None]:
     """(text, None) from a parsed JSONL record, or (None, reason)."""
     try:
         text = get(record)
@@ -511,7 +515,7 @@ def text_of(record: Any, get, line: bytes) -> tuple[str | None, str | None]:
     return text, None
 
 
-def parse_line(line: bytes, get) -> tuple[str | None, str | None]:
+def parse_line(line: bytes, get: Callable[[Any], Any]) -> tuple[str | None, str | None]:
     """(text, None) for a good line, (None, reason) for a bad one."""
     record, why = parse_record(line)
     if why is not None:

@@ -25,8 +25,8 @@ import os
 import re
 import sys
 import unicodedata
-from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import attrs
 import fsspec
@@ -63,7 +63,8 @@ def read_bytes(url: str) -> bytes:
     """A whole file from a local path or fsspec URL, with a clear error if it is not there."""
     try:
         with storage_errors(url, error=TokenizerError), fsspec.open(url, "rb") as f:
-            return f.read()
+            data: bytes = f.read()
+            return data
     except FileNotFoundError:
         raise TokenizerError(f"{url}: no such tokenizer file") from None
     except IsADirectoryError:
@@ -119,6 +120,9 @@ def text_pieces(text: str, size: int) -> Iterator[str]:
     yield text[start:]
 
 
+_Ids = TypeVar("_Ids")  # one text's ids: a list of ints or an array
+
+
 def _join_lists(parts: list[list[int]]) -> list[int]:
     return list(itertools.chain.from_iterable(parts))
 
@@ -127,7 +131,11 @@ def _join_arrays(parts: list[np.ndarray]) -> np.ndarray:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
-def encode_in_pieces(texts: Sequence[str], encode, join) -> list:
+def encode_in_pieces(
+    texts: Sequence[str],
+    encode: Callable[[Sequence[str]], list[_Ids]],
+    join: Callable[[list[_Ids]], _Ids],
+) -> list[_Ids]:
     """`encode(texts)` (a list of texts to a list of ids), except that each text longer than
     PIECE_CHARS is encoded a piece at a time (`text_pieces`) and its pieces' ids joined by
     `join`. Only for encoders whose pieces give the whole's ids (see `pieces_match`)."""
@@ -140,7 +148,9 @@ def encode_in_pieces(texts: Sequence[str], encode, join) -> list:
     return ids
 
 
-def pieces_match(encode, text: str = _PROBE) -> bool:
+def pieces_match(
+    encode: Callable[[list[str]], Sequence[Iterable[Any]]], text: str = _PROBE
+) -> bool:
     """Whether `text` cut at every place `text_pieces` may cut it encodes to the ids of the whole
     (`encode`: a list of texts to a list of ids)."""
     bounds = [0, *cut_places(text), len(text)]
@@ -149,7 +159,7 @@ def pieces_match(encode, text: str = _PROBE) -> bool:
     return whole == [int(i) for ids in encode(pieces) for i in ids]
 
 
-def _added_tokens_allow_cuts(added: Sequence[dict], parse_special: bool) -> bool:
+def _added_tokens_allow_cuts(added: Sequence[dict[str, Any]], parse_special: bool) -> bool:
     """Whether no added token that the encoder finds in text could span a cut (its text holds
     whitespace) or take the whitespace beside one (lstrip, rstrip). Special tokens are found only
     with `parse_special`; the others always."""
@@ -263,7 +273,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(keep, map(chr, chars), strict=True))
 
 
-def _pattern_of(pre: dict | None) -> str | None:
+def _pattern_of(pre: dict[str, Any] | None) -> str | None:
     """The regex a byte-level pre-tokenizer splits with, or None if tiktoken cannot mirror it."""
     if pre is None:
         return None
@@ -286,11 +296,12 @@ def _pattern_of(pre: dict | None) -> str | None:
                 and not byte_level.get("add_prefix_space")
                 and not byte_level.get("use_regex", True)
             ):
-                return split["pattern"]["Regex"]
+                regex = split["pattern"]["Regex"]
+                return regex if isinstance(regex, str) else None
     return None
 
 
-def tiktoken_equivalent(spec: dict, tokenizer: Any = None) -> tuple[Any | None, str]:
+def tiktoken_equivalent(spec: dict[str, Any], tokenizer: Any = None) -> tuple[Any | None, str]:
     """A tiktoken Encoding with the same ids as this tokenizer.json, or (None, why not).
 
     tiktoken merges any adjacent pair whose concatenation is a token; HF merges only listed
@@ -363,7 +374,7 @@ _TOKENIZER_CONFIG_KEYS = {
 _JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number"}
 
 
-def tokenizer_json(raw: bytes, path: str) -> dict:
+def tokenizer_json(raw: bytes, path: str) -> dict[str, Any]:
     """The parsed tokenizer.json, or a TokenizerError that says what the file is instead: the
     tokenizers library reads any other JSON as a broken tokenizer ("expected `,` or `}` at line
     1 column 9" for `{"a": 1}`)."""
@@ -446,7 +457,10 @@ class HFTokenizer:
             ) from None
         self._tok.encode_special_tokens = not options.parse_special
         self._eod_token = self._find_eod(options.eod_token)
-        self._eod = self._tok.token_to_id(self._eod_token)
+        eod = self._tok.token_to_id(self._eod_token)
+        if eod is None:  # _find_eod returns only a token the tokenizer has
+            raise TokenizerError(f"{options.path}: no token {self._eod_token!r} (eod_token)")
+        self._eod = eod
         # `auto` builds the fast encoder but uses it only after `verify_fast` (which `pack` runs
         # on a sample of the corpus); `on` uses it at once
         self._fast = None
@@ -562,7 +576,12 @@ class HFTokenizer:
     def _hf_whole_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, np.uint32) for ids in self._hf_whole(texts)]
 
-    def _by_pieces(self, texts: Sequence[str], encode, join) -> list:
+    def _by_pieces(
+        self,
+        texts: Sequence[str],
+        encode: Callable[[Sequence[str]], list[_Ids]],
+        join: Callable[[list[_Ids]], _Ids],
+    ) -> list[_Ids]:
         """`encode(texts)`, with long texts encoded in pieces when that gives the same ids."""
         if all(len(text) <= PIECE_CHARS for text in texts) or not self.pieces_safe:
             return encode(texts)
@@ -672,11 +691,12 @@ def _published(name: str, ranks: dict[bytes, int]) -> dict[str, Any]:
         known = ", ".join(n for n in constructors if n != "gpt2")
         raise TokenizerError(f"unknown tiktoken encoding {name!r}; known: {known}")
     with _swapped(published, "load_tiktoken_bpe", lambda *a, **k: ranks):
-        return constructors[name]()
+        parameters: dict[str, Any] = constructors[name]()
+        return parameters
 
 
 @contextlib.contextmanager
-def _swapped(module: Any, attribute: str, value: Any):
+def _swapped(module: Any, attribute: str, value: Any) -> Iterator[None]:
     old = getattr(module, attribute)
     setattr(module, attribute, value)
     try:
@@ -712,7 +732,8 @@ class TiktokenTokenizer:
                     + ("a token of the ranks file has" if rank in taken else "is no token id")
                     + "; give special_tokens ids above the ranks"
                 )
-        self._pattern, self._specials = pattern, dict(specials)
+        self._pattern = pattern
+        self._specials: dict[str, int] = dict(specials)
         self._ranks_hash = _hash(data)
         try:
             self._enc = tiktoken.Encoding(
@@ -727,7 +748,8 @@ class TiktokenTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._enc.n_vocab
+        n_vocab: int = self._enc.n_vocab
+        return n_vocab
 
     @property
     def eod_id(self) -> int:
@@ -771,7 +793,8 @@ class TiktokenTokenizer:
         if token in self._specials:
             return self._specials[token]
         try:
-            return self._enc.encode_single_token(token)
+            found: int = self._enc.encode_single_token(token)
+            return found
         except KeyError:
             return None
 
@@ -786,7 +809,7 @@ class TiktokenTokenizer:
 
 
 @functools.cache
-def _tokenizer_choice_type() -> type:
+def _tokenizer_choice_type() -> type[Choice]:
     from llmtrain.core_mesh.config import Choice
 
     return Choice.of("tokenizer")
@@ -826,10 +849,13 @@ def choice_to_raw(choice: Choice, plugins: PluginManager) -> dict[str, Any]:
     """Plain data for a tokenizer choice (stored in dataset metadata, sent to worker processes)."""
     from llmtrain.core_mesh.config import make_converter, unstructure
 
-    return unstructure(choice, converter=make_converter(plugins))
+    raw: dict[str, Any] = unstructure(choice, converter=make_converter(plugins))  # attrs: a dict
+    return raw
 
 
-def tokenizer_from_raw(raw: dict[str, Any], plugins: PluginManager | None = None):
+def tokenizer_from_raw(raw: dict[str, Any], plugins: PluginManager | None = None) -> Any:
+    """The tokenizer a plugin builds (Any: plugins' tokenizers have more than the core
+    `Tokenizer` protocol, e.g. `token_id`, `with_fast`)."""
     from llmtrain.core_mesh.config import structure
     from llmtrain.core_mesh.plugins import PluginManager
 

@@ -73,7 +73,7 @@ def train_tokenizer(
     return reached
 
 
-def _check_output(output: str, overwrite: bool, storage_options: dict) -> None:
+def _check_output(output: str, overwrite: bool, storage_options: dict[str, Any]) -> None:
     """An existing output is replaced only with --overwrite, and only if it is a tokenizer file
     (a tokenizer.json): a directory, or any other file (a corpus, a config), is someone's data
     and is refused before anything is written."""
@@ -107,7 +107,7 @@ def _check_output(output: str, overwrite: bool, storage_options: dict) -> None:
         ) from None
 
 
-def _write(output: str, text: str, storage_options: dict) -> None:
+def _write(output: str, text: str, storage_options: dict[str, Any]) -> None:
     """Write the tokenizer whole or not at all: on a local disk through a temporary file renamed
     into place (an interrupted write would leave a tokenizer.json cut short, which a later
     --overwrite would not recognise as one); an object store makes an object whole on close."""
@@ -136,7 +136,7 @@ def _same_file(a: str, b: str) -> bool:
 class _Corpus:
     """The documents of the inputs, counted as the trainer reads them."""
 
-    def __init__(self, sources: Sequence[Source], field: str, storage_options: dict):
+    def __init__(self, sources: Sequence[Source], field: str, storage_options: dict[str, Any]):
         self.sources, self.field, self.storage_options = sources, field, storage_options
         self.documents = self.bytes = 0
 
