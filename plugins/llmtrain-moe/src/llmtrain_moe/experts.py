@@ -15,22 +15,42 @@ sequence shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+# linear(x, w): x times w's matrices transposed; what `_mlp` applies
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (w1, w3 or None without a gate, w2) as plain tensors
+Weights = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+
+_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None
+)
 
 try:
     from torch.distributed.tensor import DTensor
+
+    _DTENSOR: type[DTensor] | None = DTensor
 except ImportError:  # a torch build without distributed support
-    DTensor = None
+    _DTENSOR = None
+
+
+def _expert_linear(e: int) -> Linear:
+    """linear(x, w) with expert `e`'s matrix of the stacked weight w."""
+
+    def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(a, w[e])
+
+    return linear
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """A parameter as a plain tensor: tensor parallelism replicates the MoE layers' parameters
     as DTensors over tp, and every rank computes with its (identical) local copy."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    return t.to_local() if _DTENSOR is not None and isinstance(t, _DTENSOR) else t
 
 
 class Experts(nn.Module):
@@ -82,27 +102,31 @@ class Experts(nn.Module):
         """Expert 0 on every row of x (..., d): the shared expert, which every token takes."""
         return self._mlp(x, lambda a, w: F.linear(a, w[0]), self._weights())
 
-    def _weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _weights(self) -> Weights:
         return local(self.w1), local(self.w3) if self.w3 is not None else None, local(self.w2)
 
-    def _run(self, xs: torch.Tensor, expert: torch.Tensor, weights) -> torch.Tensor:
+    def _run(self, xs: torch.Tensor, expert: torch.Tensor, weights: Weights) -> torch.Tensor:
         """Each expert's MLP over its rows of xs (rows sorted by expert)."""
         if self.use_grouped(xs):
+            grouped_mm = _GROUPED_MM
+            if grouped_mm is None:  # use_grouped says False (or raises) without it
+                raise RuntimeError("torch's grouped matmul is missing")
             counts = torch.bincount(expert, minlength=self.n_experts)
             offs = counts.cumsum(0, dtype=torch.int32)
 
-            def linear(a, w):
-                return _GROUPED_MM(a, w.transpose(-2, -1), offs=offs)
+            def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return grouped_mm(a, w.transpose(-2, -1), offs=offs)
 
             return self._mlp(xs, linear, weights)
-        outs = []
-        for e, rows in enumerate(xs.split(self._sizes(expert))):
+        outs: list[torch.Tensor] = []
+        # torch.split, not Tensor.split: the same call, but the method has no annotations
+        for e, rows in enumerate(torch.split(xs, self._sizes(expert))):
             if rows.size(0):
-                outs.append(self._mlp(rows, lambda a, w, e=e: F.linear(a, w[e]), weights))
+                outs.append(self._mlp(rows, _expert_linear(e), weights))
         return torch.cat(outs) if outs else xs.new_zeros(0, self.w2.size(1))
 
     @staticmethod
-    def _mlp(x: torch.Tensor, linear, weights) -> torch.Tensor:
+    def _mlp(x: torch.Tensor, linear: Linear, weights: Weights) -> torch.Tensor:
         """GELU: w2(gelu(w1 x)). SwiGLU: w2(silu(w1 x) * w3 x), as llmtrain-models' MLP."""
         w1, w3, w2 = weights
         if w3 is None:

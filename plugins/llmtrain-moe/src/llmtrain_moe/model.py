@@ -19,10 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.models.transformer import Attention, Transformer, make_norm, splits_across_tp_ranks
+from llmtrain.models.config import TransformerConfig
+from llmtrain.models.transformer import (
+    Attention,
+    LayerCache,
+    Mask,
+    Rope,
+    Transformer,
+    make_norm,
+    splits_across_tp_ranks,
+)
 from llmtrain_moe.experts import Experts, local
 from llmtrain_moe.options import MoEOptions
 from llmtrain_moe.routing import (
+    Routing,
     add_aux_loss,
     balance_loss,
     expert_capacity,
@@ -33,8 +43,10 @@ from llmtrain_moe.routing import (
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    _DTENSOR: type[DTensor] | None = DTensor
 except ImportError:  # a torch build without distributed support
-    DTensor = None
+    _DTENSOR = None
 
 
 class RouterStats(NamedTuple):
@@ -73,7 +85,7 @@ class MoE(nn.Module):
         self.stats: RouterStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if DTensor is not None and isinstance(x, DTensor):
+        if _DTENSOR is not None and isinstance(x, _DTENSOR):
             return self._forward_sequence_shards(x)
         B, T, d = x.shape
         cfg = self.cfg
@@ -109,7 +121,7 @@ class MoE(nn.Module):
         return sum(weighted[1:], weighted[0]) if weighted else None
 
     @torch.no_grad()
-    def _record(self, routing, balance: torch.Tensor, z: torch.Tensor) -> None:
+    def _record(self, routing: Routing, balance: torch.Tensor, z: torch.Tensor) -> None:
         experts = routing.experts
         load = expert_load(experts.reshape(1, -1, experts.size(-1)), self.cfg.n_experts)[0]
         if routing.keep is None:
@@ -118,7 +130,7 @@ class MoE(nn.Module):
             dropped = (~routing.keep).sum()
         self.stats = RouterStats(load, dropped, experts.numel(), balance.detach(), z.detach())
 
-    def _forward_sequence_shards(self, x: Any) -> torch.Tensor:
+    def _forward_sequence_shards(self, x: DTensor) -> torch.Tensor:
         """Tensor parallelism with sequence parallelism hands this layer sequence shards (the
         norm before it is sharded): gather the sequences, route them whole on every rank (the
         experts are replicated over tp), return this rank's shard."""
@@ -142,29 +154,47 @@ class Block(nn.Module):
         self.moe = MoE(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, rope=None, mask=None, cache=None, start_pos=0) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: Rope | None = None,
+        mask: Mask = None,
+        cache: LayerCache | None = None,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, mask, cache, start_pos)
-        return x + self.dropout(self.moe(self.moe_norm(x)))
+        out: torch.Tensor = x + self.dropout(self.moe(self.moe_norm(x)))
+        return out
 
 
 class MoETransformer(Transformer):
     """llmtrain-models' decoder with Mixture-of-Experts blocks: embeddings, positions, masks,
     the KV cache, pipeline trimming and the description come from `Transformer`."""
 
-    def make_block(self, cfg: MoEOptions) -> Block:
+    cfg: MoEOptions  # `build_model` passes MoEOptions; `make_block` refuses anything else
+
+    def make_block(self, cfg: TransformerConfig) -> Block:
+        if not isinstance(cfg, MoEOptions):
+            raise TypeError(f"MoETransformer takes MoEOptions, not {type(cfg).__name__}")
         return Block(cfg)
 
     # --- the MoE layers ---
     def moe_layers(self) -> dict[str, MoE]:
         """Layer index -> its MoE layer (the blocks this model or pipeline stage holds)."""
-        return {name: block.moe for name, block in self.blocks.items()}
+        layers: dict[str, MoE] = {}
+        for name, block in self.blocks.items():
+            moe = block.moe  # also through a wrapper that forwards attributes
+            if not isinstance(moe, MoE):
+                raise TypeError(f"block {name} holds no MoE layer")
+            layers[name] = moe
+        return layers
 
     def router_stats(self) -> dict[str, dict[str, Any]]:
         """Per layer index, the routing of the last forward on this rank: `load` (fraction of
         the token choices each expert got; 1/n_experts each when balanced), `dropped` and
         `assignments` (token choices over capacity, and all of them), `balance_loss` (1 when
         balanced) and `z_loss`. Reading it waits for the device."""
-        out = {}
+        out: dict[str, dict[str, Any]] = {}
         for name, moe in self.moe_layers().items():
             if moe.stats is None:
                 continue

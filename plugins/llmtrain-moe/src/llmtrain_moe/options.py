@@ -16,17 +16,19 @@ from llmtrain.core_mesh.config import ConfigValueError
 from llmtrain.models.config import TransformerConfig
 
 
-def _at_least_one(instance: object, attribute: attrs.Attribute, value: int) -> None:
+def _at_least_one(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if value < 0:
         raise ValueError(f"must be 0 or more, got {value}")
 
 
-def _positive_or_none(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+def _positive_or_none(
+    instance: object, attribute: attrs.Attribute[float | None], value: float | None
+) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"must be more than 0 (or null for dropless routing), got {value}")
 

@@ -4,11 +4,17 @@ this module imports no torch (every `llmtrain` start loads it); the builders do.
 
 from __future__ import annotations
 
-from llmtrain.core_mesh.plugins import hookimpl
+from typing import TYPE_CHECKING
+
+from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain_moe.options import PRESETS, MoEOptions, RouterStatsOptions
 
+if TYPE_CHECKING:  # they import torch: only when a model or callback is built
+    from llmtrain_moe.model import MoETransformer
+    from llmtrain_moe.router_stats import RouterStatsCallback
 
-def build(options: MoEOptions):
+
+def build(options: MoEOptions) -> MoETransformer:
     from llmtrain_moe.model import build_model
 
     return build_model(options)
@@ -24,19 +30,19 @@ def _summary(name: str) -> str:
 
 
 @hookimpl
-def llmtrain_models(register):
+def llmtrain_models(register: Register) -> None:
     for name in PRESETS:
         register(name, build, options=MoEOptions, defaults=PRESETS[name], help=_summary(name))
 
 
-def build_router_stats(options: RouterStatsOptions):
+def build_router_stats(options: RouterStatsOptions) -> RouterStatsCallback:
     from llmtrain_moe.router_stats import RouterStatsCallback
 
     return RouterStatsCallback(options)
 
 
 @hookimpl
-def llmtrain_callbacks(register):
+def llmtrain_callbacks(register: Register) -> None:
     register(
         "moe_router_stats",
         build_router_stats,

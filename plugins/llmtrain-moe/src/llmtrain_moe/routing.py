@@ -12,7 +12,7 @@ one of `loss + aux` without the trainer ever seeing `aux`.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -85,12 +85,12 @@ class _AddAuxLoss(torch.autograd.Function):
     """y = x forward; backward passes y's gradient to x and a gradient of 1 to `aux`."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_like = (aux.shape, aux.dtype, aux.device)
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape, dtype, device = ctx.aux_like
         return grad, torch.ones(shape, dtype=dtype, device=device)
 
@@ -99,4 +99,5 @@ def add_aux_loss(x: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """`x`, through which backward also differentiates the scalar `aux` as if the caller's loss
     were `loss + aux`. The gradient of `aux` is 1 whatever factor the caller scales its own loss
     by: `aux` must already carry its weight."""
-    return _AddAuxLoss.apply(x, aux)
+    # torch's Function.apply is unannotated (returns Any); forward returns a tensor
+    return cast(torch.Tensor, _AddAuxLoss.apply(x, aux))  # type: ignore[no-untyped-call]
