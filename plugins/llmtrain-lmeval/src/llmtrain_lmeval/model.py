@@ -18,7 +18,8 @@ One process; `device` (default: cuda when there is one) and `dtype` choose where
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol, Self
 
 import torch
 from lm_eval.api.model import LM
@@ -27,8 +28,8 @@ from tqdm import tqdm
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import TaskItem
 from llmtrain.core_mesh.plugins import PluginManager
-from llmtrain.downstream.requests import option_requests, rolling_requests
-from llmtrain.downstream.scoring import Batching, module_runner, score
+from llmtrain.downstream.requests import Request, option_requests, rolling_requests
+from llmtrain.downstream.scoring import Batching, Score, module_runner, score
 from llmtrain.models.generate import generate
 from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
 
@@ -40,7 +41,17 @@ HARNESS_OPTIONS = ("batch_size", "max_batch_size", "device")
 FIRST_CHUNK = 16  # generated tokens before the stop strings are first looked for
 
 
-class LLMTrainLM(LM):
+class HarnessRequest(Protocol):
+    """What this model reads of lm-eval's `Instance`: its arguments (context, continuation) for
+    loglikelihood, (text,) for loglikelihood_rolling, (context, generation kwargs) for
+    generate_until."""
+
+    @property
+    def args(self) -> tuple[Any, ...]: ...
+
+
+# lm-eval ships no type information (py.typed or stubs), so its LM is Any here
+class LLMTrainLM(LM):  # type: ignore[misc]
     """An llmtrain checkpoint as an lm-eval model.
 
     `checkpoint`: a checkpoint directory (`runs/<name>/checkpoints`); `step`: default the newest
@@ -83,14 +94,18 @@ class LLMTrainLM(LM):
         self._runner = module_runner(self.model)
 
     @classmethod
-    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config=None):
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+    ) -> Self:
         """lm-eval's options (`--batch_size`, `--device`) fill what --model_args leaves out; the
         harness passes `--batch_size`'s default (1) too, so --model_args must win."""
         given = {k: v for k, v in (additional_config or {}).items() if v is not None}
         return cls(**{**given, **arg_dict})
 
     @classmethod
-    def create_from_arg_string(cls, arg_string: str, additional_config=None):
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict[str, Any] | None = None
+    ) -> Self:
         from lm_eval.utils import simple_parse_args_string
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
@@ -101,10 +116,12 @@ class LLMTrainLM(LM):
 
     # -- scoring ---------------------------------------------------------------------------
 
-    def _scores(self, rows: list) -> list:
+    def _scores(self, rows: Sequence[Request]) -> list[Score]:
         return score(rows, self._runner, Batching(rows=self.batch_size), self._device)
 
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self, requests: Sequence[HarnessRequest], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
         pairs = [tuple(request.args) for request in requests]
         items = [
             TaskItem((context,), (continuation,), delimiter="") for context, continuation in pairs
@@ -115,7 +132,9 @@ class LLMTrainLM(LM):
             self.cache_hook.add_partial("loglikelihood", args, result)
         return results
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(
+        self, requests: Sequence[HarnessRequest], disable_tqdm: bool = False
+    ) -> list[float]:
         texts = [request.args[0] for request in requests]
         items = [TaskItem(("",), (text,), delimiter="") for text in texts]
         rows = rolling_requests(items, self.tokenizer, self.max_length)
@@ -128,8 +147,10 @@ class LLMTrainLM(LM):
 
     # -- generation ------------------------------------------------------------------------
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
+    def generate_until(
+        self, requests: Sequence[HarnessRequest], disable_tqdm: bool = False
+    ) -> list[str]:
+        out: list[str] = []
         for request in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
             context, gen_kwargs = request.args
             text = self._generate(context, dict(gen_kwargs or {}))
@@ -147,11 +168,6 @@ class LLMTrainLM(LM):
         temperature = float(kwargs.get("temperature") or 0.0)
         if not kwargs.get("do_sample", temperature > 0):
             temperature = 0.0
-        sampling = {
-            "temperature": temperature,
-            "top_k": kwargs.get("top_k"),
-            "top_p": kwargs.get("top_p"),
-        }
         eod = self.tokenizer.eod_id
         ids = list(self.tokenizer.encode_batch([context])[0]) if context else [eod]
         keep = self.max_length - budget if budget < self.max_length else self.max_length - 1
@@ -171,7 +187,9 @@ class LLMTrainLM(LM):
                 eod_id=eod,
                 vocab_size=self.tokenizer.vocab_size,
                 generator=generator,
-                **sampling,
+                temperature=temperature,
+                top_k=kwargs.get("top_k"),
+                top_p=kwargs.get("top_p"),
             )[0, prompt.size(1) :].tolist()
             new += got
             if len(got) < n or (got and got[-1] == eod):

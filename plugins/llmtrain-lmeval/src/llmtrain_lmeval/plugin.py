@@ -16,7 +16,7 @@ import sys
 from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.cli_conventions import main_object, passthrough
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.plugins import hookimpl
+from llmtrain.core_mesh.plugins import Register, hookimpl
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 @hookimpl
-def llmtrain_commands(register):
+def llmtrain_commands(register: Register) -> None:
     register(
         "lm-eval",
         Command(

@@ -16,6 +16,28 @@ from __future__ import annotations
 
 import sys
 
+# typing.TYPE_CHECKING without importing typing (mypy knows the name): the imports and classes
+# below exist for the type checker only
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from importlib.abc import Loader
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
+    from typing import Protocol
+
+    class _Registry(Protocol):
+        """What `_add` uses of lm-eval's model registry (lm-eval ships no types)."""
+
+        def __contains__(self, name: str, /) -> bool: ...
+
+        def register(self, name: str, *, target: str) -> object: ...
+
+    # _RegisterAfter is a loader (create_module, exec_module) without importlib.abc at run time
+    _LoaderBase = Loader
+else:
+    _LoaderBase = object
+
 MODEL_NAME = "llmtrain"
 MODEL_PATH = "llmtrain_lmeval.model:LLMTrainLM"
 WATCHED = "lm_eval.models"  # lm-eval registers its own lazy models when this module runs
@@ -33,7 +55,7 @@ def register() -> None:
     _add(model_registry)
 
 
-def _add(model_registry) -> None:
+def _add(model_registry: _Registry) -> None:
     if MODEL_NAME not in model_registry:
         model_registry.register(MODEL_NAME, target=MODEL_PATH)
 
@@ -55,16 +77,16 @@ def _registered_after_import() -> None:
 
 # plain classes, not importlib.abc's: importing that module (and importlib.resources, typing)
 # at every interpreter start would cost more than everything else here
-class _RegisterAfter:
+class _RegisterAfter(_LoaderBase):
     """The loader of `lm_eval.models`, with `register()` run after the module's own code."""
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader: Loader) -> None:
         self._loader = loader
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         # the module keeps the real loader (resources, reloads); only this one run is wrapped
         module.__loader__ = self._loader
         if module.__spec__ is not None:
@@ -77,7 +99,9 @@ class _Watcher:
     """Finds nothing itself: asks the finders after it for `lm_eval.models` and wraps the
     loader of what they found."""
 
-    def find_spec(self, fullname, path, target=None):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname != WATCHED:
             return None
         for finder in sys.meta_path:
