@@ -122,6 +122,23 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
+# what `nox -s typecheck` holds at zero mypy --strict errors (config: pyproject.toml): every
+# package's and every plugin's source
+TYPED = sorted(
+    [*ROOT.glob("packages/*/src/llmtrain/*/py.typed"), *ROOT.glob("plugins/*/src/*/py.typed")]
+)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package's and plugin's source, with their dependencies
+    installed so that torch, attrs and the rest are read with their own types."""
+    session.install(
+        *CONSTRAINTS, *package_paths(*PACKAGES), *plugin_paths(shared=True), *group("typecheck")
+    )
+    session.run("mypy", *(str(marker.parent) for marker in TYPED))
+
+
 def ensure_chromium(session: nox.Session) -> None:
     """Debian's chromium, which test_verdict.py's browser check drives (through Playwright):
     installed with apt where the machine lacks it."""
@@ -184,10 +201,18 @@ def plugin_hf_transformers4(session: nox.Session) -> None:
 
 @nox.session(
     python=False,
-    requires=["lint", *PACKAGES, *PLUGIN_SESSIONS, "plugin-hf-transformers4", "integration"],
+    requires=[
+        "lint",
+        "typecheck",
+        *PACKAGES,
+        *PLUGIN_SESSIONS,
+        "plugin-hf-transformers4",
+        "integration",
+    ],
 )
 def tests(session: nox.Session) -> None:
-    """What CI runs: lint, each package alone, each plugin with its tests, then integration."""
+    """What CI runs: lint, typecheck, each package alone, each plugin with its tests, then
+    integration."""
     session.log("lint, every package and plugin session and integration passed")
 
 
