@@ -244,3 +244,36 @@ def test_damage_on_object_storage_is_found_the_same_way(moto_s3, tiny):
         "does not match the checksum of 'train.model.fc1.weight' "
         f"(XXH3 {got:016x}, written {item.xxh3:016x})",
     )
+
+
+def test_tied_weights_are_read_into_buffers_of_their_own(tmp_path, tiny, monkeypatch):
+    """The embedding and the head it is tied to are two stored items read into one storage, by
+    two threads at once: each lands in a buffer of its own, so each hash is checked against its
+    own bytes (read straight into the shared memory, a damaged embedding was once hashed as the
+    head's intact copy overwrote it, and passed). Untied tensors still land in place."""
+    import llmtrain.checkpoint.stream_storage as storage
+
+    model, optimizer = tiny.make(seed=0, steps=1)
+    assert model.head.weight.data_ptr() == model.embed.weight.data_ptr()
+    checkpoints = Checkpointer(str(tmp_path / "ckpt"), io_threads=2)
+    checkpoints.save(1, {"train": ModelState(model, [optimizer]), "counters": Values(step=1)})
+    checkpoints.close()
+
+    landed: dict[str, bool] = {}
+    real = storage._landing
+
+    def landing(target, req, stored, private=False):
+        landed[req.storage_index.fqn] = private
+        return real(target, req, stored, private)
+
+    monkeypatch.setattr(storage, "_landing", landing)
+    fresh, fresh_optimizer = tiny.make(seed=5)
+    Checkpointer(str(tmp_path / "ckpt")).load(
+        {"train": ModelState(fresh, [fresh_optimizer]), "counters": Values(step=0)}
+    )
+    assert landed["train.model.embed.weight"] and landed["train.model.head.weight"]
+    assert not any(
+        private for fqn, private in landed.items() if "embed" not in fqn and "head" not in fqn
+    )
+    assert torch.equal(fresh.embed.weight, model.embed.weight)
+    assert fresh.head.weight.data_ptr() == fresh.embed.weight.data_ptr()

@@ -517,9 +517,13 @@ class StreamReader(SafeFsspecReader):
             kind = values if req.type == LoadItemType.BYTE_IO else tensors
             kind.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         lock = threading.Lock()
+        shared = _shared_storages(tensors.values(), planner)
         workers = max(1, min(self.threads, len(tensors)))
         with ThreadPoolExecutor(workers, thread_name_prefix="llmtrain-ckpt-read") as pool:
-            reads = [pool.submit(self._read_file, *job, planner, lock) for job in tensors.items()]
+            reads = [
+                pool.submit(self._read_file, name, reqs, planner, lock, shared)
+                for name, reqs in tensors.items()
+            ]
             for name, reqs in values.items():
                 self._read_file(name, reqs, planner, lock)
             for read in reads:
@@ -529,7 +533,12 @@ class StreamReader(SafeFsspecReader):
         return future
 
     def _read_file(
-        self, name: str, reqs: Iterable[ReadItem], planner: LoadPlanner, lock: threading.Lock
+        self,
+        name: str,
+        reqs: Iterable[ReadItem],
+        planner: LoadPlanner,
+        lock: threading.Lock,
+        shared: frozenset[int] = frozenset(),
     ) -> None:
         where = f"{self.url}/{name}"
         reqs = sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset)
@@ -559,7 +568,8 @@ class StreamReader(SafeFsspecReader):
                     continue
                 with lock:
                     target = planner.resolve_tensor(req).detach()
-                source = _landing(target, req, stored)
+                private = target.untyped_storage().data_ptr() in shared
+                source = _landing(target, req, stored, private)
                 _read_checked(f, stored, _memory(source), self.url, fqn)
                 if source is not target:
                     target.copy_(narrow_tensor_by_index(source, req.storage_offsets, req.lengths))
@@ -567,14 +577,30 @@ class StreamReader(SafeFsspecReader):
                     planner.commit_tensor(req, target)
 
 
-def _landing(target: torch.Tensor, req: ReadItem, stored: StoredItem) -> torch.Tensor:
+def _shared_storages(groups: Iterable[list[ReadItem]], planner: LoadPlanner) -> frozenset[int]:
+    """The storages (data pointers) that more than one stored item is read into: tied weights,
+    one tensor under two names (an embedding and its output head), saved as two items that two
+    threads may read at once. Such an item is read into a buffer of its own, so the hash checked
+    is of its own bytes, not of the memory the other read is writing."""
+    counts: dict[int, int] = {}
+    for reqs in groups:
+        for req in reqs:
+            ptr = planner.resolve_tensor(req).untyped_storage().data_ptr()
+            counts[ptr] = counts.get(ptr, 0) + 1
+    return frozenset(ptr for ptr, n in counts.items() if n > 1)
+
+
+def _landing(
+    target: torch.Tensor, req: ReadItem, stored: StoredItem, private: bool = False
+) -> torch.Tensor:
     """Where the stored chunk's bytes are read to: the destination itself when it is the whole
-    chunk, on CPU, contiguous and of the stored dtype; else a buffer of the chunk."""
+    chunk, on CPU, contiguous, of the stored dtype and `private` is false (no other item is
+    read into its storage); else a buffer of the chunk."""
     dtype = _dtype(stored.dtype or "")
     if dtype is None:  # the metadata's check refuses such an item first
         raise CorruptCheckpointError(f"checkpoint metadata names an unknown dtype {stored.dtype!r}")
     whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == stored.shape
-    if whole and target.is_cpu and target.is_contiguous() and target.dtype == dtype:
+    if whole and not private and target.is_cpu and target.is_contiguous() and target.dtype == dtype:
         return target
     return torch.empty(stored.shape or (), dtype=dtype)
 
