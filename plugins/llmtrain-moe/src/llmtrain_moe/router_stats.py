@@ -15,20 +15,20 @@ the training forward, not the evaluation's.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import Callback
+from llmtrain.core_mesh.interfaces import Callback, TrainingRun
 from llmtrain_moe.model import MoETransformer, RouterStats
 from llmtrain_moe.options import RouterStatsOptions
 
 KIND = "moe_router_stats"
 
 
-def moe_models(parts: list[torch.nn.Module]) -> list[MoETransformer]:
+def moe_models(parts: Sequence[torch.nn.Module]) -> list[MoETransformer]:
     """The MoE models (or pipeline stages of one) among a rank's model parts, wrapped or not."""
     return [m for part in parts for m in part.modules() if isinstance(m, MoETransformer)]
 
@@ -39,7 +39,7 @@ class RouterStatsCallback(Callback):
         self.models: list[MoETransformer] = []
         self.held: tuple[int, dict[int, RouterStats]] | None = None  # (step, stats by layer)
 
-    def on_run_start(self, run: Any) -> None:
+    def on_run_start(self, run: TrainingRun) -> None:
         self.models = moe_models(run.model.parts)
         if not self.models:
             kind = getattr(run.config.model, "kind", "?")
@@ -49,15 +49,15 @@ class RouterStatsCallback(Callback):
             )
 
     # the training forward's statistics, kept before an evaluation's forward replaces them
-    def after_step(self, run: Any, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
         if self.held is None or self.held[0] != step:
             self.held = (step, self._current())
 
-    def before_eval(self, run: Any, step: int) -> None:
+    def before_eval(self, run: TrainingRun, step: int) -> None:
         self.held = (step, self._current())
 
     def on_log(
-        self, run: Any, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
+        self, run: TrainingRun, step: int, metrics: dict[str, float], rank_metrics: dict[str, float]
     ) -> None:
         if not self.models or (self.options.every is not None and step % self.options.every):
             return

@@ -21,7 +21,7 @@ import attrs
 import structlog
 
 from llmtrain.core_mesh.errors import UserError, no_space
-from llmtrain.core_mesh.interfaces import CALLBACK_EVENTS, Callback
+from llmtrain.core_mesh.interfaces import CALLBACK_EVENTS, Callback, TrainingRun
 from llmtrain.core_mesh.plugins import PluginManager
 
 log = structlog.get_logger("llmtrain.callbacks")
@@ -56,10 +56,11 @@ class Callbacks:
             for event in CALLBACK_EVENTS
         }
 
-    def emit(self, event: str, *args: Any) -> None:
+    def emit(self, event: str, run: TrainingRun, *args: Any) -> None:
+        # `run` typed as the Protocol: mypy checks that the Trainer passing itself conforms
         for named in self._by_event[event]:
             try:
-                getattr(named.callback, event)(*args)
+                getattr(named.callback, event)(run, *args)
             except Exception as exc:
                 # a full disk is the user's, said in one line by the command: no traceback
                 traced = no_space(exc) is None
@@ -69,7 +70,7 @@ class Callbacks:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
 
-    def emit_failure(self, run: Any, error: BaseException) -> None:
+    def emit_failure(self, run: TrainingRun, error: BaseException) -> None:
         """`on_failure` on every callback; one that raises is logged, not raised."""
         for named in self._by_event["on_failure"]:
             try:
