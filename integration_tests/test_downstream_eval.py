@@ -14,7 +14,7 @@ import pytest
 import train_support as ts
 from shared_fixtures import run_cli  # noqa: F401
 
-from llmtrain.train_loop.quickstart import sentence
+from llmtrain.train_loop.experiments.quickstart import sentence
 
 STEPS, EVERY = 4, 2
 HELLASWAG_ITEMS, LAMBADA_ITEMS, DOCUMENTS = 13, 9, 5  # odd counts: ranks get unequal shares

@@ -25,7 +25,7 @@ def write_corpus(path, garbage_step: int | None, documents: int = 400) -> None:
     """Sentences (quickstart's grammar); with `garbage_step`, one document of STEP_TOKENS
     garbage symbols starts exactly at that step's first token (a filler document before it
     ends where it must), so the step's windows are all garbage and no other window is."""
-    from llmtrain.train_loop.quickstart import sentence
+    from llmtrain.train_loop.experiments.quickstart import sentence
 
     rng = random.Random(0)
     texts, offset = [], 0

@@ -24,7 +24,7 @@ from llmtrain.checkpoint.export import load_model_weights
 from llmtrain.checkpoint.safe_io import SafeLoadPlanner
 from llmtrain.checkpoint.stream_storage import StreamReader
 from llmtrain.data_pack.pack import pack
-from llmtrain.train_loop.quickstart import write_corpus
+from llmtrain.train_loop.experiments.quickstart import write_corpus
 
 PRETRAIN_STEPS = 20
 # bytes plus one special token at the end: the same ids for text, another fingerprint

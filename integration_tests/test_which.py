@@ -88,7 +88,7 @@ def _pack_inputs(directory: Path) -> dict:
     import pyarrow.parquet as pq
 
     from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.quickstart import write_corpus
+    from llmtrain.train_loop.experiments.quickstart import write_corpus
 
     jsonl = directory / "a.jsonl"
     write_corpus(jsonl, 300, seed=0)

@@ -22,7 +22,7 @@ BYTES = {"kind": "bytes"}
 def pack_corpus(directory: Path, tokenizer: dict | None = None) -> SimpleNamespace:
     """train.zarr (300 generated documents, ~67k tokens) and valid.zarr (50) in `directory`."""
     from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.quickstart import write_corpus
+    from llmtrain.train_loop.experiments.quickstart import write_corpus
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = {}

@@ -86,7 +86,7 @@ ACTIVITIES = ["Making a sandwich", "Washing a car", "Playing the piano", "Painti
 
 
 def sentences(rng: random.Random, n: int) -> str:
-    from llmtrain.train_loop.quickstart import sentence
+    from llmtrain.train_loop.experiments.quickstart import sentence
 
     return " ".join(sentence(rng) for _ in range(n))
 
@@ -115,7 +115,7 @@ def build(work: Path, args: argparse.Namespace) -> tuple[str, str, int]:
 
     from llmtrain.data_pack.pack import pack
     from llmtrain.data_pack.tokenizer import train_bpe
-    from llmtrain.train_loop.quickstart import write_corpus
+    from llmtrain.train_loop.experiments.quickstart import write_corpus
 
     checkpoint, export = str(work / "runs" / "bench" / "checkpoints"), str(work / "hf")
     if (work / "hf" / "config.json").exists():

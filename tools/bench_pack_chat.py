@@ -27,7 +27,7 @@ from llmtrain.data_pack.chat import ChatSettings, ChatTemplate
 from llmtrain.data_pack.pack import pack
 from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import train_bpe
-from llmtrain.train_loop.quickstart import sentence
+from llmtrain.train_loop.experiments.quickstart import sentence
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 

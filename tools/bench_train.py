@@ -32,7 +32,7 @@ from llmtrain.data_pack.pack import pack
 from llmtrain.data_pack.sampling import BatchPlan
 from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import build_model
-from llmtrain.train_loop.quickstart import write_corpus
+from llmtrain.train_loop.experiments.quickstart import write_corpus
 from llmtrain.train_loop.run_config import RunConfig
 from llmtrain.train_loop.trainer import Trainer
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmtrain.train_loop.quickstart import write_corpus
+from llmtrain.train_loop.experiments.quickstart import write_corpus
 
 
 def main() -> None:

@@ -17,8 +17,8 @@ import yaml
 from llmtrain.core_mesh.cli import main
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import hookimpl
-from llmtrain.train_loop import ladder
-from llmtrain.train_loop.sweep import ladder_base
+from llmtrain.train_loop.experiments import ladder
+from llmtrain.train_loop.experiments.sweep import ladder_base
 
 MICRO, SEQ = 8, 64  # 512 tokens per step on one process
 BUDGETS = (1e13, 1e14, 1e15)

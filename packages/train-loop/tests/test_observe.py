@@ -12,7 +12,8 @@ import torch
 
 from llmtrain.core_mesh.config import ConfigError, structure
 from llmtrain.core_mesh.plugins import PluginManager, hookimpl
-from llmtrain.train_loop import estimate, observe
+from llmtrain.train_loop import observe
+from llmtrain.train_loop.experiments import estimate
 from llmtrain.train_loop.run_config import ProfileConfig, RunConfig, WatchdogConfig
 
 

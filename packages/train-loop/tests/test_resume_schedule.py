@@ -22,7 +22,7 @@ LR = 1e-3
 def dataset(tmp_path_factory) -> Path:
     """A small packed dataset (60 generated documents, the bytes tokenizer)."""
     from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.quickstart import write_corpus
+    from llmtrain.train_loop.experiments.quickstart import write_corpus
 
     root = tmp_path_factory.mktemp("data")
     write_corpus(root / "train.jsonl", 60, seed=0)

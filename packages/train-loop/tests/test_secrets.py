@@ -11,7 +11,7 @@ import yaml
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.redact import MARKER
-from llmtrain.train_loop import which
+from llmtrain.train_loop.experiments import which
 
 SECRET = "wJalrXUtnFEMI/K7MDENG+bPxRfiCYzzSECRETzz"
 

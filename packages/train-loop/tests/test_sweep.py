@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.train_loop import sweep
+from llmtrain.train_loop.experiments import sweep
 
 
 # --- axes and expansion ---

@@ -134,7 +134,7 @@ def random_hf_model(config, seed: int = 0):
 
 
 def sentences(n: int, seed: int = 0) -> list[str]:
-    from llmtrain.train_loop.quickstart import sentence
+    from llmtrain.train_loop.experiments.quickstart import sentence
 
     rng = random.Random(seed)
     return [" ".join(sentence(rng) for _ in range(3)) for _ in range(n)]

@@ -449,7 +449,7 @@ RUN_CASES = [c for c in CASES if "tokenizer" not in c.id][::6]
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, tokenizer_json) -> str:
     from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.quickstart import write_corpus
+    from llmtrain.train_loop.experiments.quickstart import write_corpus
 
     root = tmp_path_factory.mktemp("data")
     write_corpus(root / "train.jsonl", 20, seed=0)

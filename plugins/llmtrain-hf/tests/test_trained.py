@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from llmtrain.data_pack.pack import pack
-from llmtrain.train_loop.quickstart import write_corpus
+from llmtrain.train_loop.experiments.quickstart import write_corpus
 from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 HELD_OUT = "The river follows a long road near the café. Our team builds the bridge today!"

@@ -15,7 +15,7 @@ from llmtrain_hf.convert import from_hf_state_dict, options_from_hf
 
 from llmtrain.checkpoint.export import load_model_weights
 from llmtrain.data_pack.pack import pack
-from llmtrain.train_loop.quickstart import write_corpus
+from llmtrain.train_loop.experiments.quickstart import write_corpus
 from llmtrain.train_loop.saved_model import load_model
 
 # the run's model section for each directory: presets plus what the directory's config says

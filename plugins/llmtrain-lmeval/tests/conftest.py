@@ -87,7 +87,7 @@ def trained(tmp_path_factory) -> SimpleNamespace:
 
     from llmtrain.data_pack.pack import pack
     from llmtrain.data_pack.tokenizer import train_bpe
-    from llmtrain.train_loop.quickstart import sentence, write_corpus
+    from llmtrain.train_loop.experiments.quickstart import sentence, write_corpus
 
     root = tmp_path_factory.mktemp("trained")
     rng = random.Random(0)

@@ -24,16 +24,13 @@ from llmtrain.core_mesh.redact import redact
 from llmtrain.train_loop import (
     commands,
     downstream_eval,
-    estimate,
     eval_tasks,
     loggers,
     loss_spike,
     optim,
-    quickstart,
     schedules,
-    sweep,
-    which,
 )
+from llmtrain.train_loop.experiments import estimate, quickstart, sweep, which
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.run_config import resolved
 

@@ -55,7 +55,8 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.redact import redact, redacted_paths, refuse_redacted
-from llmtrain.train_loop import ladder, lifetime
+from llmtrain.train_loop import lifetime
+from llmtrain.train_loop.experiments import ladder
 from llmtrain.train_loop.model_source import load_run_config, with_model_source
 from llmtrain.train_loop.run_config import (
     RunConfig,
