@@ -678,15 +678,12 @@ class DeprecatedFormat(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        from llmtrain.core_mesh.cli_conventions import DEPRECATED_UNTIL
+        from llmtrain.core_mesh.cli_conventions import warn_deprecated
 
         assert isinstance(values, str)  # the option takes one argument (no nargs)
-
         new = {"csv": "-o FILE.csv", "markdown": "-o FILE.md", "table": "no option"}[values]
-        print(
-            f"warning: {parser.prog}: {option_string} {values} is deprecated; use {new}, or "
-            f"--json (the old spelling goes away after {DEPRECATED_UNTIL})",
-            file=sys.stderr,
+        warn_deprecated(
+            f"{parser.prog}: {option_string} {values} is deprecated; use {new}, or --json"
         )
         setattr(namespace, self.dest, values)
 

@@ -66,7 +66,8 @@ def shown_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     return formatter._expand_help(action) if action.help else ""
 
 
-def _warn(text: str) -> None:
+def warn_deprecated(text: str) -> None:
+    """One line on stderr for an old spelling: `text`, then when the spelling goes away."""
     print(f"warning: {text} (the old spelling goes away after {DEPRECATED_UNTIL})", file=sys.stderr)
 
 
@@ -89,7 +90,7 @@ class DeprecatedAlias(argparse.Action):
         option_string: str | None = None,
     ) -> None:
         new = "/".join(self.target.option_strings)
-        _warn(f"{parser.prog}: {option_string} is deprecated; use {new}")
+        warn_deprecated(f"{parser.prog}: {option_string} is deprecated; use {new}")
         self.target(parser, namespace, values, option_string)
 
 
@@ -138,7 +139,7 @@ class DeprecatedMainOption(argparse.Action):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        _warn(self.message(parser.prog, option_string or self.option_strings[0]))
+        warn_deprecated(self.message(parser.prog, option_string or self.option_strings[0]))
         setattr(namespace, self.dest, values)
 
     def message(self, prog: str, option: str) -> str:
@@ -273,13 +274,13 @@ class ConventionParser(argparse.ArgumentParser):
             action = old.get(name) if word.startswith("--") else None
             if isinstance(action, DeprecatedAlias):
                 spellings = action.target.option_strings
-                _warn(f"{self.prog}: {name} is deprecated; use {'/'.join(spellings)}")
+                warn_deprecated(f"{self.prog}: {name} is deprecated; use {'/'.join(spellings)}")
                 rest.append(spellings[-1] + eq + value)
             elif isinstance(action, DeprecatedMainOption) and (eq or i + 1 < len(args)):
                 if not eq:
                     value = args[i + 1]
                     i += 1
-                _warn(action.message(self.prog, name))
+                warn_deprecated(action.message(self.prog, name))
                 moved.append(value)
             else:
                 rest.append(word)
