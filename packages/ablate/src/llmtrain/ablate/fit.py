@@ -525,14 +525,3 @@ def fit_isoflop(
         n_opt=_power_law(compute_used, np.array([b.n_opt for b in used])),
         d_opt=_power_law(compute_used, np.array([b.d_opt for b in used])),
     )
-
-
-def chinchilla_n_opt(
-    compute: float, params: Sequence[float], flops_per_param: float = 6.0
-) -> float:
-    """The N that minimises E + A/N^alpha + B/D^beta on C = 6ND (`flops_per_param` N D):
-    G (C/6)^(beta/(alpha+beta)) with G = (alpha A / (beta B))^(1/(alpha+beta))."""
-    _, big_a, big_b, alpha, beta = params
-    g = (alpha * big_a / (beta * big_b)) ** (1 / (alpha + beta))
-    n_opt: float = g * (compute / flops_per_param) ** (beta / (alpha + beta))  # positive bases
-    return n_opt

@@ -19,7 +19,6 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from llmtrain.checkpoint.integrity import METADATA_FILE  # noqa: F401 - also importable here
@@ -81,15 +80,6 @@ def _finish_metadata(metadata: object, load_id: Any) -> Metadata:
 
 class SafeFsspecReader(FsspecReader):
     """An fsspec DCP reader whose metadata goes through the allow-list."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            return _finish_metadata(load_metadata(f), self.load_id)
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """The local-disk DCP reader with the same allow-list."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from llmtrain.core_mesh.config import ConfigValueError
 from llmtrain.core_mesh.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where a mesh is built, not with the config
@@ -76,12 +75,6 @@ class MeshSpec:
 
     def _describe(self) -> str:
         return " x ".join(f"{name}={getattr(self, name)}" for name in DIM_NAMES)
-
-    def check_divides(self, field: str, value: int, what: str) -> None:
-        """E.g. `check_divides("tp", n_heads, "the number of attention heads")`."""
-        degree = getattr(self, field)
-        if value % degree:
-            raise ConfigValueError(field, f"{field}={degree} does not divide {what} ({value})")
 
 
 def build_device_mesh(

@@ -515,14 +515,6 @@ def text_of(record: Any, get: Callable[[Any], Any], line: bytes) -> tuple[str | 
     return text, None
 
 
-def parse_line(line: bytes, get: Callable[[Any], Any]) -> tuple[str | None, str | None]:
-    """(text, None) for a good line, (None, reason) for a bad one."""
-    record, why = parse_record(line)
-    if why is not None:
-        return None, why
-    return text_of(record, get, line)
-
-
 class LineNumbers:
     """Absolute numbers of a task's documents: a byte-range task's lines follow the lines of
     the earlier ranges of its file (known, since results arrive in task order); every other
