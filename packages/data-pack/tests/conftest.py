@@ -151,9 +151,10 @@ def crafted_tokenizer(tmp_path: Path) -> Path:
     "abc" as [98, 257]); tiktoken's rank-based BPE core does (giving [259])."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from llmtrain.data_pack.tokenizer import ENDOFTEXT, _bytes_to_unicode
+    from llmtrain.data_pack.tokenizer import ENDOFTEXT
+    from llmtrain.data_pack.tokenizer.fast_bpe import bytes_to_unicode
 
-    char = _bytes_to_unicode()
+    char = bytes_to_unicode()
     vocab = {ENDOFTEXT: 0, **{char[b]: b + 1 for b in range(256)}, "bc": 257, "ab": 258, "abc": 259}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[("b", "c"), ("a", "b"), ("ab", "c")]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

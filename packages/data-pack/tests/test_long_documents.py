@@ -16,18 +16,18 @@ import numpy as np
 import psutil
 import pytest
 
-from llmtrain.data_pack import tokenizer as tokenizer_module
 from llmtrain.data_pack.store import PackedDataset
 from llmtrain.data_pack.tokenizer import (
     HFOptions,
     HFTokenizer,
     TiktokenOptions,
     TiktokenTokenizer,
-    _bytes_to_unicode,
     cut_places,
     pieces_match,
     text_pieces,
 )
+from llmtrain.data_pack.tokenizer import pieces as pieces_module
+from llmtrain.data_pack.tokenizer.fast_bpe import bytes_to_unicode
 
 CLI = "import sys; from llmtrain.core_mesh.cli import main; sys.exit(main())"
 GIB = 1 << 30
@@ -97,7 +97,7 @@ def _ranks(tokenizer_json: Path) -> Path:
     import base64
 
     spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     added = {t["content"] for t in spec["added_tokens"]}
     lines = [
         f"{base64.b64encode(bytes(byte_of[c] for c in token)).decode()} {i}"
@@ -149,7 +149,7 @@ def test_pieces_give_the_whole_text_ids(
 
     texts = [text, "short", _ordinary_text(corpus, 50, seed=12), ""]
     expected = [[int(i) for i in ids] for ids in whole(texts)]
-    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 300)
+    monkeypatch.setattr(pieces_module, "PIECE_CHARS", 300)
     assert tok.encode_batch(texts) == expected
     assert [a.tolist() for a in tok.encode_batch_arrays(texts)] == expected
 
@@ -190,7 +190,7 @@ def test_tokenizers_that_cuts_could_change_encode_whole(tokenizer_json, tmp_path
         ),
     ]
     text = "alpha beta gamma delta " * 40
-    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 16)
+    monkeypatch.setattr(pieces_module, "PIECE_CHARS", 16)
     for tok in unsafe:
         assert not tok.pieces_safe
         whole = tok._whole_arrays if isinstance(tok, TiktokenTokenizer) else tok._hf_whole
@@ -229,7 +229,7 @@ def test_packed_long_document_has_the_whole_text_ids(
 ):
     """A 2 MB document packed in 16 Ki-character pieces (130 of them) gives the ids the
     tokenizers library gives the whole text, with the fast encoder and with the reference."""
-    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 1 << 14)
+    monkeypatch.setattr(pieces_module, "PIECE_CHARS", 1 << 14)
     assert len(list(text_pieces(two_mb_text, 1 << 14))) > 100
     data = write_jsonl("long.jsonl", ["before", two_mb_text, "after"])
     out = tmp_path / "out.zarr"

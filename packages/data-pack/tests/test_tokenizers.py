@@ -22,13 +22,13 @@ from llmtrain.data_pack.tokenizer import (
     TiktokenOptions,
     TiktokenTokenizer,
     TokenizerError,
-    _bytes_to_unicode,
     choice_to_raw,
     tiktoken_equivalent,
     tokenizer_choice,
     tokenizer_from_raw,
     train_bpe,
 )
+from llmtrain.data_pack.tokenizer.fast_bpe import bytes_to_unicode
 
 # a cl100k-style split regex, different from GPT-2's (digits in threes, case-insensitive contractions)
 SPLIT_PATTERN = (
@@ -70,7 +70,7 @@ def _ranks_file(path: Path, ranks: dict[bytes, int]) -> Path:
 
 def _ranks_of(spec: dict) -> dict[bytes, int]:
     """The byte-level BPE vocabulary of a tokenizer.json as tiktoken ranks (added tokens left out)."""
-    byte_of = {c: b for b, c in _bytes_to_unicode().items()}
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     added = {t["content"] for t in spec["added_tokens"]}
     return {
         bytes(byte_of[c] for c in token): i
