@@ -1,7 +1,7 @@
 """The callbacks every run has, set by the config sections they always had (`debug.watchdog`,
 `profile`, ...), in the order they run: summary, watchdog, profiler, throughput, stragglers.
 
-They wrap the tools of `observe.py`; the loop itself knows none of them.
+They wrap the tools of the `observe` package; the loop itself knows none of them.
 """
 
 from __future__ import annotations
