@@ -17,7 +17,7 @@ import yaml
 from llmtrain.core_mesh.cli import main
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import hookimpl
-from llmtrain.train_loop.experiments import ladder
+from llmtrain.train_loop.experiments import ladder, ladder_shapes
 from llmtrain.train_loop.experiments.sweep import ladder_base
 
 MICRO, SEQ = 8, 64  # 512 tokens per step on one process
@@ -74,7 +74,7 @@ def test_shapes_keep_head_dim_kv_ratio_and_aspect_band_and_land_near_n(installed
         assert shape["n_heads"] == 2 * shape["n_kv_heads"]  # its query heads per kv head
         assert 32 <= shape["d_model"] / shape["n_layers"] <= 128
         assert "mlp_hidden" not in shape  # the preset derives it from d_model
-        assert abs(rung.params / rung.target_params - 1) <= ladder.TOLERANCE
+        assert abs(rung.params / rung.target_params - 1) <= ladder_shapes.TOLERANCE
     # the biggest rungs have fine enough shapes to land within a few percent
     assert all(abs(r.params / r.target_params - 1) < 0.04 for r in rungs if r.budget == 1e15)
     # more compute, bigger model at every ratio; more tokens per parameter, smaller model
@@ -149,7 +149,7 @@ def test_global_batch_tokens_sets_the_step(installed, tmp_path):
 
 
 def test_budget_labels_read_as_written():
-    assert [ladder.compact(c) for c in (1e15, 3e15, 1.5e16, 1e11, 250.0)] == [
+    assert [ladder_shapes.compact(c) for c in (1e15, 3e15, 1.5e16, 1e11, 250.0)] == [
         "1e15",
         "3e15",
         "1.5e16",
@@ -181,12 +181,12 @@ def test_dry_run_prints_the_table_and_writes_nothing(installed, tmp_path, run_cl
     assert [row[0] for row in rows] == ["C=1e13,r=20", "C=1e15,r=20"]
     for row, rung in zip(rows, expected, strict=True):
         assert row[1:] == [
-            ladder.compact(rung.budget),
+            ladder_shapes.compact(rung.budget),
             "20",
             f"{rung.params:,}",
             f"{rung.tokens:,}",
             f"{rung.tokens / rung.params:.1f}",
-            ladder.compact(rung.actual_budget),
+            ladder_shapes.compact(rung.actual_budget),
             str(rung.shape["n_layers"]),
             str(rung.shape["d_model"]),
             str(rung.shape["n_heads"]),
@@ -319,9 +319,9 @@ def test_every_failing_rung_is_listed_with_the_smallest_budget_that_works(
     rungs_of(base, installed, budgets=(smallest,), ratios=ratios)  # raises if it does not work
     config = ladder_base(str(base), installed)
     options = installed.options_of("model", config.model)
-    rule = ladder.shape_rule(options, "tiny", ladder.DEFAULT_ASPECT)
-    describe = ladder.meta_describer(installed, config.model)
-    space = ladder.ShapeSpace(rule, lambda shape: describe(shape).n_non_embedding_params)
+    rule = ladder_shapes.shape_rule(options, "tiny", ladder.DEFAULT_ASPECT)
+    describe = ladder_shapes.meta_describer(installed, config.model)
+    space = ladder_shapes.ShapeSpace(rule, lambda shape: describe(shape).n_non_embedding_params)
     # rounded up to 2 significant digits: at most 10% above the exact smallest one
     for i in range(200):
         below = smallest / 1.1 * (1e-3) ** (i / 200)
@@ -436,7 +436,7 @@ def test_the_laptop_preset_sizes_the_example_for_a_cpu(installed, tmp_path, run_
     )  # fmt: skip
     assert code == 0, err
     preset = ladder.PRESETS["laptop"]
-    ids = [f"C={ladder.compact(c)},r={r:g}" for c in preset.budgets for r in preset.ratios]
+    ids = [f"C={ladder_shapes.compact(c)},r={r:g}" for c in preset.budgets for r in preset.ratios]
     assert [row[0] for row in table_rows(out)] == ids
     rungs = ladder.ladder(
         ladder_base(str(EXAMPLE), installed),

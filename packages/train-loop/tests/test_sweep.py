@@ -14,19 +14,19 @@ import pytest
 import yaml
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.train_loop.experiments import sweep
+from llmtrain.train_loop.experiments import sweep_launch, sweep_plan
 
 
 # --- axes and expansion ---
 def test_grid_values_are_yaml():
-    assert sweep.parse_axis_values("model.n_layers=2,4,8", "--grid") == (
+    assert sweep_plan.parse_axis_values("model.n_layers=2,4,8", "--grid") == (
         "model.n_layers",
         [2, 4, 8],
     )
-    assert sweep.parse_axis_values("optimizer.lr=3e-4,1e-3", "--grid")[1] == [3e-4, 1e-3]
-    _, values = sweep.parse_axis_values("data.weights=[0.2,0.8],[0.5,0.5]", "--grid")
+    assert sweep_plan.parse_axis_values("optimizer.lr=3e-4,1e-3", "--grid")[1] == [3e-4, 1e-3]
+    _, values = sweep_plan.parse_axis_values("data.weights=[0.2,0.8],[0.5,0.5]", "--grid")
     assert values == [[0.2, 0.8], [0.5, 0.5]]
-    assert sweep.parse_axis_values("model.norm='rms',layer", "--grid")[1] == ["rms", "layer"]
+    assert sweep_plan.parse_axis_values("model.norm='rms',layer", "--grid")[1] == ["rms", "layer"]
 
 
 @pytest.mark.parametrize(
@@ -41,12 +41,12 @@ def test_grid_values_are_yaml():
 )
 def test_bad_grid_text(text, message):
     with pytest.raises(UserError, match=message):
-        sweep.parse_axis_values(text, "--grid")
+        sweep_plan.parse_axis_values(text, "--grid")
 
 
 def test_product_of_grids_then_zip_then_seeds():
-    axes = sweep.axes_from(["a=1,2", "b=x,y"], ["c=10,20", "d=p,q"], seeds=2)
-    runs = sweep.expand(axes)
+    axes = sweep_plan.axes_from(["a=1,2", "b=x,y"], ["c=10,20", "d=p,q"], seeds=2)
+    runs = sweep_plan.expand(axes)
     assert len(runs) == 2 * 2 * 2 * 2
     assert runs[0] == {"a": 1, "b": "x", "c": 10, "d": "p", "seed": 0}
     assert runs[1] == {"a": 1, "b": "x", "c": 10, "d": "p", "seed": 1}
@@ -57,46 +57,48 @@ def test_product_of_grids_then_zip_then_seeds():
 
 def test_zip_lengths_must_match():
     with pytest.raises(UserError, match="a has 2, b has 3"):
-        sweep.axes_from([], ["a=1,2", "b=1,2,3"], None)
+        sweep_plan.axes_from([], ["a=1,2", "b=1,2,3"], None)
 
 
 def test_a_zipped_list_may_repeat_a_value_but_not_a_row():
-    runs = sweep.expand(sweep.axes_from([], ["d=32,64,64", "n=1,1,2"], None))
+    runs = sweep_plan.expand(sweep_plan.axes_from([], ["d=32,64,64", "n=1,1,2"], None))
     assert runs == [{"d": 32, "n": 1}, {"d": 64, "n": 1}, {"d": 64, "n": 2}]
     with pytest.raises(UserError, match="two zipped rows are the same run"):
-        sweep.axes_from([], ["d=32,64,64", "n=1,2,2"], None)
+        sweep_plan.axes_from([], ["d=32,64,64", "n=1,2,2"], None)
 
 
 def test_a_key_is_swept_once():
     with pytest.raises(UserError, match="a is swept twice"):
-        sweep.axes_from(["a=1,2"], ["a=3,4"], None)
+        sweep_plan.axes_from(["a=1,2"], ["a=3,4"], None)
     with pytest.raises(UserError, match="seed is swept twice"):
-        sweep.axes_from(["seed=1,2"], [], 3)
+        sweep_plan.axes_from(["seed=1,2"], [], 3)
     with pytest.raises(UserError, match="at least 1"):
-        sweep.axes_from([], [], 0)
+        sweep_plan.axes_from([], [], 0)
 
 
 def test_run_ids_are_short_readable_and_unique():
-    settings = sweep.expand(sweep.axes_from(["model.n_layers=2,4", "optimizer.lr=3e-4"], [], 2))
-    assert sweep.run_ids(settings) == [
+    settings = sweep_plan.expand(
+        sweep_plan.axes_from(["model.n_layers=2,4", "optimizer.lr=3e-4"], [], 2)
+    )
+    assert sweep_plan.run_ids(settings) == [
         "n_layers=2,lr=0.0003,seed=0",
         "n_layers=2,lr=0.0003,seed=1",
         "n_layers=4,lr=0.0003,seed=0",
         "n_layers=4,lr=0.0003,seed=1",
     ]
     clash = [{"optimizer.lr": 0.1234567}, {"optimizer.lr": 0.12345671}]  # same when shown
-    ids = sweep.run_ids(clash)
+    ids = sweep_plan.run_ids(clash)
     assert len(set(ids)) == 2 and all(i.startswith("lr=0.123457-") for i in ids)
     long = [{"model.name": "x" * 300}]
-    assert len(sweep.run_ids(long)[0]) <= sweep.MAX_ID
-    assert sweep.run_ids([{}]) == ["base"]
-    weights = sweep.run_ids([{"data.weights": [0.2, 0.8]}, {"data.weights": [1, 0]}])
+    assert len(sweep_plan.run_ids(long)[0]) <= sweep_plan.MAX_ID
+    assert sweep_plan.run_ids([{}]) == ["base"]
+    weights = sweep_plan.run_ids([{"data.weights": [0.2, 0.8]}, {"data.weights": [1, 0]}])
     assert weights == ["weights=0.2-0.8", "weights=1-0"]
 
 
 def test_slurm_script_array_and_options(tmp_path):
     configs = [tmp_path / f"r{i}" / "config.yaml" for i in range(5)]
-    text = sweep.slurm_script(
+    text = sweep_launch.slurm_script(
         "abl",
         configs,
         nodes=2,
@@ -118,15 +120,15 @@ def test_slurm_script_array_and_options(tmp_path):
 
 def test_run_command_here_and_printed(tmp_path):
     cfg = tmp_path / "c.yaml"
-    assert sweep.run_command(cfg, 1, executable=False) == [
+    assert sweep_launch.run_command(cfg, 1, executable=False) == [
         "llmtrain",
         "run",
         str(cfg),
         "--resume",
     ]
-    printed = sweep.run_command(cfg, 4, executable=False)
+    printed = sweep_launch.run_command(cfg, 4, executable=False)
     assert printed[:3] == ["torchrun", "--standalone", "--nproc-per-node=4"]
-    here = sweep.run_command(cfg, 2, executable=True)
+    here = sweep_launch.run_command(cfg, 2, executable=True)
     assert here[1:3] == ["-m", "torch.distributed.run"] and here[-3:] == [
         "run",
         str(cfg),
@@ -208,7 +210,7 @@ def test_bad_overrides_are_refused_before_anything_is_written(
 
 
 def slurm_text(tmp_path, *, nproc=4, gpus_per_node=4, options=()) -> str:
-    return sweep.slurm_script(
+    return sweep_launch.slurm_script(
         "abl",
         [tmp_path / "r0" / "config.yaml"],
         nodes=1,
@@ -228,11 +230,11 @@ def test_a_slurm_task_asks_for_the_gpus_and_cpus_of_its_processes(tmp_path):
     lines = sbatch_lines(slurm_text(tmp_path))
     assert "#SBATCH --ntasks-per-node=1" in lines  # torchrun starts the node's processes
     assert "#SBATCH --gpus-per-node=4" in lines
-    assert f"#SBATCH --cpus-per-task={4 * sweep.CPUS_PER_PROCESS}" in lines
+    assert f"#SBATCH --cpus-per-task={4 * sweep_launch.CPUS_PER_PROCESS}" in lines
     # a CPU job asks for no GPU
     lines = sbatch_lines(slurm_text(tmp_path, gpus_per_node=0))
     assert not [line for line in lines if line.startswith(("#SBATCH --gpus", "#SBATCH --gres"))]
-    assert f"#SBATCH --cpus-per-task={4 * sweep.CPUS_PER_PROCESS}" in lines
+    assert f"#SBATCH --cpus-per-task={4 * sweep_launch.CPUS_PER_PROCESS}" in lines
     # --slurm options that ask for GPUs or CPUs their own way replace the script's
     lines = sbatch_lines(slurm_text(tmp_path, options=["gres=gpu:a100:4", "cpus-per-task=32"]))
     assert [line for line in lines if "gpu" in line or "cpus" in line] == [
