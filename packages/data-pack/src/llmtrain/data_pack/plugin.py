@@ -126,7 +126,15 @@ def _dtype_arg(parser: argparse.ArgumentParser) -> None:
 
 def _configure(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    _configure_pack(actions)
+    _configure_pack_chat(actions)
+    _configure_train_tokenizer(actions)
+    _configure_inspect(actions)
+    _configure_merge(actions)
 
+
+def _configure_pack(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`llmtrain data pack`: corpora to a packed dataset."""
     p = actions.add_parser(
         "pack",
         help="tokenize JSONL, Parquet, Arrow or text files into a packed zarr dataset",
@@ -137,33 +145,7 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     main_object(p, "inputs", nargs="+", metavar="INPUT", help="files, globs or directories")
     p.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
     _tokenizer_args(p, required=True)
-    p.add_argument(
-        "--field", default="text", help="the text field or column (dotted for nested ones)"
-    )
-    p.add_argument(
-        "--where",
-        action="append",
-        default=[],
-        metavar="EXPR",
-        help="keep only records where EXPR holds, e.g. 'int_score >= 3' or "
-        '\'language in ["en", "de"]\' (repeatable: all must hold)',
-    )
-    p.add_argument(
-        "--id-field",
-        default="id",
-        help="the field recorded as each document's id, when a record has it (default: id)",
-    )
-    p.add_argument(
-        "--input-format",
-        choices=["auto", "jsonl", "parquet", "arrow", "text"],
-        default="auto",
-        help="how to read the inputs (default: by suffix; JSONL for unknown suffixes)",
-    )
-    p.add_argument(
-        "--text-per-line",
-        action="store_true",
-        help="plain text inputs hold one document per line (default: one per file)",
-    )
+    _record_selection_args(p)
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
     _bad_line_arg(p)
     p.add_argument(
@@ -181,24 +163,65 @@ def _configure(parser: argparse.ArgumentParser) -> None:
         help="a document whose text is longer (UTF-8 bytes) is a bad record: an error naming "
         "file:line, or with --on-bad-line skip skipped and counted (default 0: no limit)",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    _dtype_arg(p)
-    p.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
-    p.add_argument("--shard-chunks", type=int, default=0, help="chunks per shard (0: no sharding)")
-    p.add_argument(
+    _pack_layout_args(p)
+    _progress_args(p)
+    _common(p)
+
+
+def _record_selection_args(parser: argparse.ArgumentParser) -> None:
+    """pack's choice of records: the text field, --where filters, ids, the input format."""
+    parser.add_argument(
+        "--field", default="text", help="the text field or column (dotted for nested ones)"
+    )
+    parser.add_argument(
+        "--where",
+        action="append",
+        default=[],
+        metavar="EXPR",
+        help="keep only records where EXPR holds, e.g. 'int_score >= 3' or "
+        '\'language in ["en", "de"]\' (repeatable: all must hold)',
+    )
+    parser.add_argument(
+        "--id-field",
+        default="id",
+        help="the field recorded as each document's id, when a record has it (default: id)",
+    )
+    parser.add_argument(
+        "--input-format",
+        choices=["auto", "jsonl", "parquet", "arrow", "text"],
+        default="auto",
+        help="how to read the inputs (default: by suffix; JSONL for unknown suffixes)",
+    )
+    parser.add_argument(
+        "--text-per-line",
+        action="store_true",
+        help="plain text inputs hold one document per line (default: one per file)",
+    )
+
+
+def _pack_layout_args(parser: argparse.ArgumentParser) -> None:
+    """pack's output: overwrite, token dtype, chunks, shards, compression, task size."""
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _dtype_arg(parser)
+    parser.add_argument("--chunk-tokens", type=int, default=1 << 20, help="tokens per zarr chunk")
+    parser.add_argument(
+        "--shard-chunks", type=int, default=0, help="chunks per shard (0: no sharding)"
+    )
+    parser.add_argument(
         "--compression",
         default="none",
         help="none (fastest local reads), zstd or zstd:LEVEL (smaller, for object storage)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--split-mb",
         type=float,
         default=None,
         help="input MB per worker task (default: enough tasks to keep every worker busy, <= 16)",
     )
-    _progress_args(p)
-    _common(p)
 
+
+def _configure_pack_chat(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`llmtrain data pack-chat`: conversations rendered with a chat template, with a loss mask."""
     c = actions.add_parser(
         "pack-chat",
         help="render JSONL conversations with a chat template into a packed dataset with a "
@@ -252,6 +275,11 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     _progress_args(c)
     _common(c)
 
+
+def _configure_train_tokenizer(
+    actions: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
+    """`llmtrain data train-tokenizer`: a byte-level BPE tokenizer.json from corpora."""
     text = (
         "train a byte-level BPE tokenizer on JSONL, Parquet, Arrow or text files and write "
         "tokenizer.json"
@@ -283,6 +311,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     _progress_args(t)
     _common(t)
 
+
+def _configure_inspect(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`llmtrain data inspect`: a dataset's counts and a decoded sample; --verify."""
     i = actions.add_parser(
         "inspect",
         help="counts, tokenizer, document lengths and a decoded sample of a dataset; --verify "
@@ -301,6 +332,9 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     _tokenizer_args(i, required=False)
     _common(i)
 
+
+def _configure_merge(actions: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`llmtrain data merge`: packed datasets of one tokenizer concatenated."""
     m = actions.add_parser("merge", help="concatenate packed datasets of one tokenizer")
     main_object(m, "inputs", nargs="+", metavar="DATASET", help="packed datasets, in order")
     m.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
