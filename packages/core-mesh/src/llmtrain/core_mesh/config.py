@@ -373,147 +373,170 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
     conv.register_structure_hook(float, _strict_float)
     conv.register_structure_hook(bool, _strict_bool)
     conv.register_structure_hook(str, _strict_str)
-
-    def is_attrs(cls: Any) -> bool:
-        return isinstance(cls, type) and attrs.has(cls) and not issubclass(cls, Choice)
-
-    def attrs_hook(cls: type) -> Any:
-        base: cattrs.SimpleStructureHook[Mapping[str, Any], Any] = make_dict_structure_fn(
-            cls, conv, **_renames(cls)
-        )
-        validated = [a for a in attrs.fields(cls) if a.validator is not None]
-
-        def structure(value: Any, _: type) -> Any:
-            if not isinstance(value, Mapping):
-                raise _expect("a mapping", value)
-            with attrs.validators.disabled():
-                try:
-                    obj = base(value, cls)
-                except BaseValidationError as exc:
-                    # report the fields that did structure but fail their validators too
-                    with_notes, without = _grouped(exc)
-                    failed = {
-                        _key_of(cls, note.name)
-                        for _, note in with_notes
-                        if isinstance(note, AttributeValidationNote)
-                    }
-                    own = _field_problems(conv, cls, value, skip=failed)
-                    problems = list(_noted_problems(exc, ()))
-                    for sub in without:
-                        # __attrs_post_init__'s own errors are left out when a field fails its
-                        # validator: the check ran on a value already refused (validators are
-                        # off while structuring) and would only repeat it (`integer modulo by
-                        # zero`); unknown keys are always said
-                        if not own or isinstance(sub, ForbiddenExtraKeysError):
-                            problems += _problems_from(sub, (), None)
-                    raise _NestedProblems(problems + own) from None
-                except ConfigValueError as exc:  # a cross-field check in __attrs_post_init__
-                    own = _field_problems(conv, cls, value, skip=set())
-                    raise _NestedProblems(own or [Problem(exc.path, str(exc))]) from None
-            problems = []
-            for a in validated:
-                try:
-                    a.validator(obj, a, getattr(obj, a.name))
-                except (ValueError, TypeError) as exc:
-                    problems.append(Problem((yaml_key(a),), _validator_message(exc)))
-            if problems:
-                raise _NestedProblems(problems)
-            return obj
-
-        return structure
-
-    def choice_hook(cls: type[Choice]) -> Any:
-        def structure(value: Any, _: type) -> Choice:
-            if plugins is None:
-                raise TypeError(f"no plugin registry to choose a {cls.plugin_kind} kind from")
-            if not isinstance(value, Mapping):
-                raise _expect(f"a mapping with a 'kind' key naming a {cls.plugin_kind}", value)
-            kind = value.get("kind")
-            if kind is None:
-                known = ", ".join(plugins.registry(cls.plugin_kind).names()) or "none installed"
-                raise _NestedProblems(
-                    [Problem(("kind",), f"missing; known {cls.plugin_kind} kinds: {known}")]
-                )
-            if type(kind) is not str:
-                raise _NestedProblems([Problem(("kind",), str(_expect("str", kind)))])
-            try:
-                entry = plugins.registry(cls.plugin_kind).get(kind)
-            except UserError as exc:
-                raise _NestedProblems([Problem(("kind",), str(exc))]) from None
-            given = {k: v for k, v in value.items() if k != "kind"}
-            rest = {**entry.defaults, **given}
-            if entry.options is None:
-                if rest:
-                    extra = ", ".join(map(str, rest))
-                    raise _NestedProblems(
-                        [
-                            Problem((k,), f"{cls.plugin_kind} {kind!r} takes no options ({extra})")
-                            for k in rest
-                        ]
-                    )
-                return cls(kind, None)
-            if isinstance(value, _Lined):
-                rest = _Lined(rest)
-                rest.lines = value.lines
-            return cls(kind, conv.structure(rest, entry.options))
-
-        return structure
-
-    def literal_hook(cls: Any) -> Any:
-        allowed = typing.get_args(cls)
-
-        def structure(value: Any, _: type) -> Any:
-            if not any(type(value) is type(a) and value == a for a in allowed):
-                choices = ", ".join(repr(a) for a in allowed)
-                raise ValueError(f"expected one of {choices}, got {_shown(value)}")
-            return value
-
-        return structure
-
-    def list_hook(cls: Any) -> Any:
-        from cattrs.cols import list_structure_factory
-
-        items = list_structure_factory(cls, conv)
-
-        def structure(value: Any, _: type) -> Any:
-            # cattrs would take a string as its characters and a mapping as its keys
-            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-                raise _expect("a list", value)
-            return items(value, cls)
-
-        return structure
-
-    def tuple_hook(cls: Any) -> Any:
-        args = typing.get_args(cls)
-        fixed = bool(args) and args[-1] is not Ellipsis
-
-        def structure(value: Any, _: type) -> Any:
-            # cattrs would take a string as its characters, and name a short list's length
-            # only as "not enough values"
-            if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
-                raise _expect(f"a list of {len(args)}" if fixed else "a list", value)
-            items = list(value)
-            if fixed and len(items) != len(args):
-                raise ValueError(f"expected a list of {len(args)}, got {_shown(items)}")
-            return conv._structure_tuple(items, cls)
-
-        return structure
-
-    conv.register_structure_hook_factory(_origin_is(list), list_hook)
-    conv.register_structure_hook_factory(_origin_is(tuple), tuple_hook)
-    conv.register_structure_hook_factory(_origin_is(Literal), literal_hook)
-    conv.register_structure_hook_factory(is_attrs, attrs_hook)
+    conv.register_structure_hook_factory(_origin_is(list), lambda cls: _list_hook(conv, cls))
+    conv.register_structure_hook_factory(_origin_is(tuple), lambda cls: _tuple_hook(conv, cls))
+    conv.register_structure_hook_factory(_origin_is(Literal), _literal_hook)
+    conv.register_structure_hook_factory(_is_options, lambda cls: _attrs_hook(conv, cls))
     conv.register_unstructure_hook_factory(
-        is_attrs, lambda cls: make_dict_unstructure_fn(cls, conv, **_renames(cls))
+        _is_options, lambda cls: make_dict_unstructure_fn(cls, conv, **_renames(cls))
     )
-    conv.register_structure_hook_factory(
-        lambda cls: isinstance(cls, type) and issubclass(cls, Choice), choice_hook
-    )
+    conv.register_structure_hook_factory(_is_choice, lambda cls: _choice_hook(conv, plugins, cls))
     conv.register_unstructure_hook_factory(
-        lambda cls: isinstance(cls, type) and issubclass(cls, Choice),
+        _is_choice,
         lambda cls: lambda c: {"kind": c.kind, **(conv.unstructure(c.options) or {})},
     )
     return conv
+
+
+def _is_options(cls: Any) -> bool:
+    """An attrs class structured field by field (a `Choice` is structured by its kind)."""
+    return isinstance(cls, type) and attrs.has(cls) and not issubclass(cls, Choice)
+
+
+def _is_choice(cls: Any) -> bool:
+    return isinstance(cls, type) and issubclass(cls, Choice)
+
+
+def _attrs_hook(conv: cattrs.Converter, cls: type) -> Any:
+    """Structure an attrs class with its validators run after every field has structured, so
+    one error lists every field's problem (cattrs would stop at the first validator)."""
+    base: cattrs.SimpleStructureHook[Mapping[str, Any], Any] = make_dict_structure_fn(
+        cls, conv, **_renames(cls)
+    )
+    validated = [a for a in attrs.fields(cls) if a.validator is not None]
+
+    def structure(value: Any, _: type) -> Any:
+        if not isinstance(value, Mapping):
+            raise _expect("a mapping", value)
+        with attrs.validators.disabled():
+            try:
+                obj = base(value, cls)
+            except BaseValidationError as exc:
+                raise _NestedProblems(_structure_problems(conv, cls, value, exc)) from None
+            except ConfigValueError as exc:  # a cross-field check in __attrs_post_init__
+                own = _field_problems(conv, cls, value, skip=set())
+                raise _NestedProblems(own or [Problem(exc.path, str(exc))]) from None
+        problems = []
+        for a in validated:
+            try:
+                a.validator(obj, a, getattr(obj, a.name))
+            except (ValueError, TypeError) as exc:
+                problems.append(Problem((yaml_key(a),), _validator_message(exc)))
+        if problems:
+            raise _NestedProblems(problems)
+        return obj
+
+    return structure
+
+
+def _structure_problems(
+    conv: cattrs.Converter, cls: type, value: Mapping[str, Any], exc: BaseValidationError
+) -> list[Problem]:
+    """cattrs' errors for `value`, plus the validator problems of the fields that did
+    structure."""
+    with_notes, without = _grouped(exc)
+    failed = {
+        _key_of(cls, note.name)
+        for _, note in with_notes
+        if isinstance(note, AttributeValidationNote)
+    }
+    own = _field_problems(conv, cls, value, skip=failed)
+    problems = list(_noted_problems(exc, ()))
+    for sub in without:
+        # __attrs_post_init__'s own errors are left out when a field fails its validator: the
+        # check ran on a value already refused (validators are off while structuring) and
+        # would only repeat it (`integer modulo by zero`); unknown keys are always said
+        if not own or isinstance(sub, ForbiddenExtraKeysError):
+            problems += _problems_from(sub, (), None)
+    return problems + own
+
+
+def _choice_hook(conv: cattrs.Converter, plugins: PluginManager | None, cls: type[Choice]) -> Any:
+    """Structure a `Choice`: its `kind` looked up in `plugins`, the other keys (over the
+    entry's defaults) structured as that kind's options."""
+
+    def structure(value: Any, _: type) -> Choice:
+        if plugins is None:
+            raise TypeError(f"no plugin registry to choose a {cls.plugin_kind} kind from")
+        if not isinstance(value, Mapping):
+            raise _expect(f"a mapping with a 'kind' key naming a {cls.plugin_kind}", value)
+        kind = _kind_of(value, plugins, cls.plugin_kind)
+        try:
+            entry = plugins.registry(cls.plugin_kind).get(kind)
+        except UserError as exc:
+            raise _NestedProblems([Problem(("kind",), str(exc))]) from None
+        given = {k: v for k, v in value.items() if k != "kind"}
+        rest = {**entry.defaults, **given}
+        if entry.options is None:
+            if rest:
+                extra = ", ".join(map(str, rest))
+                raise _NestedProblems(
+                    [
+                        Problem((k,), f"{cls.plugin_kind} {kind!r} takes no options ({extra})")
+                        for k in rest
+                    ]
+                )
+            return cls(kind, None)
+        if isinstance(value, _Lined):
+            rest = _Lined(rest)
+            rest.lines = value.lines
+        return cls(kind, conv.structure(rest, entry.options))
+
+    return structure
+
+
+def _kind_of(value: Mapping[str, Any], plugins: PluginManager, plugin_kind: str) -> str:
+    """A choice's `kind` key, a string; missing, the error lists the installed kinds."""
+    kind = value.get("kind")
+    if kind is None:
+        known = ", ".join(plugins.registry(plugin_kind).names()) or "none installed"
+        raise _NestedProblems([Problem(("kind",), f"missing; known {plugin_kind} kinds: {known}")])
+    if type(kind) is not str:
+        raise _NestedProblems([Problem(("kind",), str(_expect("str", kind)))])
+    return kind
+
+
+def _literal_hook(cls: Any) -> Any:
+    allowed = typing.get_args(cls)
+
+    def structure(value: Any, _: type) -> Any:
+        if not any(type(value) is type(a) and value == a for a in allowed):
+            choices = ", ".join(repr(a) for a in allowed)
+            raise ValueError(f"expected one of {choices}, got {_shown(value)}")
+        return value
+
+    return structure
+
+
+def _list_hook(conv: cattrs.Converter, cls: Any) -> Any:
+    from cattrs.cols import list_structure_factory
+
+    items = list_structure_factory(cls, conv)
+
+    def structure(value: Any, _: type) -> Any:
+        # cattrs would take a string as its characters and a mapping as its keys
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+            raise _expect("a list", value)
+        return items(value, cls)
+
+    return structure
+
+
+def _tuple_hook(conv: cattrs.Converter, cls: Any) -> Any:
+    args = typing.get_args(cls)
+    fixed = bool(args) and args[-1] is not Ellipsis
+
+    def structure(value: Any, _: type) -> Any:
+        # cattrs would take a string as its characters, and name a short list's length only as
+        # "not enough values"
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+            raise _expect(f"a list of {len(args)}" if fixed else "a list", value)
+        items = list(value)
+        if fixed and len(items) != len(args):
+            raise ValueError(f"expected a list of {len(args)}, got {_shown(items)}")
+        return conv._structure_tuple(items, cls)
+
+    return structure
 
 
 def _origin_is(origin: object) -> Callable[[Any], bool]:
