@@ -366,21 +366,11 @@ def pack(
     workers = workers or default_workers()
     if split_bytes is None:  # enough tasks that the last ones do not run alone
         split_bytes = int(min(MAX_SPLIT_BYTES, max(1 << 20, total_bytes // (workers * 8))))
-    if max_doc_bytes < 0:
-        raise UserError(f"--max-doc-bytes {max_doc_bytes}: give 0 (no limit) or more bytes")
-    if chunk_tokens < 1 or shard_chunks < 0 or split_bytes < 1 or batch_docs < 1:
-        raise UserError(
-            f"chunk_tokens ({chunk_tokens}), split size ({split_bytes} bytes) and batch_docs "
-            f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
-        )
+    _check_sizes(max_doc_bytes, chunk_tokens, shard_chunks, split_bytes, batch_docs)
     compressors(compression)  # a bad spelling is an error before any work
     # the workers start now: they import while the tokenizer is built and checked here
     with _Workers(_workers_for(sources, split_bytes, workers), storage_options) as pool:
-        plugins = plugins or PluginManager().load_entry_points()
-        raw = dict(tokenizer)
-        if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
-            raw["path"] = os.path.abspath(raw["path"])  # so the stored spec works from anywhere
-        tok = tokenizer_from_raw(raw, plugins)
+        raw, tok = _built_tokenizer(tokenizer, plugins)
         token_type = token_dtype(tok.vocab_size, dtype)
         settings = PackSettings(
             field,
@@ -419,59 +409,118 @@ def pack(
                 loss_mask=chat is not None,
                 origins=chat is None,
             )
-            try:
-                counts = _write(
-                    sources, settings, pool, encoder, storage_options, writer, split_bytes, meter
+            work = _Work(sources, settings, pool, storage_options, writer, split_bytes, meter)
+            counts, encoder = _write_checked(work, encoder, tok, raw)
+            if chat is not None and not counts["counts"]["documents"]:
+                raise PackError(
+                    f"no conversation of {', '.join(inputs)} was kept "
+                    f"({counts['counts']['too_long']} too long, {counts['counts']['bad_lines']} "
+                    "bad); nothing was written"
                 )
-            except _FastDiffers as differs:
-                log.warning(
-                    "pack.fast_encoder_differs", document=differs.args[0], using="reference"
-                )
-                encoder = _reference_encoder(tok, raw)
-                meter.reset()
-                counts = _write(
-                    sources, settings, pool, encoder, storage_options, writer, split_bytes, meter
-                )
-            extra = {}
-            if chat is not None:
-                extra["chat"] = chat.to_meta()
-                if not counts["counts"]["documents"]:
-                    raise PackError(
-                        f"no conversation of {', '.join(inputs)} was kept "
-                        f"({counts['counts']['too_long']} too long, {counts['counts']['bad_lines']} "
-                        "bad); nothing was written"
-                    )
-            out.commit(
-                {
-                    **extra,
-                    "format": FORMAT,
-                    "version": FORMAT_VERSION if chat is not None else 1,
-                    "tokenizer": {
-                        "name": tok.name,
-                        "fingerprint": tok.fingerprint,
-                        "vocab_size": tok.vocab_size,
-                        "eod_id": tok.eod_id,
-                        "spec": {k: v for k, v in raw.items() if k != "fast"},
-                    },
-                    "dtype": token_type.name,
-                    "field": None if chat is not None else field,
-                    "sources": [
-                        {**s.to_meta(), **tally}
-                        for s, tally in zip(sources, counts["per_file"], strict=True)
-                    ],
-                    "filter": {"where": list(filters.expressions)} if filters.expressions else None,
-                    "counts": counts["counts"],
-                    "bad_lines": counts["bad_lines"],
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                }
-            )
+            out.commit(_metadata(tok, raw, token_type.name, settings, sources, counts))
         except BaseException as exc:
             out.abort(exc)
             raise
         finally:
             if meter is not None:
                 meter.close()
-    c = counts["counts"]
+    return _summary(output, counts["counts"], total_bytes, started, encoder.name)
+
+
+def _check_sizes(
+    max_doc_bytes: int,
+    chunk_tokens: int,
+    shard_chunks: int,
+    split_bytes: int,
+    batch_docs: int,
+) -> None:
+    """The sizes, refused by name before any work."""
+    if max_doc_bytes < 0:
+        raise UserError(f"--max-doc-bytes {max_doc_bytes}: give 0 (no limit) or more bytes")
+    if chunk_tokens < 1 or shard_chunks < 0 or split_bytes < 1 or batch_docs < 1:
+        raise UserError(
+            f"chunk_tokens ({chunk_tokens}), split size ({split_bytes} bytes) and batch_docs "
+            f"({batch_docs}) must be at least 1, shard_chunks ({shard_chunks}) at least 0"
+        )
+
+
+def _built_tokenizer(
+    tokenizer: Mapping[str, Any], plugins: PluginManager | None
+) -> tuple[dict[str, Any], Any]:
+    """The tokenizer's spec as the dataset stores it (a local path made absolute, so the spec
+    works from anywhere) and the tokenizer built from it."""
+    plugins = plugins or PluginManager().load_entry_points()
+    raw = dict(tokenizer)
+    if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
+        raw["path"] = os.path.abspath(raw["path"])
+    return raw, tokenizer_from_raw(raw, plugins)
+
+
+@attrs.frozen
+class _Work:
+    """What `_write` needs besides the encoder: the inputs, how to read them, where to."""
+
+    sources: Sequence[Source]
+    settings: PackSettings
+    pool: _Workers
+    storage_options: dict[str, Any]
+    writer: DatasetWriter
+    split_bytes: int
+    meter: Progress
+
+
+def _write_checked(
+    work: _Work, encoder: _Encoder, tok: Any, raw: dict[str, Any]
+) -> tuple[dict[str, Any], _Encoder]:
+    """The counts of writing every input, and the encoder that wrote them: when the fast
+    encoder fails its check on the sample, the pack starts over with the reference encoder."""
+    try:
+        return _write(work, encoder), encoder
+    except _FastDiffers as differs:
+        log.warning("pack.fast_encoder_differs", document=differs.args[0], using="reference")
+    encoder = _reference_encoder(tok, raw)
+    work.meter.reset()
+    return _write(work, encoder), encoder
+
+
+def _metadata(
+    tok: Any,
+    raw: dict[str, Any],
+    dtype: str,
+    settings: PackSettings,
+    sources: Sequence[Source],
+    counts: dict[str, Any],
+) -> dict[str, Any]:
+    """The dataset's metadata: format, tokenizer, dtype, sources with their tallies, counts."""
+    chat, expressions = settings.chat, settings.where
+    extra = {} if chat is None else {"chat": chat.to_meta()}
+    return {
+        **extra,
+        "format": FORMAT,
+        "version": FORMAT_VERSION if chat is not None else 1,
+        "tokenizer": {
+            "name": tok.name,
+            "fingerprint": tok.fingerprint,
+            "vocab_size": tok.vocab_size,
+            "eod_id": tok.eod_id,
+            "spec": {k: v for k, v in raw.items() if k != "fast"},
+        },
+        "dtype": dtype,
+        "field": None if chat is not None else settings.field,
+        "sources": [
+            {**s.to_meta(), **tally} for s, tally in zip(sources, counts["per_file"], strict=True)
+        ],
+        "filter": {"where": list(expressions)} if expressions else None,
+        "counts": counts["counts"],
+        "bad_lines": counts["bad_lines"],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def _summary(
+    output: str, c: dict[str, Any], total_bytes: int, started: float, encoder: str
+) -> PackSummary:
+    """The counts `pack` returns, logged as `pack.done`."""
     summary = PackSummary(
         output,
         c["documents"],
@@ -481,7 +530,7 @@ def pack(
         c["blank_lines"],
         total_bytes,
         time.perf_counter() - started,
-        encoder.name,
+        encoder,
         c.get("dropped", 0),
     )
     log.info(
@@ -548,18 +597,16 @@ def _check_formats(sources: Sequence[Source], chat: ChatSettings | None, filters
             )
 
 
-def _write(
-    sources: Sequence[Source],
-    settings: PackSettings,
-    pool: _Workers,
-    encoder: _Encoder,
-    storage_options: dict[str, Any],
-    writer: DatasetWriter,
-    split_bytes: int,
-    meter: Progress,
-) -> dict[str, Any]:
+def _write(work: _Work, encoder: _Encoder) -> dict[str, Any]:
     """Run the tasks and append their documents in task order; returns counts, bad records and
     what each input file gave (kept, dropped by the filter, bad)."""
+    sources, settings, pool, writer, meter = (
+        work.sources,
+        work.settings,
+        work.pool,
+        work.writer,
+        work.meter,
+    )
     tasks_by_index: dict[int, Task] = {}
     numbers = LineNumbers()
     empty = blank = too_long = 0
@@ -597,7 +644,9 @@ def _write(
             tasks_by_index[task.index] = task
             yield task
 
-    plan = plan_tasks(sources, split_bytes, storage_options, skip_bad=skip, bad_files=bad_files)
+    plan = plan_tasks(
+        sources, work.split_bytes, work.storage_options, skip_bad=skip, bad_files=bad_files
+    )
     results = pool.run(remember(plan), settings, encoder.for_workers)
     for result in _settled_first(results, encoder):
         task = tasks_by_index.pop(result.index)
