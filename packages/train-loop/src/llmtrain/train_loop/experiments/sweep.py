@@ -155,14 +155,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    if args.nproc_per_node < 1 or args.nodes < 1:
-        raise UserError("--nproc-per-node and --nodes must be at least 1")
-    if args.nodes > 1 and args.launch != "slurm":
-        raise UserError("--nodes > 1 needs --launch slurm (a run here or printed is one node)")
-    if args.gpus_per_node is not None and args.launch != "slurm":
-        raise UserError("--gpus-per-node is for --launch slurm (what the job script asks for)")
-    if args.gpus_per_node is not None and args.gpus_per_node < 0:
-        raise UserError(f"--gpus-per-node must be 0 (a CPU job) or more, got {args.gpus_per_node}")
+    _check_launch_flags(args)
     axes = axes_from(args.grid, args.zip, args.seeds)
     name = args.name or _base_name(args.config, args.overrides)
     if not name or "/" in name:
@@ -184,10 +177,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     # dry runs write nothing: the places only must not be taken by files
     check_sweep_dir(planned, sweep_dir, f"--dir {args.dir}", writable=not args.dry_run)
 
-    def say(text: str) -> None:
-        print(text, file=sys.stderr, flush=True)
-
-    say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
+    _say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
     if rungs:
         ladder_table = ladder.table([(run.id, _rung_of(run, rungs)) for run in planned])
         print(ladder_table, file=sys.stdout if args.dry_run else sys.stderr, flush=True)
@@ -196,7 +186,33 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             for run in planned:
                 print(run.id)
         return 0
-    meta = {
+    write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs))
+    pending = [r for r in planned if not _finished(r.path(sweep_dir))]
+    if args.launch == "print":
+        return _print_commands(planned, pending, sweep_dir, world)
+    if args.launch == "slurm":
+        return _write_slurm_script(args, name, planned, pending, sweep_dir)
+    return _run_here(name, planned, sweep_dir, args.nproc_per_node)
+
+
+def _check_launch_flags(args: argparse.Namespace) -> None:
+    """The process counts, and the flags that only a SLURM launch takes."""
+    if args.nproc_per_node < 1 or args.nodes < 1:
+        raise UserError("--nproc-per-node and --nodes must be at least 1")
+    if args.nodes > 1 and args.launch != "slurm":
+        raise UserError("--nodes > 1 needs --launch slurm (a run here or printed is one node)")
+    if args.gpus_per_node is not None and args.launch != "slurm":
+        raise UserError("--gpus-per-node is for --launch slurm (what the job script asks for)")
+    if args.gpus_per_node is not None and args.gpus_per_node < 0:
+        raise UserError(f"--gpus-per-node must be 0 (a CPU job) or more, got {args.gpus_per_node}")
+
+
+def _manifest_meta(
+    args: argparse.Namespace, name: str, axes: Sequence[Axis], rungs: Sequence[ladder.Rung]
+) -> dict[str, Any]:
+    """What manifest.json says of the sweep besides its runs: base, overrides, command, axes
+    and the ladder's rungs."""
+    meta: dict[str, Any] = {
         "name": name,
         "base": str(Path(args.config).resolve()),
         "overrides": list(args.overrides),
@@ -205,49 +221,66 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     }
     if rungs:
         meta["ladder"] = [{"label": r.label, **r.record()} for r in rungs]
-    write(planned, sweep_dir, meta)
-    pending = [r for r in planned if not _finished(r.path(sweep_dir))]
-    if args.launch == "print":
-        for run in pending:
-            print(
-                shlex.join(
-                    run_command(run.path(sweep_dir) / "config.yaml", world, executable=False)
-                )
-            )
-        say(f"{len(planned) - len(pending)} finished, {len(pending)} to run")
+    return meta
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _print_commands(
+    planned: Sequence[PlannedRun], pending: Sequence[PlannedRun], sweep_dir: Path, world: int
+) -> int:
+    """--launch print: the command of each run still to go, on stdout."""
+    for run in pending:
+        print(shlex.join(run_command(run.path(sweep_dir) / "config.yaml", world, executable=False)))
+    _say(f"{len(planned) - len(pending)} finished, {len(pending)} to run")
+    return 0
+
+
+def _write_slurm_script(
+    args: argparse.Namespace,
+    name: str,
+    planned: Sequence[PlannedRun],
+    pending: Sequence[PlannedRun],
+    sweep_dir: Path,
+) -> int:
+    """--launch slurm: a job-array script of the runs still to go, and the command to submit it."""
+    if not pending:
+        _say("every run has finished; no script written")
         return 0
-    if args.launch == "slurm":
-        if not pending:
-            say("every run has finished; no script written")
-            return 0
-        script = sweep_dir / "sweep.sbatch"
-        write_atomically(
-            script,
-            slurm_script(
-                name,
-                [r.path(sweep_dir) / "config.yaml" for r in pending],
-                nodes=args.nodes,
-                nproc=args.nproc_per_node,
-                gpus_per_node=(
-                    args.nproc_per_node if args.gpus_per_node is None else args.gpus_per_node
-                ),
-                options=args.slurm,
-                max_parallel=args.max_parallel,
-                sweep_dir=sweep_dir,
+    script = sweep_dir / "sweep.sbatch"
+    write_atomically(
+        script,
+        slurm_script(
+            name,
+            [r.path(sweep_dir) / "config.yaml" for r in pending],
+            nodes=args.nodes,
+            nproc=args.nproc_per_node,
+            gpus_per_node=(
+                args.nproc_per_node if args.gpus_per_node is None else args.gpus_per_node
             ),
-        )
-        say(f"{len(pending)} runs to go ({len(planned) - len(pending)} finished); submit with:")
-        print(f"sbatch {shlex.quote(str(script))}")
-        return 0
-    failed = run_here(planned, sweep_dir, args.nproc_per_node)
+            options=args.slurm,
+            max_parallel=args.max_parallel,
+            sweep_dir=sweep_dir,
+        ),
+    )
+    _say(f"{len(pending)} runs to go ({len(planned) - len(pending)} finished); submit with:")
+    print(f"sbatch {shlex.quote(str(script))}")
+    return 0
+
+
+def _run_here(name: str, planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> int:
+    """--launch here: every unfinished run, one after another; 1 if any failed."""
+    failed = run_here(planned, sweep_dir, nproc)
     done = len(planned) - len(failed)
     if failed:
-        say(f"sweep {name}: {done} of {len(planned)} runs finished; {len(failed)} failed:")
+        _say(f"sweep {name}: {done} of {len(planned)} runs finished; {len(failed)} failed:")
         for run_id, why in failed:
-            say(f"  {run_id}: {why}")
-        say("fix the cause and run the same `llmtrain sweep` again: finished runs are skipped")
+            _say(f"  {run_id}: {why}")
+        _say("fix the cause and run the same `llmtrain sweep` again: finished runs are skipped")
         return 1
-    say(
+    _say(
         f"sweep {name}: all {len(planned)} runs finished; compare with: llmtrain compare {sweep_dir}"
     )
     return 0
