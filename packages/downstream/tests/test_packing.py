@@ -65,6 +65,13 @@ def test_module_runner_packs_for_llmtrain_transformers(model):
 
     assert not isinstance(module_runner(Plain()), PackedRunner)
 
+    class Undeclared(torch.nn.Module):
+        # takes the keywords but does not declare them: the contract is declared, not inspected
+        def forward(self, tokens, positions=None, attention_mask=None, logits_at=None):
+            return tokens
+
+    assert not isinstance(module_runner(Undeclared()), PackedRunner)
+
 
 class Laid:
     """A one-process stand-in for a model laid out over the mesh: `evaluate` runs its one

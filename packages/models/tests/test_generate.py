@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmtrain.core_mesh.conformance import protocol_mismatches
+from llmtrain.core_mesh.interfaces import LanguageModel
 from llmtrain.models.config import TransformerConfig
 from llmtrain.models.generate import generate
 from llmtrain.models.transformer import Transformer
@@ -136,3 +138,40 @@ def test_top_k_samples_only_among_the_k_best(model, prompt):
     for i in range(PROMPT_LEN, PROMPT_LEN + NEW):
         best = logits[i - 1].topk(3).indices.tolist()
         assert out[0, i].item() in best
+
+
+def test_the_transformer_keeps_the_language_model_contract(model):
+    """core-mesh's LanguageModel, what generate, eval, downstream scoring and lm-eval use."""
+    assert protocol_mismatches(Transformer, LanguageModel) == []
+    assert isinstance(model, LanguageModel) and model.options is model.cfg
+    assert Transformer.packed_rows
+    # the state dict is the weights: the RoPE tables are buffers, computed, not kept
+    assert not {"rope_cos", "rope_sin"} & set(model.state_dict())
+    assert len(model.new_cache(1, 16)) == model.cfg.n_layers
+
+
+class Cacheless(torch.nn.Module):
+    """A model with no KV cache that takes no keyword input: the contract's least."""
+
+    packed_rows = False
+
+    def __init__(self, inner: Transformer):
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def options(self) -> TransformerConfig:
+        return self.inner.cfg
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens)
+
+    def new_cache(self, batch: int, max_len: int) -> None:
+        return None
+
+
+def test_a_model_without_a_cache_generates_by_rerunning_the_prefix(model, prompt, greedy):
+    assert protocol_mismatches(Cacheless, LanguageModel) == []
+    cacheless = Cacheless(model).train()
+    assert torch.equal(generate(cacheless, prompt, NEW, temperature=0), greedy)
+    assert cacheless.training  # the mode it was in is given back

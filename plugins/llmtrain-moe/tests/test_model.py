@@ -16,7 +16,7 @@ from llmtrain_moe.options import PRESETS, MoEOptions, preset_options
 
 from llmtrain.core_mesh.config import Choice, ConfigError, structure
 from llmtrain.core_mesh.conformance import protocol_mismatches
-from llmtrain.core_mesh.interfaces import ModelOptions
+from llmtrain.core_mesh.interfaces import LanguageModel, ModelOptions
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models.generate import generate
 
@@ -233,6 +233,15 @@ def test_the_options_are_what_the_trainer_reads():
     assert protocol_mismatches(MoEOptions, ModelOptions) == []
     assert {"aux_loss_weight", "expert_matmul"} <= MoEOptions.training_only
     assert MoEOptions.training_only <= {a.name for a in attrs.fields(MoEOptions)}
+
+
+def test_the_model_keeps_the_language_model_contract():
+    """core-mesh's LanguageModel (generate, eval, downstream scoring, lm-eval): the MoE model
+    reuses the Transformer's forward and cache with its own block."""
+    assert protocol_mismatches(MoETransformer, LanguageModel) == []
+    model = build_model(preset_options("moe-tiny"))
+    assert isinstance(model, LanguageModel) and model.options == preset_options("moe-tiny")
+    assert MoETransformer.packed_rows
 
 
 @attrs.frozen

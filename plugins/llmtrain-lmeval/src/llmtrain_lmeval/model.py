@@ -12,7 +12,8 @@ llmtrain's downstream scorer, so the harness's numbers and `llmtrain eval-tasks`
 - `generate_until`: `llmtrain.models.generate.generate`, greedy unless the task samples, cut at
   the first stop string.
 
-One process; `device` (default: cuda when there is one) and `dtype` choose where it runs.
+The checkpoint may hold any model that keeps `llmtrain.core_mesh.interfaces.LanguageModel`'s
+contract (the Transformer, the MoE model, a plugin's own). One process; `device` (default: cuda when there is one) and `dtype` choose where it runs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.downstream.requests import Request, option_requests, rolling_requests
 from llmtrain.downstream.scoring import Batching, Score, module_runner, score
 from llmtrain.models.generate import generate
-from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
+from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,7 +81,7 @@ class LLMTrainLM(LM):  # type: ignore[misc]
         model, info, self.step = load_model(str(checkpoint), step, plugins)
         self.checkpoint = str(checkpoint)
         self.tokenizer = tokenizer_of(info, tokenizer, plugins)
-        options = plugins.options_of("model", model_choice(info["model"], plugins))
+        options = model.options  # what lm-eval needs of a model: `LanguageModel`
         self.max_length = int(max_length or options.max_seq_len)
         if self.max_length > options.max_seq_len:
             raise UserError(

@@ -216,6 +216,44 @@ class ModelOptions(Protocol):
     def doc_masking(self) -> bool: ...
 
 
+# --- the model contract: what the commands that use a trained model need of it ---
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    """What generation (`llmtrain generate`), held-out eval (`llmtrain eval`), downstream scoring
+    (`eval-tasks`, the `downstream` callback) and lm-eval need of the module a `model` plugin
+    builds (a torch Module; training needs `describe()` and `init_weights()` besides):
+
+    - `model(tokens, /, **inputs)` (torch runs `forward`): logits (B, T, V >= vocab_size) for
+      tokens (B, T); ids at or past `options.vocab_size` are padding and never sampled. Keyword
+      inputs are passed only where declared: `doc_starts=` when `options.doc_masking`;
+      `positions=`, `attention_mask=`, `logits_at=` together when `packed_rows`; `cache=` and
+      `start_pos=` with a cache `new_cache` returned.
+    - `options`: the `ModelOptions` it was built with (`vocab_size`, `max_seq_len`).
+    - `packed_rows`: forward takes `positions` (B, T), `attention_mask` (B, T, T) and
+      `logits_at` (B, T) and returns the logits of the `logits_at` tokens only, so downstream
+      scoring packs a question's options after one copy of their context; False: one row a
+      request.
+    - `new_cache(batch, max_len, /)`: a cache for incremental decoding, or None. With one,
+      `model(new_tokens, cache=c, start_pos=p)` continues after the p tokens already run;
+      without, `generate` reruns the whole prefix for each new token.
+    - the state dict is the weights: buffers computed from the options (RoPE tables, masks) are
+      registered with `persistent=False`, so a checkpoint loads strictly.
+    """
+
+    packed_rows: ClassVar[bool]
+
+    @property
+    def options(self) -> ModelOptions: ...
+
+    def __call__(self, tokens: Any, /, **inputs: Any) -> Any: ...
+
+    def forward(self, tokens: Any, /) -> Any: ...
+
+    def new_cache(self, batch: int, max_len: int, /) -> Any | None: ...
+
+
 @runtime_checkable
 class ParallelModel(Protocol):
     """A model laid out over the device mesh (what a `ParallelStrategy` returns): the parts this

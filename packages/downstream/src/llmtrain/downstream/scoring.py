@@ -10,7 +10,6 @@ the results are gathered over the data ranks and checked: every request scored e
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -70,8 +69,8 @@ Logits = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 class PackedRunner:
     """Scores packed rows (`llmtrain.downstream.packing`: an item's options after one copy of
     their context). `logits(tokens, inputs)` runs the model with the keyword inputs
-    `positions`, `attention_mask` and `logits_at` (llmtrain's transformers take them) and
-    returns the logits of only the positions where a target is predicted."""
+    `positions`, `attention_mask` and `logits_at` (a model whose `packed_rows` is True takes
+    them) and returns the logits of only the positions where a target is predicted."""
 
     logits: Logits
 
@@ -88,9 +87,10 @@ class PackedRunner:
         )
 
 
-def takes_packed_rows(model: torch.nn.Module) -> bool:
-    parameters = inspect.signature(model.forward).parameters
-    return all(name in parameters for name in ("positions", "attention_mask", "logits_at"))
+def takes_packed_rows(model: object) -> bool:
+    """Whether the model declares that its forward takes packed rows (`LanguageModel.packed_rows`:
+    `positions`, `attention_mask` and `logits_at`); a module that declares nothing does not."""
+    return bool(getattr(model, "packed_rows", False))
 
 
 def module_runner(model: torch.nn.Module) -> Runner | PackedRunner:

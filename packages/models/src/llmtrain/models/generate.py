@@ -1,13 +1,15 @@
-"""Sampling text from a model: KV cache, temperature, top-k, top-p, stop at the end of a document
-or of a chat turn."""
+"""Sampling text from a model (any `interfaces.LanguageModel`, not only the Transformer): its KV
+cache when it has one, temperature, top-k, top-p, stop at the end of a document or of a chat
+turn."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from llmtrain.models.transformer import Transformer
+from llmtrain.core_mesh.interfaces import LanguageModel
 
 
 def sample_next(
@@ -38,9 +40,23 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+@contextlib.contextmanager
+def _evaluating(model: object) -> Iterator[None]:
+    """Eval mode (no dropout) for the duration, the mode before restored after."""
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: LanguageModel,
     prompt: torch.Tensor,
     max_new_tokens: int,
     *,
@@ -58,36 +74,36 @@ def generate(
 
     temperature 0 is greedy. Generation also stops at the model's max_seq_len. `vocab_size`
     (the tokenizer's) keeps sampling to ids the tokenizer has when the model's table is larger.
+    A model whose `new_cache` returns None (or `use_cache=False`) reruns the whole prefix for
+    each new token.
     """
     if prompt.dim() != 2 or prompt.size(0) != 1:
         raise ValueError(f"prompt must have shape (1, T), got {tuple(prompt.shape)}")
-    cfg = model.cfg
-    if prompt.size(1) >= cfg.max_seq_len:
+    options = model.options
+    if prompt.size(1) >= options.max_seq_len:
         raise ValueError(
-            f"prompt of {prompt.size(1)} tokens leaves no room in max_seq_len={cfg.max_seq_len}"
+            f"prompt of {prompt.size(1)} tokens leaves no room in max_seq_len={options.max_seq_len}"
         )
-    was_training = model.training
-    model.eval()
-    max_new_tokens = min(max_new_tokens, cfg.max_seq_len - prompt.size(1))
+    max_new_tokens = min(max_new_tokens, options.max_seq_len - prompt.size(1))
     tokens = prompt
     stop = {int(i) for i in stop_ids} | ({eod_id} if eod_id is not None else set())
-    cache = model.new_cache(1, prompt.size(1) + max_new_tokens) if use_cache else None
-    logits = model(prompt, cache=cache)[:, -1]
-    for _ in range(max_new_tokens):
-        nxt = sample_next(
-            logits,
-            vocab_size=min(cfg.vocab_size, vocab_size or cfg.vocab_size),
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            generator=generator,
-        )
-        tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
-        if nxt.item() in stop or tokens.size(1) == prompt.size(1) + max_new_tokens:
-            break
-        if cache is not None:
-            logits = model(nxt.view(1, 1), cache=cache, start_pos=tokens.size(1) - 1)[:, -1]
-        else:
-            logits = model(tokens)[:, -1]
-    model.train(was_training)
+    with _evaluating(model):
+        cache = model.new_cache(1, prompt.size(1) + max_new_tokens) if use_cache else None
+        logits = (model(prompt, cache=cache) if cache is not None else model(prompt))[:, -1]
+        for _ in range(max_new_tokens):
+            nxt = sample_next(
+                logits,
+                vocab_size=min(options.vocab_size, vocab_size or options.vocab_size),
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=generator,
+            )
+            tokens = torch.cat([tokens, nxt.view(1, 1)], dim=1)
+            if nxt.item() in stop or tokens.size(1) == prompt.size(1) + max_new_tokens:
+                break
+            if cache is not None:
+                logits = model(nxt.view(1, 1), cache=cache, start_pos=tokens.size(1) - 1)[:, -1]
+            else:
+                logits = model(tokens)[:, -1]
     return tokens

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -223,7 +224,13 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    # buffers registered in __init__ when `positions: rope`
+    """A decoder-only transformer; it keeps `interfaces.LanguageModel`'s contract (forward takes
+    packed rows and a KV cache; its RoPE tables are not weights)."""
+
+    # forward takes `positions`, `attention_mask` and `logits_at` (downstream scoring packs rows)
+    packed_rows: ClassVar[bool] = True
+    # buffers registered in __init__ when `positions: rope`; computed from the options, so not
+    # persistent (not in the state dict a checkpoint keeps)
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
@@ -352,7 +359,14 @@ class Transformer(nn.Module):
             mask = index.unsqueeze(1) >= torch.arange(start_pos + T, device=device).unsqueeze(0)
         return index.unsqueeze(0), mask
 
+    @property
+    def options(self) -> TransformerConfig:
+        """The options the model was built with (`LanguageModel.options`)."""
+        return self.cfg
+
     def new_cache(self, batch: int, max_len: int) -> list[LayerCache]:
+        """One key/value cache a block for incremental decoding (`forward(..., cache=,
+        start_pos=)`)."""
         ref = next(iter(self.blocks.values())).get_submodule("attn.wk").weight
         if not isinstance(ref, torch.Tensor):
             raise TypeError(f"attn.wk.weight of the first block is a {type(ref).__name__}")

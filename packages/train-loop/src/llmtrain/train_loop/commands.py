@@ -16,11 +16,11 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import run_paths
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ModelOptions, Tokenizer
+from llmtrain.core_mesh.interfaces import LanguageModel, ModelOptions, Tokenizer
 from llmtrain.core_mesh.world import World
 from llmtrain.train_loop.lifetime import die_with_the_sweep
 from llmtrain.train_loop.model_source import load_run_config
-from llmtrain.train_loop.saved_model import load_model, model_choice, tokenizer_of
+from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 if TYPE_CHECKING:
     from llmtrain.data_pack.chat import ChatTemplate
@@ -217,7 +217,7 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _continue(model: Any, tokenizer: Any, ids: list[int], **sampling: Any) -> list[int]:
+def _continue(model: LanguageModel, tokenizer: Any, ids: list[int], **sampling: Any) -> list[int]:
     """The new token ids after `ids` (at most max_new_tokens; the stop token is included)."""
     import torch
 
@@ -237,7 +237,7 @@ def _continue(model: Any, tokenizer: Any, ids: list[int], **sampling: Any) -> li
 
 
 def sample_text(
-    model: Any,
+    model: LanguageModel,
     tokenizer: Tokenizer,
     prompt: str,
     *,
@@ -284,7 +284,7 @@ def chat_template_of(
 
 
 def chat_reply(
-    model: Any,
+    model: LanguageModel,
     tokenizer: Tokenizer,
     template: ChatTemplate,
     messages: list[dict[str, str]],
@@ -390,9 +390,7 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
     seq_len = args.seq_len or info.get("data", {}).get("seq_len")
     if seq_len is None:
         raise UserError("the checkpoint does not record its seq_len; pass --seq-len")
-    options: ModelOptions = ctx.plugins.options_of(
-        "model", model_choice(info["model"], ctx.plugins)
-    )
+    options: ModelOptions = model.options
     data = open_windows([args.data], seq_len, shuffle=False, doc_starts=options.doc_masking)
     fingerprint = info.get("data", {}).get("fingerprint")
     if fingerprint is not None and data.sources[0].dataset.fingerprint != fingerprint:
@@ -410,9 +408,10 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
             targets = tokens[:, 1:]
             if "loss_mask" in batch:  # chat data: only the counted targets
                 targets = targets.masked_fill(~torch.from_numpy(batch["loss_mask"][:, 1:]), IGNORE)
+            # document starts only to a model with doc_masking (`LanguageModel`)
             doc = batch.get("doc_starts")
-            doc_starts = torch.from_numpy(doc) if doc is not None else None
-            total += loss_fn(model(tokens[:, :-1], doc_starts=doc_starts), targets).item()
+            inputs = {"doc_starts": torch.from_numpy(doc)} if doc is not None else {}
+            total += loss_fn(model(tokens[:, :-1], **inputs), targets).item()
             count += int((targets != IGNORE).sum())
     loss = total / count
     print(

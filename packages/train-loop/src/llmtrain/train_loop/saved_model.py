@@ -13,7 +13,7 @@ from typing import Any
 
 from llmtrain.core_mesh.config import Choice, structure, unstructure
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import Tokenizer
+from llmtrain.core_mesh.interfaces import LanguageModel, Tokenizer
 from llmtrain.core_mesh.plugins import PluginManager
 
 
@@ -35,7 +35,9 @@ def load_model(
     checkpoint: str, step: int | None, plugins: PluginManager
 ) -> tuple[Any, dict[str, Any], int]:
     """The whole model (one process, CPU, float32, eval mode) with the weights of a committed
-    checkpoint (the newest, or `step`); returns (model, the checkpoint's info, step)."""
+    checkpoint (the newest, or `step`); returns (model, the checkpoint's info, step). The model
+    keeps `LanguageModel`'s contract (refused with a message when it does not), and its state
+    dict is exactly the checkpoint's weights."""
     import torch
 
     from llmtrain.checkpoint.export import load_model_weights
@@ -46,8 +48,9 @@ def load_model(
         raise UserError(f"{checkpoint}: the checkpoint does not say which model it holds")
     choice = model_choice(info["model"], plugins, source=f"{checkpoint} (model)")
     model = plugins.build("model", choice)
+    check_language_model(model, choice.kind, checkpoint)
+    # buffers that are not weights are not persistent, so nothing may be missing
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [k for k in missing if not k.endswith(("rope_cos", "rope_sin"))]
     if missing or unexpected:
         raise UserError(
             f"{checkpoint} step {step} does not fit its model: missing {missing[:5]}, "
@@ -55,6 +58,16 @@ def load_model(
         )
     model.to(torch.float32).eval()
     return model, info, step
+
+
+def check_language_model(model: object, kind: str, source: str) -> None:
+    """Refuses a model that lacks what generate and eval need of it (`LanguageModel`)."""
+    if not isinstance(model, LanguageModel):
+        raise UserError(
+            f"{source}: model kind {kind!r} builds a {type(model).__name__}, which lacks what "
+            "generate and eval need of a model (`options`, `packed_rows`, `new_cache`: see "
+            "llmtrain.core_mesh.interfaces.LanguageModel)"
+        )
 
 
 def tokenizer_of(info: Mapping[str, Any], given: str | None, plugins: PluginManager) -> Tokenizer:
