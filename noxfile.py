@@ -50,6 +50,8 @@ PLUGIN_TEST_DEPS = {"llmtrain-lmeval": ["plugins/llmtrain-hf", "lm-eval[hf]"]}
 # (datasets, evaluate, scikit-learn, ...), which no other session needs. integration_tests'
 # plugin check still installs it (without dependencies) to find its entry point.
 OWN_SESSION_PLUGINS = {"llmtrain-lmeval"}
+# a model plugin for tests only: the integration session and llmtrain-lmeval's install it
+TOY_LM = ROOT / "integration_tests" / "plugins" / "llmtrain-toy-lm"
 
 nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
@@ -154,6 +156,9 @@ def integration(session: nox.Session) -> None:
     """All packages and plugins together: multi-process gloo, object storage, CLI end to end,
     the HTML report in a headless browser."""
     install_everything(session, bytecode=True)
+    # the test model plugin that is not a Transformer (test_model_contract.py); its
+    # dependencies are installed above
+    session.install("--no-deps", str(TOY_LM))
     ensure_chromium(session)
     pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu", "--durations=25")
 

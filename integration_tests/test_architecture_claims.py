@@ -48,6 +48,7 @@ PROVIDERS: dict[str, list[tuple[str, str]]] = {
     "ParallelStrategy": [("parallel", "DefaultStrategy")],
     "ParallelModel": [("parallel", "Parallelized")],
     "ModelOptions": [("models", "TransformerConfig"), ("llmtrain-moe", "MoEOptions")],
+    "LanguageModel": [("models", "Transformer"), ("llmtrain-moe", "MoETransformer")],
     "WindowSource": [("data-pack", "TokenWindows")],
 }
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from llmtrain.core_mesh.interfaces import ParallelModel
+from llmtrain.core_mesh.interfaces import LanguageModel, ParallelModel
 from llmtrain.downstream.packing import PackedBatch, PackedRow, packed_batch, packed_rows
 from llmtrain.downstream.requests import Request
 
@@ -90,7 +90,7 @@ class PackedRunner:
 def takes_packed_rows(model: object) -> bool:
     """Whether the model declares that its forward takes packed rows (`LanguageModel.packed_rows`:
     `positions`, `attention_mask` and `logits_at`); a module that declares nothing does not."""
-    return bool(getattr(model, "packed_rows", False))
+    return isinstance(model, LanguageModel) and model.packed_rows
 
 
 def module_runner(model: torch.nn.Module) -> Runner | PackedRunner:
