@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 def llmtrain_commands(register: Register) -> None:
     register(
         "hf",
-        Command(
+        lambda _: Command(
             help="Hugging Face interop: export a checkpoint as a transformers model, import one",
             configure=configure,
             run=run,
@@ -91,7 +91,7 @@ def llmtrain_commands(register: Register) -> None:
 def llmtrain_weight_formats(register: Register) -> None:
     register(
         "hf",
-        HFWeights(),
+        lambda _: HFWeights(),
         help="a transformers model directory (config.json + safetensors): Llama, Mistral, Qwen2, "
         "Qwen3, OLMo-2 or GPT-2",
     )

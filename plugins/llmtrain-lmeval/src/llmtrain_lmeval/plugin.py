@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 def llmtrain_commands(register: Register) -> None:
     register(
         "lm-eval",
-        Command(
+        lambda _: Command(
             help="lm-evaluation-harness on a checkpoint (`lm_eval --model llmtrain`)",
             configure=configure,
             run=run,

@@ -13,7 +13,7 @@ from llmtrain.core_mesh.plugins import Register, hookimpl
 def llmtrain_commands(register: Register) -> None:
     register(
         "profile",
-        Command(
+        lambda _: Command(
             help="the top operators by self time in a run's profiler trace; on a CUDA trace "
             "the GPU time each operator launched and the top kernels",
             configure=reports.configure_profile,
@@ -22,7 +22,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "ranks",
-        Command(
+        lambda _: Command(
             help="per-rank step time, data and sync wait, memory: which rank is the slowest",
             configure=reports.configure_ranks,
             run=reports.run_ranks,
@@ -30,7 +30,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "compare",
-        Command(
+        lambda _: Command(
             help="a table of runs or sweeps: what varies, eval loss, downstream metrics, "
             "tokens/s; with --baseline each row's difference, p-value and verdict",
             configure=compare.configure,
@@ -39,7 +39,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "plot",
-        Command(
+        lambda _: Command(
             help="loss and downstream-metric curves of runs or sweeps (PNG/SVG; needs matplotlib)",
             configure=plot.configure,
             run=plot.run,
@@ -47,7 +47,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "fit",
-        Command(
+        lambda _: Command(
             help="scaling-law fits of runs varying model size and tokens: L(N, D) with "
             "bootstrap intervals, IsoFLOP optima, predictions",
             configure=fit_command.configure,
@@ -56,7 +56,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "report",
-        Command(
+        lambda _: Command(
             help="one self-contained HTML page of runs or sweeps: the verdict, the compare "
             "table with intervals and significance, curves, scaling-law fits, each run's settings",
             configure=html_report.configure,

@@ -118,7 +118,7 @@ def _list(args: argparse.Namespace, ctx: Context) -> int:
 def llmtrain_commands(register: Register) -> None:
     register(
         "export",
-        Command(
+        lambda _: Command(
             help="write a committed checkpoint's model weights as safetensors + the model options "
             "(llmtrain's format; a transformers directory: `llmtrain hf export`)",
             configure=_export_args,
@@ -127,7 +127,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "checkpoints",
-        Command(
+        lambda _: Command(
             help="list a checkpoint directory's steps and whether each is committed",
             configure=_list_args,
             run=_list,

@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 def llmtrain_commands(register: Register) -> None:
     register(
         "plugins",
-        Command(
+        lambda _: Command(
             help="list installed plugins and the ones that failed", configure=_configure, run=_run
         ),
     )

@@ -25,7 +25,7 @@ import importlib_metadata
 
 from llmtrain.core_mesh.cli_conventions import ConventionParser
 from llmtrain.core_mesh.errors import UserError, no_space, no_space_message
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import COMMAND, PluginManager
 from llmtrain.core_mesh.redact import environment_secrets, redact_text
 
 EXIT_USER_ERROR = 2
@@ -113,9 +113,9 @@ def build_parser(plugins: PluginManager) -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmtrain {version()}")
     _add_global_options(parser, default=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
-    commands = plugins.registry("command")
+    commands = plugins.registry(COMMAND)
     for entry in commands.values():
-        command: Command = entry.target
+        command = plugins.build(COMMAND, entry.name)
         sub_parser = sub.add_parser(entry.name, help=command.help, description=command.help)
         command.configure(sub_parser)
     for name in COMMAND_DISTRIBUTIONS.keys() - commands.names():
@@ -165,9 +165,9 @@ def main(argv: Sequence[str] | None = None, *, plugins: PluginManager | None = N
                 f"warning: {n} plugin problem{'s' if n > 1 else ''}; see `llmtrain plugins`",
                 file=sys.stderr,
             )
-        if args.command not in plugins.registry("command"):
+        if args.command not in plugins.registry(COMMAND):
             raise UserError(_not_installed(args.command, plugins))
-        command: Command = plugins.registry("command").get(args.command).target
+        command = plugins.build(COMMAND, args.command)
         return int(command.run(args, Context(plugins, debug)) or 0)
     except UserError as exc:
         if debug:

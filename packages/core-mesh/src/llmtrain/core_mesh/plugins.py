@@ -5,6 +5,13 @@ process. It implements hooks named `llmtrain_<kinds>(register)` and calls
 `register(name, target, options=OptionsClass, help="...")` once per entry. The built-in entries of
 every llmtrain package come through the same entry points.
 
+Every entry's target is a factory: `target(options, *args)` returns the kind's object (a
+`MetricsSink` for a logger, a `Command` for a command, ...). Each kind is a typed `Kind` key
+(`LOGGER: Kind[MetricsSink]`): `PluginManager.build(LOGGER, choice, run_info)` is typed as the
+kind's Protocol and checks at run time that the plugin's factory returned one. A command or weight
+format registered as an instance (the convention before factories) is still accepted, with a
+DeprecationWarning saying to register `lambda options: instance` instead.
+
 Loading never raises into unrelated code: a plugin that fails to import, raises inside a hook,
 names an unknown hook or registers a taken name is recorded as a `PluginProblem` and shown by
 `llmtrain plugins`. `LLMTRAIN_DISABLE_PLUGINS=a,b` blocks plugins by entry-point name.
@@ -12,16 +19,30 @@ names an unknown hook or registers a taken name is recorded as a `PluginProblem`
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, overload
 
 import attrs
 import importlib_metadata
 import pluggy
 
 from llmtrain.core_mesh.errors import UserError, did_you_mean
+from llmtrain.core_mesh.interfaces import (
+    Callback,
+    MetricsSink,
+    ParallelStrategy,
+    Task,
+    Tokenizer,
+    WeightFormat,
+)
+
+if TYPE_CHECKING:
+    from llmtrain.core_mesh.cli import Command
+    from llmtrain.core_mesh.config import Choice
 
 GROUP = "llmtrain"
 DISABLE_ENV = "LLMTRAIN_DISABLE_PLUGINS"
@@ -29,7 +50,61 @@ DISABLE_ENV = "LLMTRAIN_DISABLE_PLUGINS"
 hookspec = pluggy.HookspecMarker(GROUP)
 hookimpl = pluggy.HookimplMarker(GROUP)
 
-# kind -> the hook that registers entries of that kind
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Kind(Generic[T_co]):
+    """One plugin kind as a typed key: its name (`logger`, as configs and `llmtrain plugins` say
+    it), the hook that registers its entries, and what its entries build (`T_co`, checked at run
+    time against `product()` when that is given; None: not checked, e.g. torch objects, which
+    core-mesh does not import). `instances_ok`: a plugin may still register an instance in place
+    of a factory (commands and weight formats did before factories were the one convention)."""
+
+    __slots__ = ("hook", "instances_ok", "name", "product")
+
+    def __init__(
+        self,
+        name: str,
+        hook: str,
+        product: Callable[[], type] | None = None,
+        *,
+        instances_ok: bool = False,
+    ):
+        self.name = name
+        self.hook = hook
+        self.product = product  # a function, so a type defined above core-mesh's imports works
+        self.instances_ok = instances_ok
+
+    def __repr__(self) -> str:
+        return f"Kind({self.name!r})"
+
+
+def _command() -> type:
+    from llmtrain.core_mesh.cli import Command  # cli builds on this module
+
+    return Command
+
+
+# the torch objects (model, optimizer, schedule) are Any: core-mesh does not import torch
+MODEL: Kind[Any] = Kind("model", "llmtrain_models")
+OPTIMIZER: Kind[Any] = Kind("optimizer", "llmtrain_optimizers")
+LR_SCHEDULER: Kind[Any] = Kind("lr_scheduler", "llmtrain_lr_schedulers")
+LOGGER: Kind[MetricsSink] = Kind("logger", "llmtrain_loggers", lambda: MetricsSink)
+TOKENIZER: Kind[Tokenizer] = Kind("tokenizer", "llmtrain_tokenizers", lambda: Tokenizer)
+PARALLEL: Kind[ParallelStrategy] = Kind(
+    "parallel", "llmtrain_parallel_strategies", lambda: ParallelStrategy
+)
+COMMAND: Kind[Command] = Kind("command", "llmtrain_commands", _command, instances_ok=True)
+WEIGHTS: Kind[WeightFormat] = Kind(
+    "weights", "llmtrain_weight_formats", lambda: WeightFormat, instances_ok=True
+)
+# a callback need not subclass Callback (any object with event methods is one): train-loop
+# checks what a callback plugin built, with the run config's `callbacks[i]` in its message
+CALLBACK: Kind[Callback] = Kind("callback", "llmtrain_callbacks")
+TASK: Kind[Task] = Kind("task", "llmtrain_tasks", lambda: Task)
+
+# kind -> the hook that registers entries of that kind (configs and the CLI name kinds by string)
 KINDS: dict[str, str] = {
     "model": "llmtrain_models",
     "optimizer": "llmtrain_optimizers",
@@ -42,8 +117,36 @@ KINDS: dict[str, str] = {
     "callback": "llmtrain_callbacks",
     "task": "llmtrain_tasks",
 }
+# the kinds with a typed key; a kind added to KINDS without one builds as Any
+_TYPED: dict[str, Kind[Any]] = {
+    kind.name: kind
+    for kind in (
+        *(MODEL, OPTIMIZER, LR_SCHEDULER, LOGGER, TOKENIZER, PARALLEL),
+        *(COMMAND, WEIGHTS, CALLBACK, TASK),
+    )
+}
 
-Register = Callable[..., None]
+
+def kind_of(name: str) -> Kind[Any]:
+    """The typed key of a kind named by string (`Choice.of("logger")`, `registry("logger")`)."""
+    if name not in KINDS:
+        raise UnknownEntryError(f"unknown plugin kind {name!r}; kinds are: {', '.join(KINDS)}")
+    return _TYPED.get(name) or Kind(name, KINDS[name])
+
+
+class Register(Protocol):
+    """The `register` every hook receives: one call per entry; `target(options, *args)` builds
+    the entry's object (see the hook's docstring for the args and what it returns)."""
+
+    def __call__(
+        self,
+        name: str,
+        target: Callable[..., object],
+        *,
+        options: type | None = None,
+        help: str = "",
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None: ...
 
 
 class Hookspecs:
@@ -78,12 +181,14 @@ class Hookspecs:
 
     @hookspec
     def llmtrain_commands(self, register: Register) -> None:
-        """Register `llmtrain` subcommands (target: a `llmtrain.core_mesh.cli.Command`)."""
+        """Register `llmtrain` subcommands; target: `target(None)` returns a
+        `llmtrain.core_mesh.cli.Command` (an instance is still accepted, deprecated)."""
 
     @hookspec
     def llmtrain_weight_formats(self, register: Register) -> None:
         """Register formats of model weights a run can start from (`init: {from: PATH}`);
-        target: a `llmtrain.core_mesh.interfaces.WeightFormat`."""
+        target: `target(None)` returns a `llmtrain.core_mesh.interfaces.WeightFormat` (an
+        instance is still accepted, deprecated)."""
 
     @hookspec
     def llmtrain_callbacks(self, register: Register) -> None:
@@ -117,7 +222,7 @@ class Entry:
 
     kind: str
     name: str
-    target: Any
+    target: Callable[..., Any]  # the factory: `target(options, *args)`
     options: type | None
     help: str
     origin: Origin
@@ -274,36 +379,55 @@ class PluginManager:
 
     # -- registries --------------------------------------------------------------------------
 
-    def registry(self, kind: str) -> Registry:
-        if kind not in KINDS:
-            raise UnknownEntryError(f"unknown plugin kind {kind!r}; kinds are: {', '.join(KINDS)}")
-        return self._collect()[kind]
+    def registry(self, kind: str | Kind[Any]) -> Registry:
+        return self._collect()[kind_of(kind if isinstance(kind, str) else kind.name).name]
 
     def entries(self) -> list[Entry]:
         return [entry for registry in self._collect().values() for entry in registry.values()]
 
     # -- building ----------------------------------------------------------------------------
 
-    def options_of(self, kind: str, choice: Any) -> Any:
-        """The options of a `kind:` choice (a `Choice.of(kind)`): its structured options; when it
-        has none (a choice made in code, `Choice.of("parallel")(kind="default")`), the entry's
-        defaults structured into its options class, as a config section `{kind: NAME}` would
-        give them; None when the entry takes no options."""
-        if choice.options is not None:
-            return choice.options
-        entry = self.registry(kind).get(choice.kind)
+    def options_of(self, kind: str | Kind[Any], choice: Choice | str) -> Any:
+        """The options of a `kind:` choice (a `Choice.of(kind)`, or an entry's name): its
+        structured options; when it has none (a choice made in code,
+        `Choice.of("parallel")(kind="default")`), the entry's defaults structured into its
+        options class, as a config section `{kind: NAME}` would give them; None when the entry
+        takes no options."""
+        name, options = (choice, None) if isinstance(choice, str) else (choice.kind, choice.options)
+        if options is not None:
+            return options
+        entry = self.registry(kind).get(name)
         if entry.options is None:
             return None
         from llmtrain.core_mesh.config import structure  # config builds on this module
 
-        where = f"{kind} {choice.kind!r} of {entry.origin.describe()} (its defaults)"
+        where = f"{entry.kind} {name!r} of {entry.origin.describe()} (its defaults)"
         return structure(dict(entry.defaults), entry.options, plugins=self, source=where)
 
-    def build(self, kind: str, choice: Any, *args: Any) -> Any:
+    @overload
+    def build(self, kind: Kind[T], choice: Choice | str, /, *args: Any) -> T: ...
+
+    @overload
+    def build(self, kind: str, choice: Choice | str, /, *args: Any) -> Any: ...
+
+    def build(self, kind: Kind[Any] | str, choice: Choice | str, /, *args: Any) -> Any:
         """What the chosen entry builds: `entry.target(self.options_of(kind, choice), *args)`
-        (a model from its options, an optimizer from its options and the model, ...)."""
-        entry = self.registry(kind).get(choice.kind)
-        return entry.target(self.options_of(kind, choice), *args)
+        (a model from its options, an optimizer from its options and the model, ...). With a
+        typed kind (`LOGGER`) it is typed as the kind's Protocol; a factory that returns
+        something else is a UserError naming the plugin. `choice` may be an entry's name (its
+        default options)."""
+        typed = kind_of(kind) if isinstance(kind, str) else kind
+        entry = self.registry(typed).get(choice if isinstance(choice, str) else choice.kind)
+        if not callable(entry.target):
+            raise UserError(
+                f"{entry.kind} {entry.name!r} of {entry.origin.describe()} is registered with a "
+                f"{type(entry.target).__name__} as its target; the target must be a factory, "
+                "`target(options, ...)`"
+            )
+        built = entry.target(self.options_of(typed, choice), *args)
+        if typed.product is not None:
+            _check_product(entry, built, typed.product())
+        return built
 
     def _collect(self) -> dict[str, Registry]:
         if self._registries is not None:
@@ -324,7 +448,7 @@ class PluginManager:
 
         def register(
             name: str,
-            target: Any,
+            target: Callable[..., object],
             *,
             options: type | None = None,
             help: str = "",
@@ -332,6 +456,7 @@ class PluginManager:
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"a {kind} name must be a non-empty string, got {name!r}")
+            target = _factory(kind_of(kind), name, target, origin)
             if options is not None and not attrs.has(options):
                 raise TypeError(
                     f"options of {kind} {name!r} must be an attrs class, got {options!r}"
@@ -362,6 +487,51 @@ class PluginManager:
 
     def _problem(self, origin: Origin, error: str, exc: BaseException | None = None) -> None:
         self._load_problems.append(_problem(origin, error, exc))
+
+
+def _factory(kind: Kind[Any], name: str, target: Any, origin: Origin) -> Callable[..., Any]:
+    """The entry's factory: `target` itself, or for a kind that still takes instances (commands,
+    weight formats) an instance wrapped into a factory that returns it, with a warning."""
+    product = kind.product() if kind.instances_ok and kind.product is not None else None
+    if product is not None and not isinstance(target, type) and _provides(target, product):
+        warnings.warn(
+            f"{kind.name} {name!r} of {origin.describe()} is registered as an instance; register "
+            f"a factory instead: register({name!r}, lambda options: instance, ...)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return lambda options, *args: target
+    return target  # type: ignore[no-any-return]  # `build` checks that it is callable
+
+
+def _provides(obj: object, product: type) -> bool:
+    """Whether `obj` is a `product`: isinstance for a class; for a Protocol, whether it has
+    every member, looked up statically (isinstance would evaluate properties, which may load)."""
+    if not getattr(product, "_is_protocol", False):
+        return isinstance(obj, product)
+    return not _missing(obj, product)
+
+
+def _missing(obj: object, protocol: type) -> list[str]:
+    members = [
+        name
+        for name in (*vars(protocol), *getattr(protocol, "__annotations__", {}))
+        if not name.startswith("_") or name == "__call__"
+    ]
+    absent = object()
+    return [name for name in members if inspect.getattr_static(obj, name, absent) is absent]
+
+
+def _check_product(entry: Entry, built: object, product: type) -> None:
+    if _provides(built, product):
+        return
+    missing = _missing(built, product) if getattr(product, "_is_protocol", False) else []
+    lacks = f" (it has no {', '.join(missing)})" if missing else ""
+    raise UserError(
+        f"{entry.kind} {entry.name!r} of {entry.origin.describe()} built a "
+        f"{type(built).__name__}, not a {product.__name__}{lacks}; its factory "
+        f"`target(options, ...)` must return a {product.__name__}"
+    )
 
 
 def _problem(origin: Origin, error: str, exc: BaseException | None = None) -> PluginProblem:

@@ -503,7 +503,7 @@ def _train(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
 def llmtrain_commands(register: Register) -> None:
     register(
         "data",
-        Command(
+        lambda _: Command(
             help="pack JSONL, Parquet, Arrow or text (or chat conversations) into token "
             "datasets, train tokenizers, inspect and merge datasets",
             configure=_configure,

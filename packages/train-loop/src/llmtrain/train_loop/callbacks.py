@@ -22,7 +22,7 @@ import structlog
 
 from llmtrain.core_mesh.errors import UserError, no_space
 from llmtrain.core_mesh.interfaces import CALLBACK_EVENTS, Callback, TrainingRun
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import CALLBACK, PluginManager
 
 log = structlog.get_logger("llmtrain.callbacks")
 
@@ -126,7 +126,7 @@ def configured(choices: Iterable[Any], plugins: PluginManager) -> list[Named]:
         entry = plugins.registry("callback").get(choice.kind)
         origin = entry.origin.describe()
         try:
-            callback = plugins.build("callback", choice)
+            callback = plugins.build(CALLBACK, choice)
         except UserError:
             raise
         except Exception as exc:

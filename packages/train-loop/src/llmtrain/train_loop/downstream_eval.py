@@ -19,7 +19,7 @@ import structlog
 
 from llmtrain.core_mesh.config import Choice, ConfigValueError
 from llmtrain.core_mesh.interfaces import Callback, Task, TrainingRun
-from llmtrain.core_mesh.plugins import Register
+from llmtrain.core_mesh.plugins import TASK, Register
 from llmtrain.train_loop.run_config import _positive
 
 log = structlog.get_logger("llmtrain.train")
@@ -58,7 +58,7 @@ class DownstreamEvaluation(Callback):
         self.tasks: list[Task] = []
 
     def on_run_start(self, run: TrainingRun) -> None:
-        self.tasks = [run.plugins.build("task", choice) for choice in self.options.tasks]
+        self.tasks = [run.plugins.build(TASK, choice) for choice in self.options.tasks]
         for task in self.tasks:
             task.items()  # read and check the files now, not at the first evaluation
 

@@ -21,6 +21,7 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias
 from llmtrain.core_mesh.config import Choice, structure
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import TASK
 from llmtrain.train_loop.commands import checkpoint_args
 from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
@@ -87,7 +88,7 @@ def tasks_of(spec: str, args: argparse.Namespace, ctx: Context) -> list[Any]:
 
 def _build(options: dict[str, Any], index: int, ctx: Context) -> Any:
     choice = structure(options, Choice.of("task"), plugins=ctx.plugins, source=f"--tasks[{index}]")
-    return ctx.plugins.build("task", choice)
+    return ctx.plugins.build(TASK, choice)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from llmtrain.core_mesh.config import Problem, line_of, load_config
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import WEIGHTS, PluginManager
 from llmtrain.core_mesh.redact import refuse_redacted
 from llmtrain.train_loop.run_config import (
     InitConfig,
@@ -149,8 +149,9 @@ def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, An
                 "model section out in full"
             )
         return dict(recorded)
-    entry = plugins.registry("weights").get(fmt)
-    read = getattr(entry.target, "model", None)
+    entry = plugins.registry(WEIGHTS).get(fmt)
+    # built unchecked: `model` is the one optional method of a weight format
+    read = getattr(entry.target(plugins.options_of(WEIGHTS, fmt)), "model", None)
     if read is None:
         raise UserError(
             f"model.from: the weight format {fmt!r} ({entry.origin.describe()}) cannot say its "

@@ -88,11 +88,12 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
 @hookimpl
 def llmtrain_commands(register: Register) -> None:
     register(
-        "config", Command(help="validate or show a run config", configure=_configure, run=_run)
+        "config",
+        lambda _: Command(help="validate or show a run config", configure=_configure, run=_run),
     )
     register(
         "run",
-        Command(
+        lambda _: Command(
             help="train from a run config (one process or under torchrun)",
             configure=commands.configure_run,
             run=commands.run_run,
@@ -100,7 +101,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "eval",
-        Command(
+        lambda _: Command(
             help="loss and perplexity of a checkpoint on a packed dataset",
             configure=commands.configure_eval,
             run=commands.run_eval,
@@ -108,7 +109,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "eval-tasks",
-        Command(
+        lambda _: Command(
             help="downstream task scores of a checkpoint (HellaSwag, ARC, MMLU-style, ...)",
             configure=eval_tasks.configure,
             run=eval_tasks.run,
@@ -116,7 +117,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "generate",
-        Command(
+        lambda _: Command(
             help="sample text from a checkpoint",
             configure=commands.configure_generate,
             run=commands.run_generate,
@@ -124,7 +125,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "quickstart",
-        Command(
+        lambda _: Command(
             help="make data, pack it, train a tiny model on CPU, evaluate and sample",
             configure=quickstart.configure,
             run=quickstart.run,
@@ -132,7 +133,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "sweep",
-        Command(
+        lambda _: Command(
             help="an ablation: expand a grid of overrides into runs and run them (or print / "
             "write a SLURM array)",
             configure=sweep.configure,
@@ -141,7 +142,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "estimate",
-        Command(
+        lambda _: Command(
             help="memory per rank for a config and world size, without allocating it",
             configure=estimate.configure,
             run=estimate.run,
@@ -149,7 +150,7 @@ def llmtrain_commands(register: Register) -> None:
     )
     register(
         "which",
-        Command(
+        lambda _: Command(
             help="the documents a step of a run trained on (dataset, file, line or row, id)",
             configure=which.configure,
             run=which.run,

@@ -14,7 +14,7 @@ from typing import Any
 from llmtrain.core_mesh.config import Choice, structure, unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import LanguageModel, Tokenizer
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import MODEL, TOKENIZER, PluginManager
 
 
 def model_info(plugins: PluginManager, choice: Choice) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def load_model(
     if "model" not in info:
         raise UserError(f"{checkpoint}: the checkpoint does not say which model it holds")
     choice = model_choice(info["model"], plugins, source=f"{checkpoint} (model)")
-    model = plugins.build("model", choice)
+    model = plugins.build(MODEL, choice)
     check_language_model(model, choice.kind, checkpoint)
     # buffers that are not weights are not persistent, so nothing may be missing
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -77,7 +77,7 @@ def tokenizer_of(info: Mapping[str, Any], given: str | None, plugins: PluginMana
 
     tokenizer: Tokenizer
     if given:
-        tokenizer = plugins.build("tokenizer", tokenizer_choice(given, plugins))
+        tokenizer = plugins.build(TOKENIZER, tokenizer_choice(given, plugins))
         return tokenizer
     spec = info.get("data", {}).get("tokenizer", {}).get("spec")
     if spec is None:

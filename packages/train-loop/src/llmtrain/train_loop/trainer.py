@@ -36,10 +36,23 @@ from llmtrain.core_mesh.config import (
     unstructure,
 )
 from llmtrain.core_mesh.errors import UserError, naming_file
-from llmtrain.core_mesh.interfaces import ParallelModel, ParallelStrategy, RunInfo, Tokenizer
+from llmtrain.core_mesh.interfaces import (
+    MetricsSink,
+    ParallelModel,
+    ParallelStrategy,
+    RunInfo,
+    Tokenizer,
+)
 from llmtrain.core_mesh.logs import configure_logging
 from llmtrain.core_mesh.mesh import MeshSpec, build_device_mesh
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import (
+    LOGGER,
+    LR_SCHEDULER,
+    MODEL,
+    OPTIMIZER,
+    PARALLEL,
+    PluginManager,
+)
 from llmtrain.core_mesh.redact import redact, secret_values
 from llmtrain.core_mesh.world import (
     World,
@@ -99,7 +112,7 @@ class Trainer:
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
         self.model_options = checked_model_options(plugins, c.model)
         with torch.device("meta"):
-            meta_model = plugins.build("model", c.model)
+            meta_model = plugins.build(MODEL, c.model)
         self.description = meta_model.describe()
         max_len = self.model_options.max_seq_len
         if c.data.seq_len > max_len:
@@ -107,7 +120,7 @@ class Trainer:
                 f"data.seq_len={c.data.seq_len} is longer than the model's max_seq_len "
                 f"({max_len}); raise model.max_seq_len or shorten data.seq_len"
             )
-        self.strategy: ParallelStrategy = plugins.build("parallel", c.parallel)
+        self.strategy: ParallelStrategy = plugins.build(PARALLEL, c.parallel)
         dp = c.mesh.resolve(self.world.world_size).dp
         try:
             self.global_batch, self.accum = c.data.batch_sizes(dp)
@@ -220,9 +233,7 @@ class Trainer:
         self.loss_fn = cross_entropy_sum(c.training.z_loss, compile_chunks=bool(compiles))
 
         # optimizers (one list per model part) and the lr schedule, a pure function of the step
-        self.optimizers = [
-            plugins.build("optimizer", c.optimizer, part) for part in self.model.parts
-        ]
+        self.optimizers = [plugins.build(OPTIMIZER, c.optimizer, part) for part in self.model.parts]
         for opt in self._all_optimizers():
             for group in opt.param_groups:
                 group.setdefault("base_lr", group["lr"])
@@ -239,7 +250,7 @@ class Trainer:
             json.dumps({"lr_scheduler": recorded, "total_steps": self.total_steps})
         )
         self.lr_factor = (
-            plugins.build("lr_scheduler", schedule, self.total_steps)
+            plugins.build(LR_SCHEDULER, schedule, self.total_steps)
             if schedule is not None
             else constant(WarmupOptions(), self.total_steps)
         )
@@ -294,13 +305,13 @@ class Trainer:
             start_step=self.step,
             config=config,
         )
-        self.sinks = []
+        self.sinks: list[MetricsSink] = []
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             text = yaml.safe_dump(config, sort_keys=False)
             with naming_file(self.run_dir / "config.yaml"):
                 (self.run_dir / "config.yaml").write_text(provenance_header() + text)
-            self.sinks = [plugins.build("logger", choice, self.run_info) for choice in c.loggers]
+            self.sinks = [plugins.build(LOGGER, choice, self.run_info) for choice in c.loggers]
 
     # --- setup helpers ---
     def _open(
@@ -375,7 +386,7 @@ class Trainer:
                 constant(WarmupOptions(), trained["total_steps"])
                 if choice is None
                 else self.plugins.build(
-                    "lr_scheduler",
+                    LR_SCHEDULER,
                     structure(choice, Choice.of("lr_scheduler"), plugins=self.plugins),
                     trained["total_steps"],
                 )
@@ -728,7 +739,7 @@ def initial_model(plugins: PluginManager, choice: Choice, seed: int) -> torch.nn
     """The whole model initialised on CPU from the run seed: the same on every process (the
     weights a run with `training.init: full` starts from)."""
     with torch.device("meta"):
-        full: torch.nn.Module = plugins.build("model", choice)
+        full: torch.nn.Module = plugins.build(MODEL, choice)
     full.to_empty(device="cpu")
     torch.manual_seed(seed)
     _init_weights(full)

@@ -29,7 +29,7 @@ from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import MODEL, WEIGHTS, PluginManager
 from llmtrain.train_loop.run_config import InitConfig
 from llmtrain.train_loop.saved_model import model_choice
 
@@ -98,7 +98,7 @@ def resolve(init: InitConfig, plugins: PluginManager) -> tuple[str, str, int | N
     fs, root = _fs(url, init.storage_options)
     if not _exists(fs, root):
         raise WarmStartError(f"init.from: {url} does not exist")
-    formats = plugins.registry("weights")
+    formats = plugins.registry(WEIGHTS)
     if init.format not in ("auto", LLMTRAIN) and init.format not in formats:
         raise WarmStartError(
             f"init.format: no weight format {init.format!r}; {_installed(formats)}"
@@ -120,16 +120,16 @@ def resolve(init: InitConfig, plugins: PluginManager) -> tuple[str, str, int | N
         )
     names = formats.names() if init.format == "auto" else [init.format]
     for name in names:
-        weight_format = formats.get(name).target
+        weight_format = plugins.build(WEIGHTS, name)
         if weight_format.recognizes(url, dict(init.storage_options)):
             return name, url, None
     if init.format != "auto":
         raise WarmStartError(
             f"init.from: {url} is not in format {init.format!r} (it needs "
-            f"{formats.get(init.format).target.describe()})"
+            f"{plugins.build(WEIGHTS, init.format).describe()})"
         )
     wanted = [f"{LLMTRAIN}: committed step-<n>/ checkpoint directories"] + [
-        f"{name}: {formats.get(name).target.describe()}" for name in names
+        f"{name}: {plugins.build(WEIGHTS, name).describe()}" for name in names
     ]
     raise WarmStartError(
         f"init.from: {url} is in no format this installation reads; it needs one of: "
@@ -246,7 +246,7 @@ def _load_format(
     plugins: PluginManager,
 ) -> int:
     """A plugin's whole state dict (on CPU, every rank the same); each rank keeps its shards."""
-    weight_format = plugins.registry("weights").get(fmt).target
+    weight_format = plugins.build(WEIGHTS, fmt)
     weights, source_model = weight_format.load(url, dict(init.storage_options))
     expected = check_source(
         url, source_model, {k: tuple(v.shape) for k, v in weights.items()}, info, plugins
@@ -291,7 +291,7 @@ def _full_tensors(
     """Every tensor of this run's whole model (its state dict on the meta device)."""
     choice = model_choice(own, plugins, source="model")
     with torch.device("meta"):
-        module: torch.nn.Module = plugins.build("model", choice)
+        module: torch.nn.Module = plugins.build(MODEL, choice)
     return {k: (tuple(v.shape), v.dtype) for k, v in module.state_dict().items()}
 
 

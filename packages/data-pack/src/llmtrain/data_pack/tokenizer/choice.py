@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import TOKENIZER
 from llmtrain.data_pack.tokenizer.common import TokenizerError
 
 if TYPE_CHECKING:
@@ -75,4 +76,4 @@ def tokenizer_from_raw(raw: dict[str, Any], plugins: PluginManager | None = None
     if plugins is None:
         plugins = PluginManager().load_entry_points()
     choice = structure(raw, _tokenizer_choice_type(), plugins=plugins)
-    return plugins.build("tokenizer", choice)
+    return plugins.build(TOKENIZER, choice)

@@ -29,7 +29,7 @@ from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
-from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.core_mesh.plugins import MODEL, OPTIMIZER, PluginManager
 from llmtrain.parallel.options import ParallelOptions
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
@@ -131,7 +131,7 @@ def optimizer_state_bytes(plugins: PluginManager, config: RunConfig, model: Any)
     for p in model.parameters():
         p.grad = torch.empty_like(p)
     total = 0
-    for opt in plugins.build("optimizer", config.optimizer, model):
+    for opt in plugins.build(OPTIMIZER, config.optimizer, model):
         opt.step()
         for state in opt.state.values():
             total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
@@ -168,7 +168,7 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
             f"({model_options.max_seq_len}); raise model.max_seq_len or shorten data.seq_len",
         )
     with torch.device("meta"):
-        model = plugins.build("model", config.model)
+        model = plugins.build(MODEL, config.model)
     desc = model.describe()
     blocks = list(desc.blocks)
     n_blocks = len(blocks)

@@ -14,6 +14,7 @@ import attrs
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.plugins import MODEL
 
 # a rung whose nearest shape misses N by more is refused: its budget sits where shapes are too
 # coarse (the smallest models of a wide head_dim) and its point would mislead a fit
@@ -96,7 +97,7 @@ def meta_describer(plugins: Any, choice: Any) -> Callable[[dict[str, int]], Mode
         if key not in described:
             sized = attrs.evolve(choice, options=attrs.evolve(options, **shape))
             with torch.device("meta"):
-                model = plugins.build("model", sized)
+                model = plugins.build(MODEL, sized)
             described[key] = model.describe()
         return described[key]
 
