@@ -45,7 +45,14 @@ TEST_GROUPS = {
 # what a plugin's own tests need beyond the plugin and the llmtrain packages: other plugins (by
 # folder) and requirements. llmtrain-lmeval's tests export the model with llmtrain-hf and compare
 # with lm-eval's transformers backend (its `hf` extra).
-PLUGIN_TEST_DEPS = {"llmtrain-lmeval": ["plugins/llmtrain-hf", "lm-eval[hf]"]}
+PLUGIN_TEST_DEPS = {
+    "llmtrain-lmeval": [
+        "plugins/llmtrain-hf",
+        "lm-eval[hf]",
+        # a model plugin that is not a Transformer, under lm-eval (test_model_contract.py)
+        "integration_tests/plugins/llmtrain-toy-lm",
+    ]
+}
 # plugins installed only in their own session: llmtrain-lmeval brings lm-eval and its stack
 # (datasets, evaluate, scikit-learn, ...), which no other session needs. integration_tests'
 # plugin check still installs it (without dependencies) to find its entry point.
@@ -178,7 +185,7 @@ def make_plugin_session(path: Path) -> str:
     @nox.session(name=name)
     def run(session: nox.Session) -> None:
         extra = [
-            str(ROOT / dep) if dep.startswith("plugins/") else dep
+            str(ROOT / dep) if dep.startswith(("plugins/", "integration_tests/")) else dep
             for dep in PLUGIN_TEST_DEPS.get(path.name, [])
         ]
         session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *extra, *group("test"))

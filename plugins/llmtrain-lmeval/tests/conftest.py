@@ -165,6 +165,14 @@ def arc(tmp_path_factory) -> SimpleNamespace:
 
 
 @pytest.fixture(scope="session")
+def task_manager(arc):
+    """The local task only: indexing lm-eval's thousands of built-in tasks takes seconds."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=arc.tasks, include_defaults=False)
+
+
+@pytest.fixture(scope="session")
 def ours(trained, arc, plugins):
     """llmtrain's own scores of the ARC file (the built-in `arc_easy` task): per item, the
     options' log-likelihoods, acc and acc_norm."""

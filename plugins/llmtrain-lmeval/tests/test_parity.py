@@ -16,14 +16,6 @@ from support import run
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def task_manager(arc):
-    """The local task only: indexing lm-eval's thousands of built-in tasks takes seconds."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=arc.tasks, include_defaults=False)
-
-
 def harness(model: str, model_args: dict, arc, task_manager) -> dict:
     """lm-eval's results for the local task, with every sample (`log_samples`)."""
     import llmtrain_lmeval  # noqa: F401 - registers `llmtrain` for the Python API
