@@ -49,7 +49,6 @@ PROVIDERS: dict[str, list[tuple[str, str]]] = {
     "ParallelModel": [("parallel", "Parallelized")],
     "ModelOptions": [("models", "TransformerConfig"), ("llmtrain-moe", "MoEOptions")],
     "LanguageModel": [("models", "Transformer"), ("llmtrain-moe", "MoETransformer")],
-    "WindowSource": [("data-pack", "TokenWindows")],
 }
 
 # Protocols whose implementations are checked in their own package's tests instead

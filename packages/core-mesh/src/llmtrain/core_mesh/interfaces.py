@@ -89,18 +89,6 @@ class Task(Protocol):
     def items(self) -> Sequence[TaskItem]: ...
 
 
-@runtime_checkable
-class WindowSource(Protocol):
-    """A random-access sequence of token windows of `seq_len + 1` tokens (numpy int arrays)."""
-
-    @property
-    def seq_len(self) -> int: ...
-
-    def __len__(self) -> int: ...
-
-    def window(self, index: int, /) -> Any: ...
-
-
 @attrs.frozen
 class ModelDescription:
     """What a model tells the parallel and training code about itself.

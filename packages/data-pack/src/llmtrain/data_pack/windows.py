@@ -83,8 +83,8 @@ class ChunkCache:
 
 
 class TokenWindows:
-    """A WindowSource over one packed dataset: `window(i)`, batched `read(indices)` and, for chat
-    datasets, `read_mask(indices)`.
+    """The windows of `seq_len + 1` tokens of one packed dataset: `window(i)`, batched
+    `read(indices)` and, for chat datasets, `read_mask(indices)`.
 
     Picklable (for DataLoader workers started with spawn): only the URL travels; each process
     opens the dataset and keeps its own cache.

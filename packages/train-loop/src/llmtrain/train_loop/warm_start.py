@@ -28,7 +28,7 @@ from llmtrain.checkpoint.safe_io import UnsafeCheckpointError
 from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel
+from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel, WeightFormat
 from llmtrain.core_mesh.plugins import MODEL, WEIGHTS, PluginManager
 from llmtrain.train_loop.run_config import InitConfig
 from llmtrain.train_loop.saved_model import model_choice
@@ -246,7 +246,7 @@ def _load_format(
     plugins: PluginManager,
 ) -> int:
     """A plugin's whole state dict (on CPU, every rank the same); each rank keeps its shards."""
-    weight_format = plugins.build(WEIGHTS, fmt)
+    weight_format: WeightFormat = plugins.build(WEIGHTS, fmt)
     weights, source_model = weight_format.load(url, dict(init.storage_options))
     expected = check_source(
         url, source_model, {k: tuple(v.shape) for k, v in weights.items()}, info, plugins
