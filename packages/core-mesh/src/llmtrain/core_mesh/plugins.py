@@ -542,3 +542,19 @@ def _problem(origin: Origin, error: str, exc: BaseException | None = None) -> Pl
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+if TYPE_CHECKING:
+    from typing import assert_type
+
+    def _typed_builds(plugins: PluginManager, run_info: Any) -> None:
+        """Checked by mypy (`nox -s typecheck`), never run: a build with a typed kind is typed as
+        the kind's Protocol, one with a kind named by string as Any."""
+        assert_type(plugins.build(LOGGER, "jsonl", run_info), MetricsSink)
+        assert_type(plugins.build(TOKENIZER, "bytes"), Tokenizer)
+        assert_type(plugins.build(PARALLEL, "default"), ParallelStrategy)
+        assert_type(plugins.build(COMMAND, "plugins"), Command)
+        assert_type(plugins.build(WEIGHTS, "hf"), WeightFormat)
+        assert_type(plugins.build(CALLBACK, "throughput"), Callback)
+        assert_type(plugins.build(TASK, "hellaswag"), Task)
+        assert_type(plugins.build("logger", "jsonl", run_info), Any)
