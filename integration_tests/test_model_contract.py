@@ -113,3 +113,24 @@ def test_eval_tasks_scores_like_the_run(trained, run_cli, tmp_path):  # noqa: F8
         ), (task, key)
     # better than a uniform guess over the byte ids: the trained weights were scored
     assert report["tasks"]["perplexity"]["byte_perplexity"] < 256
+
+
+def test_a_model_without_the_contract_is_refused_with_its_name(trained):
+    """A model kind whose module lacks `LanguageModel` (here a bare Linear) is named, not an
+    AttributeError deep in generate."""
+    import torch
+    from llmtrain_toy_lm.options import ToyLMOptions
+
+    from llmtrain.core_mesh.errors import UserError
+    from llmtrain.core_mesh.plugins import PluginManager, hookimpl
+    from llmtrain.train_loop.saved_model import load_model
+
+    class Bare:
+        @hookimpl
+        def llmtrain_models(self, register):
+            register("toy-lm", lambda options: torch.nn.Linear(2, 2), options=ToyLMOptions)
+
+    plugins = PluginManager(blocked=("toy-lm",)).load_entry_points()
+    plugins.register(Bare(), "bare")
+    with pytest.raises(UserError, match=r"model kind 'toy-lm' builds a Linear, .*LanguageModel"):
+        load_model(str(trained["checkpoints"]), None, plugins)
