@@ -2,9 +2,10 @@
 positions, with each block's MLP replaced by a routed set of experts.
 
 Read top to bottom: the MoE layer (router, experts, optional shared expert, router statistics,
-auxiliary losses), the block, the model. The model has the dense model's interface: `forward`
-(logits; hidden states on pipeline stages), `init_weights`, `describe`, `new_cache` (so
-llmtrain's `generate` works), `trim_to_stage`.
+auxiliary losses), the block, the model. The model has the dense model's interface, its
+`forward` and KV cache included: `forward` (logits; hidden states on pipeline stages),
+`init_weights`, `describe`, `trim_to_stage`, and core-mesh's `LanguageModel` (`options`,
+`packed_rows`, `new_cache`), so generate, eval, downstream scoring and lm-eval take it.
 
 After every forward each MoE layer holds its router statistics (`MoE.stats`, tensors, no host
 sync); `MoETransformer.router_stats()` turns them into numbers.
