@@ -298,6 +298,8 @@ class Choice:
     then gives the entry's defaults, and `PluginManager.build(kind, choice, ...)` builds it."""
 
     kind: str
+    # Any, not a type parameter: the options class is the chosen entry's (`NetOptions` for one
+    # model, `MoEOptions` for another), known only once the config names the entry
     options: Any = None
 
     plugin_kind: ClassVar[str] = ""
