@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from llmtrain.core_mesh.mesh import MeshSpec
+    from llmtrain.core_mesh.plugins import PluginManager
     from llmtrain.core_mesh.world import World
 
 
@@ -437,7 +438,7 @@ class TrainingRun(Protocol):
     def last_local_loss(self) -> tuple[Any, Any] | None: ...
 
     @property
-    def plugins(self) -> Any: ...
+    def plugins(self) -> PluginManager: ...
 
     @property
     def tokenizer(self) -> Tokenizer: ...
