@@ -28,9 +28,9 @@ class Commands:
     @hookimpl
     def llmtrain_commands(self, register):
         noop = lambda parser: None  # noqa: E731
-        register("ok", Command("succeeds", noop, lambda args, ctx: 0))
-        register("user-error", Command("fails with bad input", noop, _fail_user))
-        register("bug", Command("fails with a bug", noop, _fail_bug))
+        register("ok", lambda _: Command("succeeds", noop, lambda args, ctx: 0))
+        register("user-error", lambda _: Command("fails with bad input", noop, _fail_user))
+        register("bug", lambda _: Command("fails with a bug", noop, _fail_bug))
 
     @hookimpl
     def llmtrain_models(self, register):
@@ -141,8 +141,8 @@ class Subcommands:
                 raise ZeroDivisionError("division by zero")
             return 0
 
-        register("train", Command("trains", configure_train, record))
-        register("nested", Command("has actions", configure_nested, record))
+        register("train", lambda _: Command("trains", configure_train, record))
+        register("nested", lambda _: Command("has actions", configure_nested, record))
 
 
 @pytest.mark.parametrize(
