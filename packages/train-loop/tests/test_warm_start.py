@@ -41,7 +41,7 @@ class MarkerFormat:
 class MarkerPlugin:
     @hookimpl
     def llmtrain_weight_formats(self, register):
-        register("marker", MarkerFormat(), help="test format")
+        register("marker", lambda options: MarkerFormat(), help="test format")
 
 
 @pytest.fixture
