@@ -21,6 +21,7 @@ from llmtrain.core_mesh.plugins import (
     LOGGER,
     MODEL,
     TASK,
+    TOKENIZER,
     WEIGHTS,
     PluginManager,
     UnknownEntryError,
@@ -199,3 +200,29 @@ def test_string_kinds_name_the_typed_keys():
         kind_of("loggers")
     with pytest.raises(UnknownEntryError, match="unknown plugin kind 'loggers'"):
         manager().registry("loggers")
+
+
+def test_the_check_runs_no_property_and_takes_members_served_by_getattr():
+    class LazyTokenizer:
+        """A Tokenizer whose members a wrapped object serves; `fingerprint` would load it."""
+
+        name = "lazy"
+        vocab_size = 3
+        eod_id = 0
+
+        @property
+        def fingerprint(self):
+            raise AssertionError("the check ran a property")
+
+        def __getattr__(self, member):
+            if member in ("encode_batch", "decode"):
+                return lambda *args: []
+            raise AttributeError(member)
+
+    class Tokenizers:
+        @hookimpl
+        def llmtrain_tokenizers(self, register):
+            register("lazy", lambda options: LazyTokenizer())
+
+    pm = manager(Tokenizers())
+    assert type(pm.build(TOKENIZER, "lazy")) is LazyTokenizer

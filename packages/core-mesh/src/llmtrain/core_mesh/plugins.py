@@ -519,7 +519,13 @@ def _missing(obj: object, protocol: type) -> list[str]:
         if not name.startswith("_") or name == "__call__"
     ]
     absent = object()
-    return [name for name in members if inspect.getattr_static(obj, name, absent) is absent]
+    # static first (a property is not run); hasattr only for what that misses, e.g. a member a
+    # wrapper serves through __getattr__
+    return [
+        name
+        for name in members
+        if inspect.getattr_static(obj, name, absent) is absent and not hasattr(obj, name)
+    ]
 
 
 def _check_product(entry: Entry, built: object, product: type) -> None:
