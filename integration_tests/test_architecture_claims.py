@@ -49,6 +49,8 @@ PROVIDERS: dict[str, list[tuple[str, str]]] = {
     "ParallelModel": [("parallel", "Parallelized")],
     "ModelOptions": [("models", "TransformerConfig"), ("llmtrain-moe", "MoEOptions")],
     "LanguageModel": [("models", "Transformer"), ("llmtrain-moe", "MoETransformer")],
+    "Objective": [("train-loop", "CrossEntropySum")],
+    "AuxiliaryLosses": [("llmtrain-moe", "MoETransformer")],
 }
 
 # Protocols whose implementations are checked in their own package's tests instead

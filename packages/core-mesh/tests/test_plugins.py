@@ -161,6 +161,7 @@ def test_entry_points_load_the_builtin_plugin():
         "weights",
         "callback",
         "task",
+        "objective",
     }
 
 

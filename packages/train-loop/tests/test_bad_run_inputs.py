@@ -167,6 +167,7 @@ OUT_OF_RANGE: dict[str, list[Any]] = {
     "training.checkpoint_every": [0, -5],
     "training.max_grad_norm": [-1.0],  # 0 is a zero update, on purpose
     "training.z_loss": [-1e-4],
+    "training.objective.z_loss": [-1e-4],
     "training.peak_tflops": [0, -100.0],
     "training.init": ["lazy"],
     "training.non_finite.action": ["ignore"],

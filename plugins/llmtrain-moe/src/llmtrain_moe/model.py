@@ -209,7 +209,7 @@ class MoETransformer(Transformer):
             }
         return out
 
-    def inject_aux_loss(self, enabled: bool) -> None:
+    def inject_aux_loss(self, enabled: bool, /) -> None:
         """True (the default): the auxiliary losses reach the gradients by themselves. False:
         training loops add `aux_loss()` to their loss instead."""
         for moe in self.moe_layers().values():

@@ -515,3 +515,51 @@ CALLBACK_EVENTS = (
     "on_run_end",
     "on_failure",
 )
+
+
+# --- the training objective (`training.objective`, plugin kind `objective`) ---
+
+
+@attrs.frozen(kw_only=True)
+class ObjectiveContext:
+    """What an objective's factory gets from the run: `target(options, context)`.
+
+    `parts`: the model parts (torch modules) this rank holds; `device`: the torch device;
+    `compile`: whether the run compiles; `storage_options`: the checkpoint storage options (to
+    read a teacher checkpoint from the same store); `config`: the run config as a mapping;
+    `pipeline_stages`: the pipeline-parallel degree (the loss runs on the last stage only)."""
+
+    parts: Sequence[Any]
+    device: Any
+    compile: bool = False
+    storage_options: Mapping[str, str] = attrs.Factory(dict)
+    config: Mapping[str, Any] = attrs.Factory(dict)
+    pipeline_stages: int = 1
+
+
+class Objective(Protocol):
+    """The loss of a training step, summed over the counted targets (the trainer scales by one
+    over the global count). It may also have `from_hidden(hidden, weight, targets, /)`, the same
+    sum from the final hidden states and the output matrix (parallel's `HiddenStateLoss`)."""
+
+    def __call__(self, logits: Any, targets: Any, /) -> Any: ...
+
+    def prepare(self, inputs: Any, targets: Any, count: float, /) -> Any:
+        """The targets parallel splits along dim 0 and hands back to the loss (the targets
+        themselves for cross-entropy); `count`: the step's global number of counted targets."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Extra numbers for the step's logged metrics (may be empty); called once per step."""
+        ...
+
+
+@runtime_checkable
+class AuxiliaryLosses(Protocol):
+    """A model part with auxiliary losses (MoE load balancing) an objective may add itself:
+    `inject_aux_loss(False)` stops the part adding them through its own backward, `aux_loss()`
+    is the weighted sum of the last forward's."""
+
+    def inject_aux_loss(self, enabled: bool, /) -> None: ...
+
+    def aux_loss(self) -> Any: ...

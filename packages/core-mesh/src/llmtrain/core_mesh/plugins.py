@@ -116,6 +116,7 @@ KINDS: dict[str, str] = {
     "weights": "llmtrain_weight_formats",
     "callback": "llmtrain_callbacks",
     "task": "llmtrain_tasks",
+    "objective": "llmtrain_objectives",
 }
 # the kinds with a typed key; a kind added to KINDS without one builds as Any
 _TYPED: dict[str, Kind[Any]] = {
@@ -200,6 +201,12 @@ class Hookspecs:
         """Register downstream evaluation tasks (HellaSwag, ARC, ...; `llmtrain eval-tasks` and
         the `downstream` callback); target: `target(options)` returns a
         `llmtrain.core_mesh.interfaces.Task`."""
+
+    @hookspec
+    def llmtrain_objectives(self, register: Register) -> None:
+        """Register training objectives (`training.objective: {kind: NAME, ...}`); target:
+        `target(options, context: ObjectiveContext)` returns a
+        `llmtrain.core_mesh.interfaces.Objective`."""
 
 
 @attrs.frozen

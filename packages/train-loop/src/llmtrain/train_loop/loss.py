@@ -10,13 +10,33 @@ batch's logits (`linear_cross_entropy`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import torch
 import torch.nn.functional as F
 
+from llmtrain.core_mesh.interfaces import AuxiliaryLosses
 from llmtrain.train_loop.linear_cross_entropy import IGNORE, linear_cross_entropy_sum
 
-__all__ = ["IGNORE", "CrossEntropySum", "cross_entropy_sum"]
+__all__ = ["IGNORE", "AuxiliaryTerms", "CrossEntropySum", "cross_entropy_sum"]
+
+
+@attrs.define
+class AuxiliaryTerms:
+    """The auxiliary losses of model parts that take them out of their own backward
+    (`AuxiliaryLosses`, MoE load balancing), added to the loss of each micro-batch as a term of
+    value zero whose gradient is theirs: `(aux - aux.detach()) * count`. The trainer scales the
+    summed loss by 1/count, so each forward's `aux` gets gradient 1, as the models' own
+    injection gives it, and the logged loss stays the cross-entropy. `count`: the step's global
+    number of counted targets, set by `prepare`."""
+
+    parts: Sequence[AuxiliaryLosses]
+    count: float = 1.0
+
+    def term(self) -> torch.Tensor:
+        aux = sum((part.aux_loss() for part in self.parts), torch.zeros(()))
+        return (aux - aux.detach()) * self.count
 
 
 @attrs.frozen
@@ -27,8 +47,14 @@ class CrossEntropySum:
 
     z_loss: float = 0.0
     compile_chunks: bool = False
+    # as the `cross_entropy` objective: the model parts' auxiliary losses (MoE), or None
+    aux: AuxiliaryTerms | None = None
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self._cross_entropy(logits, targets)
+        return loss if self.aux is None else loss + self.aux.term()
+
+    def _cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         flat = logits.flatten(0, 1).float()
         target = targets.flatten()
         loss = F.cross_entropy(flat, target, reduction="sum", ignore_index=IGNORE)
@@ -41,9 +67,20 @@ class CrossEntropySum:
     def from_hidden(
         self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor:
-        return linear_cross_entropy_sum(
+        loss = linear_cross_entropy_sum(
             hidden, weight, targets, z_loss=self.z_loss, compile_chunks=self.compile_chunks
         )
+        return loss if self.aux is None else loss + self.aux.term()
+
+    # the `objective` seam (core-mesh interfaces.Objective): cross-entropy reads the targets as
+    # they are and logs nothing beyond the loss
+    def prepare(self, inputs: torch.Tensor, targets: torch.Tensor, count: float, /) -> torch.Tensor:
+        if self.aux is not None:
+            self.aux.count = count
+        return targets
+
+    def metrics(self) -> dict[str, float]:
+        return {}
 
 
 def cross_entropy_sum(z_loss: float = 0.0, *, compile_chunks: bool = False) -> CrossEntropySum:

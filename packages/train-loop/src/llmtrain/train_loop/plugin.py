@@ -27,6 +27,7 @@ from llmtrain.train_loop import (
     eval_tasks,
     loggers,
     loss_spike,
+    objectives,
     optim,
     schedules,
 )
@@ -189,6 +190,16 @@ def llmtrain_lr_schedulers(register: Register) -> None:
 def llmtrain_loggers(register: Register) -> None:
     register("console", loggers.ConsoleSink, options=loggers.ConsoleOptions, help="progress line")
     register("jsonl", loggers.JsonlSink, options=loggers.JsonlOptions, help="metrics.jsonl")
+
+
+@hookimpl
+def llmtrain_objectives(register: Register) -> None:
+    register(
+        "cross_entropy",
+        objectives.cross_entropy,
+        options=objectives.CrossEntropyOptions,
+        help="summed cross-entropy with an optional z-loss (the default)",
+    )
 
 
 @hookimpl

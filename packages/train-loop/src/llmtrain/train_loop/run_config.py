@@ -183,6 +183,10 @@ class NonFinite:
     max_skips: int = attrs.field(default=10, validator=_non_negative)
 
 
+def _default_objective() -> Choice:
+    return Choice.of("objective")(kind="cross_entropy")
+
+
 @attrs.frozen(kw_only=True)
 class TrainingConfig:
     """How long and how often. The target is `steps` or `tokens` (one of them)."""
@@ -193,6 +197,9 @@ class TrainingConfig:
     checkpoint_every: int | None = attrs.field(default=None, validator=_positive)
     # null: measure the norm only (0 clips every gradient to nothing: a zero update, on purpose)
     max_grad_norm: float | None = attrs.field(default=1.0, validator=_non_negative)
+    # the loss of a step, a plugin of kind `objective` (README: "The training objective")
+    objective: Choice.of("objective") = attrs.Factory(_default_objective)  # type: ignore[valid-type]
+    # deprecated spelling of `objective: {kind: cross_entropy, z_loss: ...}`
     z_loss: float = attrs.field(default=0.0, validator=_non_negative)
     non_finite: NonFinite = attrs.Factory(NonFinite)
     # the MFU reference; null: known GPUs by name, else no MFU
@@ -379,6 +386,9 @@ def resolved(config: RunConfig, plugins: Any) -> RunConfig:
         parallel=fill("parallel", config.parallel),
         loggers=[fill("logger", choice) for choice in config.loggers],
         callbacks=[fill("callback", choice) for choice in config.callbacks],
+        training=attrs.evolve(
+            config.training, objective=fill("objective", config.training.objective)
+        ),
     )
 
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+import attrs
 import numpy as np
 import structlog
 import torch
@@ -38,6 +39,8 @@ from llmtrain.core_mesh.config import (
 from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.core_mesh.interfaces import (
     MetricsSink,
+    Objective,
+    ObjectiveContext,
     ParallelModel,
     ParallelStrategy,
     RunInfo,
@@ -230,7 +233,12 @@ class Trainer:
             self.model.load_full_state_dict(self._initial_weights())
         # the chunked form of the loss compiles its softmax on CUDA when the run compiles
         compiles = getattr(plugins.options_of("parallel", c.parallel), "compile", False)
-        self.loss_fn = cross_entropy_sum(c.training.z_loss, compile_chunks=bool(compiles))
+        self.objective = self._objective(bool(compiles))
+        # held-out eval stays plain cross-entropy whatever the objective, so eval_loss compares
+        z_loss = getattr(plugins.options_of("objective", c.training.objective), "z_loss", None)
+        self.loss_fn = cross_entropy_sum(
+            c.training.z_loss if z_loss is None else z_loss, compile_chunks=bool(compiles)
+        )
 
         # optimizers (one list per model part) and the lr schedule, a pure function of the step
         self.optimizers = [plugins.build(OPTIMIZER, c.optimizer, part) for part in self.model.parts]
@@ -441,6 +449,33 @@ class Trainer:
                 "jump; a wsd schedule extends without one from a checkpoint before its decay"
             )
 
+    def _objective(self, compiles: bool) -> Objective:
+        """The run's `training.objective`, built for the model parts this rank holds."""
+        c, plugins = self.config, self.plugins
+        choice = c.training.objective
+        if c.training.z_loss:
+            say = log.warning if self.world.is_main else (lambda *a, **k: None)
+            say(
+                "config.deprecated",
+                message="training.z_loss is deprecated; write training.objective: "
+                f"{{kind: cross_entropy, z_loss: {c.training.z_loss}}}",
+            )
+            options = plugins.options_of("objective", choice)
+            if choice.kind == "cross_entropy" and not options.z_loss:
+                choice = attrs.evolve(
+                    choice, options=attrs.evolve(options, z_loss=c.training.z_loss)
+                )
+        context = ObjectiveContext(
+            parts=list(self.model.parts),
+            device=self.device,
+            compile=compiles,
+            storage_options=dict(c.checkpoint.storage_options),
+            config=unstructure(c, converter=make_converter(plugins)),
+            pipeline_stages=c.mesh.pp,
+        )
+        built: Objective = plugins.build("objective", choice, context)
+        return built
+
     def _initial_weights(self) -> dict[str, torch.Tensor]:
         return initial_model(self.plugins, self.config.model, self.config.seed).state_dict()
 
@@ -568,7 +603,11 @@ class Trainer:
         if count == 0:
             return self._nothing_counted()
         local = self.model.forward_backward(
-            inputs, targets, self.loss_fn, scale=1.0 / count, doc_starts=doc_starts
+            inputs,
+            self.objective.prepare(inputs, targets, count),
+            self.objective,
+            scale=1.0 / count,
+            doc_starts=doc_starts,
         )
         self.last_local_loss = (local.detach(), local_count)
         loss = (self.model.sum_over_data(local) / count).item()
@@ -585,7 +624,7 @@ class Trainer:
             self._non_finite(loss, grad_norm)
         self._advance()
         lr = self.optimizers[0][0].param_groups[0]["lr"]
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.objective.metrics()}
         if self.train_data.loss_mask:
             metrics["loss_tokens"] = count
         return metrics
