@@ -34,6 +34,7 @@ from llmtrain.core_mesh.errors import UserError, did_you_mean
 from llmtrain.core_mesh.interfaces import (
     Callback,
     MetricsSink,
+    Objective,
     ParallelStrategy,
     Task,
     Tokenizer,
@@ -103,6 +104,7 @@ WEIGHTS: Kind[WeightFormat] = Kind(
 # checks what a callback plugin built, with the run config's `callbacks[i]` in its message
 CALLBACK: Kind[Callback] = Kind("callback", "llmtrain_callbacks")
 TASK: Kind[Task] = Kind("task", "llmtrain_tasks", lambda: Task)
+OBJECTIVE: Kind[Objective] = Kind("objective", "llmtrain_objectives", lambda: Objective)
 
 # kind -> the hook that registers entries of that kind (configs and the CLI name kinds by string)
 KINDS: dict[str, str] = {
@@ -123,7 +125,7 @@ _TYPED: dict[str, Kind[Any]] = {
     kind.name: kind
     for kind in (
         *(MODEL, OPTIMIZER, LR_SCHEDULER, LOGGER, TOKENIZER, PARALLEL),
-        *(COMMAND, WEIGHTS, CALLBACK, TASK),
+        *(COMMAND, WEIGHTS, CALLBACK, TASK, OBJECTIVE),
     )
 }
 
@@ -570,4 +572,5 @@ if TYPE_CHECKING:
         assert_type(plugins.build(WEIGHTS, "hf"), WeightFormat)
         assert_type(plugins.build(CALLBACK, "throughput"), Callback)
         assert_type(plugins.build(TASK, "hellaswag"), Task)
+        assert_type(plugins.build(OBJECTIVE, "cross_entropy", run_info), Objective)
         assert_type(plugins.build("logger", "jsonl", run_info), Any)
