@@ -49,7 +49,7 @@ PROVIDERS: dict[str, list[tuple[str, str]]] = {
     "ParallelModel": [("parallel", "Parallelized")],
     "ModelOptions": [("models", "TransformerConfig"), ("llmtrain-moe", "MoEOptions")],
     "LanguageModel": [("models", "Transformer"), ("llmtrain-moe", "MoETransformer")],
-    "Objective": [("train-loop", "CrossEntropySum")],
+    "Objective": [("train-loop", "CrossEntropySum"), ("llmtrain-distill", "Distill")],
     "AuxiliaryLosses": [("llmtrain-moe", "MoETransformer")],
 }
 

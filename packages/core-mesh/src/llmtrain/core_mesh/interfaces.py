@@ -527,10 +527,12 @@ class ObjectiveContext:
     `parts`: the model parts (torch modules) this rank holds; `device`: the torch device;
     `compile`: whether the run compiles; `storage_options`: the checkpoint storage options (to
     read a teacher checkpoint from the same store); `config`: the run config as a mapping;
-    `pipeline_stages`: the pipeline-parallel degree (the loss runs on the last stage only)."""
+    `pipeline_stages`: the pipeline-parallel degree (the loss runs on the last stage only);
+    `plugins`: the run's plugin manager (to build a teacher model from its checkpoint)."""
 
     parts: Sequence[Any]
     device: Any
+    plugins: PluginManager | None = None
     compile: bool = False
     storage_options: Mapping[str, str] = attrs.Factory(dict)
     config: Mapping[str, Any] = attrs.Factory(dict)

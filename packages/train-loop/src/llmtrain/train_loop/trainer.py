@@ -472,6 +472,7 @@ class Trainer:
             storage_options=dict(c.checkpoint.storage_options),
             config=unstructure(c, converter=make_converter(plugins)),
             pipeline_stages=c.mesh.pp,
+            plugins=plugins,
         )
         built: Objective = plugins.build("objective", choice, context)
         return built

@@ -1,0 +1,1 @@
+"""llmtrain-distill: the `distill` objective plugin for llmtrain (see `plugin`)."""
