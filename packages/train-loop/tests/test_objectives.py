@@ -39,7 +39,9 @@ def dataset(tmp_path_factory) -> Path:
     return root / "train.zarr"
 
 
-def losses(run_cli: Any, tmp_path: Path, dataset: Path, training: dict[str, Any]) -> list[Any]:
+def losses(
+    run_cli: Any, tmp_path: Path, dataset: Path, training: dict[str, Any]
+) -> tuple[list[Any], str]:
     config = {
         "name": "r",
         "run_dir": str(tmp_path / "runs"),
@@ -56,14 +58,16 @@ def losses(run_cli: Any, tmp_path: Path, dataset: Path, training: dict[str, Any]
     code, _, err = run_cli("run", path)
     assert code == 0, err
     lines = (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()
-    return [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines) if "loss" in m]
+    return [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines) if "loss" in m], err
 
 
 def test_deprecated_z_loss_trains_as_the_objective_option(run_cli, dataset, tmp_path):
-    plain = losses(run_cli, tmp_path / "a", dataset, {})
+    plain, _ = losses(run_cli, tmp_path / "a", dataset, {})
     objective = {"objective": {"kind": "cross_entropy", "z_loss": 0.01}}
-    new = losses(run_cli, tmp_path / "b", dataset, objective)
-    old = losses(run_cli, tmp_path / "c", dataset, {"z_loss": 0.01})
+    new, quiet = losses(run_cli, tmp_path / "b", dataset, objective)
+    old, said = losses(run_cli, tmp_path / "c", dataset, {"z_loss": 0.01})
+    assert "training.z_loss is deprecated" in said
+    assert "training.z_loss is deprecated" not in quiet
     assert len(new) == 4
     assert new == old  # bit for bit
     assert new != plain  # the z-loss changes the numbers: the option reached the loss
