@@ -64,6 +64,7 @@ def base_config(run_dir: Path) -> dict[str, Any]:
             "steps": 30,
             "log_every": 1,
             "checkpoint_every": 5,
+            "objective": {"kind": "cross_entropy", "z_loss": 0.0},
             "non_finite": {"action": "skip", "max_skips": 3},
         },
         "checkpoint": {"keep_last": 3, "io_threads": 2},
