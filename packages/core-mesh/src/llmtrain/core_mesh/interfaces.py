@@ -528,7 +528,10 @@ class ObjectiveContext:
     `compile`: whether the run compiles; `storage_options`: the checkpoint storage options (to
     read a teacher checkpoint from the same store); `config`: the run config as a mapping;
     `pipeline_stages`: the pipeline-parallel degree (the loss runs on the last stage only);
-    `plugins`: the run's plugin manager (to build a teacher model from its checkpoint)."""
+    `plugins`: the run's plugin manager (to build a teacher model from its checkpoint);
+    `averaged_ranks`: how many ranks' gradients the layout averages (those reading different
+    tokens: data and context shards), which the layout makes up for by scaling the loss by it: a
+    term whose gradient must not grow with them divides by it."""
 
     parts: Sequence[Any]
     device: Any
@@ -537,6 +540,7 @@ class ObjectiveContext:
     storage_options: Mapping[str, str] = attrs.Factory(dict)
     config: Mapping[str, Any] = attrs.Factory(dict)
     pipeline_stages: int = 1
+    averaged_ranks: int = 1
 
 
 class Objective(Protocol):

@@ -26,17 +26,20 @@ __all__ = ["IGNORE", "AuxiliaryTerms", "CrossEntropySum", "cross_entropy_sum"]
 class AuxiliaryTerms:
     """The auxiliary losses of model parts that take them out of their own backward
     (`AuxiliaryLosses`, MoE load balancing), added to the loss of each micro-batch as a term of
-    value zero whose gradient is theirs: `(aux - aux.detach()) * count`. The trainer scales the
-    summed loss by 1/count, so each forward's `aux` gets gradient 1, as the models' own
-    injection gives it, and the logged loss stays the cross-entropy. `count`: the step's global
-    number of counted targets, set by `prepare`."""
+    value zero whose gradient is theirs: `(aux - aux.detach()) * count / averaged_ranks`. The
+    layout scales the summed loss by `averaged_ranks / count` (FSDP and DDP then average over
+    those ranks), so each forward's `aux` gets gradient 1 before the average, as the models' own
+    injection gives it (the same numbers at any layout as before the seam), and the logged loss
+    stays the cross-entropy. `count`: the step's global number of counted targets, set by
+    `prepare`; `averaged_ranks`: `ObjectiveContext.averaged_ranks`."""
 
     parts: Sequence[AuxiliaryLosses]
+    averaged_ranks: int = 1
     count: float = 1.0
 
     def term(self) -> torch.Tensor:
         aux = sum((part.aux_loss() for part in self.parts), torch.zeros(()))
-        return (aux - aux.detach()) * self.count
+        return (aux - aux.detach()) * (self.count / self.averaged_ranks)
 
 
 @attrs.frozen

@@ -42,6 +42,6 @@ def cross_entropy(options: CrossEntropyOptions, context: ObjectiveContext) -> Cr
     if parts and context.pipeline_stages == 1:
         for part in parts:
             part.inject_aux_loss(False)
-        aux = AuxiliaryTerms(parts)
+        aux = AuxiliaryTerms(parts, context.averaged_ranks)
     # the chunked form of the loss compiles its softmax on CUDA when the run compiles
     return CrossEntropySum(options.z_loss, context.compile, aux)

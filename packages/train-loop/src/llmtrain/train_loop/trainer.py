@@ -52,6 +52,7 @@ from llmtrain.core_mesh.plugins import (
     LOGGER,
     LR_SCHEDULER,
     MODEL,
+    OBJECTIVE,
     OPTIMIZER,
     PARALLEL,
     PluginManager,
@@ -473,9 +474,9 @@ class Trainer:
             config=unstructure(c, converter=make_converter(plugins)),
             pipeline_stages=c.mesh.pp,
             plugins=plugins,
+            averaged_ranks=self.model.size("dp_cp"),
         )
-        built: Objective = plugins.build("objective", choice, context)
-        return built
+        return plugins.build(OBJECTIVE, choice, context)
 
     def _initial_weights(self) -> dict[str, torch.Tensor]:
         return initial_model(self.plugins, self.config.model, self.config.seed).state_dict()
