@@ -79,17 +79,14 @@ def llmtrain(*args: object) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def trained(tmp_path_factory) -> SimpleNamespace:
-    """`checkpoint` (a Llama-style tiny model, 6 steps of `llmtrain run` on CPU), `export`
-    (its transformers directory, written by llmtrain-hf) and `max_len` (the model's
-    max_seq_len, the harness's max_length)."""
-    from llmtrain_hf import export_checkpoint
-
+def packed(tmp_path_factory) -> Path:
+    """A packed corpus of the quickstart's sentences under a 300-token BPE tokenizer: the
+    training data of every model these tests train."""
     from llmtrain.data_pack.pack import pack
     from llmtrain.data_pack.tokenizer import train_bpe
     from llmtrain.train_loop.experiments.quickstart import sentence, write_corpus
 
-    root = tmp_path_factory.mktemp("trained")
+    root = tmp_path_factory.mktemp("packed")
     rng = random.Random(0)
     texts = [" ".join(sentence(rng) for _ in range(3)) for _ in range(200)]
     tokenizer = root / "tokenizer.json"
@@ -97,6 +94,18 @@ def trained(tmp_path_factory) -> SimpleNamespace:
     write_corpus(root / "train.jsonl", 80, seed=0)
     data = root / "train.zarr"
     pack([str(root / "train.jsonl")], str(data), {"kind": "hf", "path": str(tokenizer)}, workers=1)
+    return data
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, packed) -> SimpleNamespace:
+    """`checkpoint` (a Llama-style tiny model, 6 steps of `llmtrain run` on CPU), `export`
+    (its transformers directory, written by llmtrain-hf) and `max_len` (the model's
+    max_seq_len, the harness's max_length)."""
+    from llmtrain_hf import export_checkpoint
+
+    root = tmp_path_factory.mktemp("trained")
+    data = packed
     config = {
         "name": "llama",
         "seed": 0,

@@ -5,7 +5,6 @@ does, and `generate_until` decodes greedily by rerunning the prefix."""
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -17,27 +16,16 @@ MAX_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def toy(tmp_path_factory) -> str:
-    """The committed checkpoints of a 4-step `toy-lm` run on a BPE-tokenized corpus."""
-    from llmtrain.data_pack.pack import pack
-    from llmtrain.data_pack.tokenizer import train_bpe
-    from llmtrain.train_loop.experiments.quickstart import sentence, write_corpus
-
+def toy(tmp_path_factory, packed) -> str:
+    """The committed checkpoints of a 4-step `toy-lm` run on the shared packed corpus."""
     root = tmp_path_factory.mktemp("toy")
-    rng = random.Random(0)
-    texts = [" ".join(sentence(rng) for _ in range(3)) for _ in range(100)]
-    tokenizer = root / "tokenizer.json"
-    tokenizer.write_text(train_bpe(texts, 300, special_tokens=("<|endoftext|>",)))
-    write_corpus(root / "train.jsonl", 40, seed=0)
-    data = root / "train.zarr"
-    pack([str(root / "train.jsonl")], str(data), {"kind": "hf", "path": str(tokenizer)}, workers=1)
     config = {
+        "data": {"train": [{"path": str(packed)}], "seq_len": 32, "micro_batch": 4},
         "name": "toy",
         "seed": 0,
         "run_dir": str(root / "runs"),
         "device": "cpu",
         "model": {"kind": "toy-lm", "max_seq_len": MAX_LEN, "d_model": 32},
-        "data": {"train": [{"path": str(data)}], "seq_len": 32, "micro_batch": 4},
         "optimizer": {"kind": "adamw", "lr": 3e-3},
         "training": {"steps": 4, "log_every": 2},
         "loggers": [{"kind": "jsonl"}],
