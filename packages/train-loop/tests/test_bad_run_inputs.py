@@ -412,18 +412,6 @@ def test_a_damaged_config_file_is_one_error_naming_it(validate_many, capsys):
 # --- `llmtrain run`: refused before it starts ---
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    """A small packed dataset (60 generated documents, the bytes tokenizer)."""
-    from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.experiments.quickstart import write_corpus
-
-    root = tmp_path_factory.mktemp("data")
-    write_corpus(root / "train.jsonl", 60, seed=0)
-    pack([str(root / "train.jsonl")], str(root / "train.zarr"), {"kind": "bytes"}, workers=1)
-    return root / "train.zarr"
-
-
 def run_base(dataset: Path, run_dir: Path) -> dict[str, Any]:
     return {
         "name": "bad",

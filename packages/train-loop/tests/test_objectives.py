@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import yaml
 
@@ -26,17 +25,6 @@ def test_cross_entropy_objective_is_the_summed_loss_and_passes_targets_through(i
     assert torch.equal(built(logits, targets), cross_entropy_sum()(logits, targets))
     assert built.prepare(torch.zeros(2, 5), targets, 8.0) is targets
     assert built.metrics() == {}
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.experiments.quickstart import write_corpus
-
-    root = tmp_path_factory.mktemp("data")
-    write_corpus(root / "train.jsonl", 40, seed=0)
-    pack([str(root / "train.jsonl")], str(root / "train.zarr"), {"kind": "bytes"}, workers=1)
-    return root / "train.zarr"
 
 
 def losses(

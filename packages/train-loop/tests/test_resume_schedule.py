@@ -18,18 +18,6 @@ from llmtrain.train_loop.schedules import WarmupOptions, WSDOptions, cosine, wsd
 LR = 1e-3
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    """A small packed dataset (60 generated documents, the bytes tokenizer)."""
-    from llmtrain.data_pack.pack import pack
-    from llmtrain.train_loop.experiments.quickstart import write_corpus
-
-    root = tmp_path_factory.mktemp("data")
-    write_corpus(root / "train.jsonl", 60, seed=0)
-    pack([str(root / "train.jsonl")], str(root / "train.zarr"), {"kind": "bytes"}, workers=1)
-    return root / "train.zarr"
-
-
 def write_config(tmp_path: Path, dataset: Path, schedule: dict[str, Any]) -> Path:
     config = {
         "name": "r",
