@@ -10,8 +10,8 @@ Step N is the step metrics.jsonl and the logs call N, the optimizer step that en
 the data of step index N - 1 (`BatchPlan.step`). The data-parallel size at step N comes from the
 run's rank-0 log (each start records its layout, a resume the step it went on from), else from
 `summary.json`'s world size and the config's mesh; `--data-ranks` overrides both. Only the
-config's seed, data, mesh and training sections are read, so the run's model, logger and
-callback plugins need not be installed where this runs.
+config's seed, data, mesh and training sections (less the objective) are read, so the run's model,
+logger, callback and objective plugins need not be installed where this runs.
 """
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ def read_order(run_dir: Path) -> DataOrder:
         raise UserError(f"{path}: not a run config (expected a mapping)")
     for key in [k for k in raw if k not in SECTIONS]:
         del raw[key]  # in place: the parsed mapping keeps its line numbers for errors
+    training = raw.get("training")
+    if isinstance(training, dict):
+        # the loss decides no window, and its plugin need not be installed here
+        training.pop("objective", None)
     refuse_redacted(raw, str(path))  # data.storage_options open the datasets
     return structure(raw, DataOrder, source=str(path))
 
