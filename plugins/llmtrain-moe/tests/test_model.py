@@ -151,6 +151,33 @@ def test_moe_small_flops_count_the_active_experts():
     assert d.flops_per_token(1024) == 6 * active + 12 * 8 * 8 * 64 * 1024 == 393_858_048
 
 
+def test_olmoe_presets_count_olmoe_1b_7b_parameters():
+    """olmoe-1b-7b by hand: d 2048, 16 layers of 16 heads (kv 16), query and key norms over all
+    heads, 64 SwiGLU experts of 1024 of which a token takes 8, untied vocab 50304: OLMoE's 6.9B
+    total and 1.3B active. olmoe-tiny has the same structure."""
+    with torch.device("meta"):
+        model = build_model(preset_options("olmoe-1b-7b"))
+    d = model.describe()
+    per_expert = 3 * 2048 * 1024
+    dense = 4 * 2048 * 2048 + 2 * 2048 + 2 * 2048 + 64 * 2048  # attention, qk norms, norms, router
+    embeddings = 2 * 50_304 * 2048  # untied: embedding and head
+    assert d.n_params == 16 * (dense + 64 * per_expert) + 2048 + embeddings == 6_919_161_856
+    active = d.n_params - model.inactive_params()
+    assert active == 16 * (dense + 8 * per_expert) + 2048 + embeddings == 1_282_017_280
+    assert (d.n_heads, d.n_kv_heads, d.tied_embeddings) == (16, 16, False)
+    tiny, big = preset_options("olmoe-tiny"), preset_options("olmoe-1b-7b")
+    # only the sizes differ
+    shape = ("d_model", "n_layers", "n_heads", "n_kv_heads", "mlp_hidden", "n_experts", "top_k")
+    assert [
+        a.name
+        for a in attrs.fields(MoEOptions)
+        if a.name not in (*shape, "vocab_size", "max_seq_len")
+        and getattr(tiny, a.name) != getattr(big, a.name)
+    ] == []
+    assert (big.qk_norm_scope, big.renormalize, big.router_z_loss) == ("all_heads", False, 0.001)
+    assert (tiny.n_experts, tiny.top_k, tiny.mlp_hidden) == (16, 4, 32)
+
+
 @pytest.mark.parametrize("shared_expert", [False, True])
 def test_tp_plan_names_modules_of_the_model(shared_expert):
     from llmtrain.parallel.tensor_parallel import resolve_plan
@@ -221,7 +248,9 @@ def test_plugin_entry_point_registers_the_presets_without_importing_torch():
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     plugins = PluginManager(blocked=()).load_entry_points()
-    assert {"moe-tiny", "moe-small"} <= set(plugins.registry("model").names())
+    assert {"moe-tiny", "moe-small", "olmoe-tiny", "olmoe-1b-7b"} <= set(
+        plugins.registry("model").names()
+    )
     entry = plugins.registry("model").get("moe-tiny")
     assert entry.origin.distribution == "llmtrain-moe" and entry.defaults == PRESETS["moe-tiny"]
     model = plugins.build("model", Choice.of("model")("moe-tiny"))

@@ -107,6 +107,47 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# OLMoE-1B-7B's structure (Muennighoff et al. 2024, arXiv 2409.02060): fine-grained experts (64
+# of hidden 1024, top-8), queries and keys RMS-normalised over all heads of the projection
+# (OLMo-2's norm, `qk_norm_scope: all_heads`), untied embeddings, the router's top-8
+# probabilities used as they are (norm_topk_prob false), the load-balancing and z-losses of
+# its paper
+_OLMOE = dict(
+    _SMALL_DECODER,
+    qk_norm=True,
+    qk_norm_scope="all_heads",
+    tied_embeddings=False,
+    renormalize=False,
+    aux_loss_weight=0.01,
+    router_z_loss=0.001,
+)
+
+PRESETS["olmoe-1b-7b"] = dict(
+    _OLMOE,
+    vocab_size=50304,
+    max_seq_len=4096,
+    d_model=2048,
+    n_layers=16,
+    n_heads=16,
+    n_kv_heads=16,
+    mlp_hidden=1024,
+    n_experts=64,
+    top_k=8,
+)
+# the same structure at CPU-test size: many small experts, top-4
+PRESETS["olmoe-tiny"] = dict(
+    _OLMOE,
+    vocab_size=256 + 64,
+    max_seq_len=256,
+    d_model=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=4,
+    mlp_hidden=32,
+    n_experts=16,
+    top_k=4,
+)
+
 
 def preset_options(name: str, **overrides: Any) -> MoEOptions:
     if name not in PRESETS:
