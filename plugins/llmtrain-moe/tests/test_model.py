@@ -30,6 +30,9 @@ def dense_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     logits = x.float() @ layer.router.weight.float().T
     probs = logits.softmax(-1)
     top, chosen = probs.topk(cfg.top_k, dim=-1)
+    if layer.expert_bias is not None:  # the bias chooses, the probabilities weigh
+        chosen = (probs + layer.expert_bias).topk(cfg.top_k, dim=-1).indices
+        top = probs.gather(-1, chosen)
     weights = top / top.sum(-1, keepdim=True) if cfg.renormalize else top
     w1, w3, w2 = layer.experts.w1, layer.experts.w3, layer.experts.w2
     pre = torch.einsum("btd,ehd->bteh", x, w1)
@@ -60,6 +63,12 @@ def _layer(**options) -> MoE:
     return layer
 
 
+def route_of(layer: MoE, x: torch.Tensor, bias: torch.Tensor):
+    from llmtrain_moe.routing import route
+
+    return route(x.float() @ layer.router.weight.float().T, layer.cfg.top_k, bias=bias)
+
+
 def _grads(layer: MoE, x: torch.Tensor, fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
@@ -73,6 +82,11 @@ CASES = {
     "gelu-top1-raw": dict(mlp="gelu", n_experts=4, top_k=1, renormalize=False),
     "swiglu-top3-shared": dict(mlp="swiglu", n_experts=6, top_k=3, shared_expert=True),
     "capacity": dict(mlp="swiglu", n_experts=4, top_k=2, capacity_factor=0.75),
+    # fine-grained: many small experts, 8 a token, choices moved by the routing bias
+    "fine-grained-top8": dict(mlp="swiglu", n_experts=16, top_k=8, mlp_hidden=8),
+    "fine-grained-top8-bias": dict(
+        mlp="swiglu", n_experts=16, top_k=8, mlp_hidden=8, renormalize=False, bias_update_rate=0.01
+    ),
 }
 
 
@@ -81,6 +95,13 @@ CASES = {
 def test_dispatch_equals_the_dense_reference(case, matmul):
     layer = _layer(**CASES[case], expert_matmul=matmul, aux_loss_weight=0.0)
     layer.train(False)
+    if layer.expert_bias is not None:
+        layer.expert_bias.copy_(torch.linspace(0.3, -0.3, 16))
+        unbiased = layer.expert_bias.new_zeros(16)
+        x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(1))
+        assert not torch.equal(
+            route_of(layer, x, layer.expert_bias).experts, route_of(layer, x, unbiased).experts
+        )  # the bias does change choices here
     x = torch.randn(3, 10, 16, generator=torch.Generator().manual_seed(1))
     out, grads = _grads(layer, x, lambda m, v: m(v))
     ref_out, ref_grads = _grads(layer, x, dense_reference)
@@ -288,12 +309,12 @@ def test_config_errors_name_the_option():
     with pytest.raises(ConfigError) as info:
         structure(
             {"model": {"kind": "moe-tiny", "capacity_factor": 0, "aux_loss_weight": -1.0,
-                       "expert_matmul": "fast"}},
+                       "expert_matmul": "fast", "bias_update_rate": -0.001}},
             Schema,
             plugins=plugins,
         )  # fmt: skip
     text = str(info.value)
-    for key in ("capacity_factor", "aux_loss_weight", "expert_matmul"):
+    for key in ("capacity_factor", "aux_loss_weight", "expert_matmul", "bias_update_rate"):
         assert f"model.{key}" in text, text
 
 

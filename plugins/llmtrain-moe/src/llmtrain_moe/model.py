@@ -14,6 +14,7 @@ sync); `MoETransformer.router_stats()` turns them into numbers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -36,7 +37,9 @@ from llmtrain_moe.routing import (
     Routing,
     add_aux_loss,
     balance_loss,
+    bias_update,
     expert_capacity,
+    expert_counts,
     expert_load,
     route,
     router_z_loss,
@@ -63,6 +66,12 @@ class RouterStats(NamedTuple):
 class MoE(nn.Module):
     """Router + experts (+ a shared expert) in place of a block's MLP."""
 
+    # with `bias_update_rate` > 0 only (standard models' state dicts stay as they were):
+    # the routing bias (E,) float32, model state (checkpointed), and the choices each expert got
+    # in the training forwards since the last optimizer step (E,) int64, not state
+    expert_bias: torch.Tensor | None
+    expert_choices: torch.Tensor | None
+
     def __init__(self, cfg: MoEOptions):
         super().__init__()
         self.cfg = cfg
@@ -84,6 +93,13 @@ class MoE(nn.Module):
         self.inject_aux_loss = True
         self.aux_loss: torch.Tensor | None = None
         self.stats: RouterStats | None = None
+        if cfg.bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+            self.register_buffer(
+                "expert_choices", torch.zeros(cfg.n_experts, dtype=torch.long), persistent=False
+            )
+        else:
+            self.expert_bias = self.expert_choices = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _DTENSOR is not None and isinstance(x, _DTENSOR):
@@ -96,7 +112,17 @@ class MoE(nn.Module):
         capacity = None
         if cfg.capacity_factor is not None:
             capacity = expert_capacity(T, cfg.n_experts, cfg.top_k, cfg.capacity_factor)
-        routing = route(logits, cfg.top_k, renormalize=cfg.renormalize, capacity=capacity)
+        routing = route(
+            logits,
+            cfg.top_k,
+            renormalize=cfg.renormalize,
+            capacity=capacity,
+            bias=self.expert_bias,
+        )
+        if self.expert_choices is not None and self.training and torch.is_grad_enabled():
+            # activation checkpointing runs this forward again in the backward and counts every
+            # choice twice: the same factor for every expert, which the update's sign ignores
+            self.expert_choices.add_(expert_counts(routing.experts, cfg.n_experts))
         keep = routing.keep.reshape(B * T, -1) if routing.keep is not None else None
         y = self.experts.routed(
             x.reshape(B * T, d),
@@ -115,6 +141,20 @@ class MoE(nn.Module):
             aux = aux.detach()
         self.aux_loss = aux
         return y
+
+    @torch.no_grad()
+    def after_optimizer_step(
+        self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], /
+    ) -> None:
+        """core-mesh's `AfterOptimizerStep`, called by the parallel strategy after each optimizer
+        step: the routing bias moves by `bias_update_rate` towards an even load, judged on the
+        step's choices of every rank that saw different tokens, and the count restarts. Defined
+        on the layer only (the strategy calls every module that has it)."""
+        if self.expert_bias is None or self.expert_choices is None:
+            return
+        counts = sum_over_ranks(self.expert_choices)
+        self.expert_bias.add_(bias_update(counts, self.cfg.bias_update_rate))
+        self.expert_choices.zero_()
 
     def _weighted_aux(self, balance: torch.Tensor, z: torch.Tensor) -> torch.Tensor | None:
         terms = [(self.cfg.aux_loss_weight, balance), (self.cfg.router_z_loss, z)]
@@ -238,6 +278,10 @@ class MoETransformer(Transformer):
                     if w is not None:
                         nn.init.normal_(w, std=std, generator=generator)
                 nn.init.normal_(module.w2, std=residual_std, generator=generator)
+            elif isinstance(module, MoE):
+                for buffer in (module.expert_bias, module.expert_choices):
+                    if buffer is not None:
+                        buffer.zero_()
 
     def inactive_params(self) -> int:
         """Expert parameters a token does not use: (n_experts - top_k) experts per layer."""

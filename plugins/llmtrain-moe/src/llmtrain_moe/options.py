@@ -41,6 +41,9 @@ class MoEOptions(TransformerConfig):
         "router_z_loss",
         "expert_matmul",
         "capacity_factor",
+        # how fast the routing bias moves; the bias itself is a tensor of the model (a warm
+        # start between 0 and a rate > 0 is refused by its tensors, one model has it)
+        "bias_update_rate",
     }
 
     n_experts: int = attrs.field(default=8, validator=_at_least_one)
@@ -50,6 +53,9 @@ class MoEOptions(TransformerConfig):
     capacity_factor: float | None = attrs.field(default=None, validator=_positive_or_none)
     aux_loss_weight: float = attrs.field(default=0.01, validator=_non_negative)
     router_z_loss: float = attrs.field(default=0.0, validator=_non_negative)
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every expert's
+    # routing bias moves by this much towards an even load (0: off, no bias; DeepSeek: 0.001)
+    bias_update_rate: float = attrs.field(default=0.0, validator=_non_negative)
     renormalize: bool = True  # top-k weights sum to 1 (false: the router's probabilities, Switch)
     shared_expert: bool = False  # a dense MLP of the experts' shape that every token also takes
     expert_matmul: Literal["auto", "grouped", "loop"] = attrs.field(

@@ -26,13 +26,24 @@ class Routing(NamedTuple):
 
 
 def route(
-    logits: torch.Tensor, top_k: int, *, renormalize: bool = True, capacity: int | None = None
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    capacity: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> Routing:
     """Route each token of logits (G, T, E) to its `top_k` most probable experts. `renormalize`
     rescales the chosen probabilities to sum to 1; `capacity` caps the tokens an expert takes
-    per group (see `within_capacity`)."""
+    per group (see `within_capacity`). `bias` (E,), DeepSeek-V3's auxiliary-loss-free balancing,
+    is added to the probabilities to choose the experts only (they come most biased-probable
+    first): the weights stay the chosen experts' own probabilities."""
     probs = logits.float().softmax(dim=-1)
-    top_probs, experts = probs.topk(top_k, dim=-1)
+    if bias is None:
+        top_probs, experts = probs.topk(top_k, dim=-1)
+    else:
+        experts = (probs + bias.float()).topk(top_k, dim=-1).indices
+        top_probs = probs.gather(-1, experts)
     weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if renormalize else top_probs
     keep = None
     if capacity is not None and logits.device.type != "meta":
@@ -54,6 +65,23 @@ def within_capacity(experts: torch.Tensor, n_experts: int, capacity: int) -> tor
     one_hot = F.one_hot(queue, n_experts)
     place = (one_hot.cumsum(dim=1) * one_hot).sum(dim=-1) - 1  # place in its expert's queue
     return (place < capacity).view(G, k, T).transpose(1, 2)
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """How many of the choices (..., k) went to each expert: (E,) int64, without a host sync
+    (a scatter, not `bincount`, whose output size depends on the values)."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=experts.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+def bias_update(counts: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3's step for the routing bias, from a step's per-expert choice counts (E,):
+    `rate * sign(mean count - count_e)`, raising the under-loaded experts and lowering the
+    over-loaded ones. Compared in integers as `sum - E * count_e` (the same sign), so the
+    counts of a large step lose nothing to float rounding."""
+    counts = counts.long()
+    return rate * torch.sign(counts.sum() - counts.numel() * counts).float()
 
 
 def expert_load(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
