@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from llmtrain.parallel.data_parallel import (
-    _reshard,
+    should_reshard,
     apply_ddp,
     apply_fsdp,
     mixed_precision,
@@ -41,7 +41,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 )
 def test_reshard_after_forward(setting, pipelined, is_last, expected):
     options = ParallelOptions(reshard_after_forward=setting)
-    assert _reshard(options, pipelined, is_last) is expected
+    assert should_reshard(options, pipelined, is_last) is expected
 
 
 def test_mixed_precision_policy():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import pytest
 import train_support as ts
@@ -101,6 +102,49 @@ def test_two_ranks_log_the_same_numbers_as_one_process(reference, layout, overri
     assert got[STEPS]["loss"] < got[1]["loss"] - 1.0
     # FSDP: each rank routes half the batch, and the counts of both make the whole one's
     assert_same_router_stats(reference["metrics"], got)
+
+
+@pytest.fixture(scope="module")
+def expert_parallel(reference):
+    """2 ranks, expert parallelism: each holds 2 of the 4 experts of every layer and reads half
+    the batch; tokens travel to their experts' rank and back by all-to-all. Saves at step 10."""
+    argv = ["name=two-ep", "data.micro_batch=4", "mesh.ep=2", "training.checkpoint_every=10"]
+    proc = ts.run(ts.torchrun(2, "run", reference["path"], *argv), timeout=600)
+    return {"proc": proc, "dir": reference["tmp"] / "runs" / "two-ep"}
+
+
+def test_expert_parallel_logs_the_same_numbers_as_one_process(reference, expert_parallel):
+    assert ts.error_lines(expert_parallel["proc"].stderr) == []
+    got = ts.by_step(ts.read_metrics(expert_parallel["dir"]))
+    assert list(got) == list(range(1, STEPS + 1))
+    ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
+    assert_same_router_stats(reference["metrics"], got)
+
+
+def test_four_ranks_split_the_experts_and_shard_them(reference):
+    """ep=2 of dp_shard=4: two ranks hold each half of the experts, and FSDP shards that half
+    between them (the experts' gradients are divided by all 4 data ranks)."""
+    argv = ["name=four-ep", "data.micro_batch=2", "mesh.ep=2"]
+    proc = ts.run(ts.torchrun(4, "run", reference["path"], *argv), timeout=600)
+    assert ts.error_lines(proc.stderr) == []
+    got = ts.by_step(ts.read_metrics(reference["tmp"] / "runs" / "four-ep"))
+    ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
+
+
+def test_resume_at_another_expert_parallel_degree_continues_exactly(reference, expert_parallel):
+    """The ep=2 run's step-10 checkpoint resumed on 4 ranks with ep=4 (one expert a rank): DCP
+    reshards the experts, and steps 11-30 are those of the one-process run."""
+    run_dir = reference["tmp"] / "runs" / "resharded"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    step_10 = expert_parallel["dir"] / "checkpoints" / "step-10"
+    shutil.copytree(step_10, run_dir / "checkpoints" / "step-10")
+    argv = ["name=resharded", "data.micro_batch=2", "mesh.ep=4"]
+    proc = ts.run(ts.torchrun(4, "run", reference["path"], *argv), timeout=600)
+    assert ts.error_lines(proc.stderr) == []
+    assert "run.resumed" in proc.stderr
+    got = ts.by_step(ts.read_metrics(run_dir))
+    assert list(got) == list(range(11, STEPS + 1))
+    ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
 
 
 def test_pipeline_logs_the_same_numbers_as_one_process_with_as_many_micro_batches(accumulated):

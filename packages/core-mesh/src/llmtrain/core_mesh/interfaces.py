@@ -569,3 +569,25 @@ class AuxiliaryLosses(Protocol):
     def inject_aux_loss(self, enabled: bool, /) -> None: ...
 
     def aux_loss(self) -> Any: ...
+
+
+@runtime_checkable
+class ExpertParallel(Protocol):
+    """A module holding a Mixture-of-Experts layer's `n_experts` experts as stacked weights
+    (expert dimension first). Under expert parallelism (`mesh.ep > 1`) the parallel strategy
+    calls `shard_experts(ep_mesh)` on the meta device, before FSDP: the module then keeps
+    experts `[rank * n / ep, (rank + 1) * n / ep)` as DTensors sharded on dimension 0 over the
+    1-D `ep_mesh`, and sends each token to the rank holding its expert (and back) itself."""
+
+    n_experts: int
+
+    def shard_experts(self, ep_mesh: Any, /) -> None: ...
+
+
+@runtime_checkable
+class AfterOptimizerStep(Protocol):
+    """A module whose state moves after each optimizer step outside the gradients (MoE's
+    per-expert routing bias). `sum_over_ranks(tensor)` returns the tensor summed over every rank
+    that saw different tokens of the step, so every rank updates its state alike."""
+
+    def after_optimizer_step(self, sum_over_ranks: Callable[[Any], Any], /) -> None: ...

@@ -24,7 +24,7 @@ def mixed_precision(options: ParallelOptions) -> MixedPrecisionPolicy:
     )
 
 
-def _reshard(options: ParallelOptions, pipelined: bool, is_last_block: bool) -> bool:
+def should_reshard(options: ParallelOptions, pipelined: bool, is_last_block: bool) -> bool:
     if options.reshard_after_forward == "always":
         return True
     if options.reshard_after_forward == "never":
@@ -45,10 +45,13 @@ def apply_fsdp(
     """Shard each block, then the rest of the module (embeddings, final norm, head) at the root."""
     mp = mixed_precision(options)
     for i, block in enumerate(blocks):
-        reshard = _reshard(options, pipelined, i == len(blocks) - 1)
+        reshard = should_reshard(options, pipelined, i == len(blocks) - 1)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard(
-        module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=_reshard(options, pipelined, True)
+        module,
+        mesh=dp_mesh,
+        mp_policy=mp,
+        reshard_after_forward=should_reshard(options, pipelined, True),
     )
 
 

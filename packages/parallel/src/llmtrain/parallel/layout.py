@@ -4,7 +4,7 @@ exists: every problem in one message, each naming the config key to change."""
 from __future__ import annotations
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.interfaces import ExpertParallel, ModelDescription
 from llmtrain.core_mesh.mesh import MeshError, MeshSpec
 from llmtrain.parallel.float8 import float8_problem
 from llmtrain.parallel.options import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelOptions
@@ -34,6 +34,7 @@ def check_layout(
     problems += _tensor_parallel(options, mesh, model, seq_len)
     problems += _pipeline(options, mesh, model, microbatches)
     problems += _context_parallel(options, mesh, seq_len, document_masking)
+    problems += _expert_parallel(mesh, model)
     if options.float8 and (why := float8_problem(device_type)):
         problems.append(f"parallel.float8: {why}; set parallel.float8: false")
     if problems:
@@ -133,4 +134,32 @@ def _context_parallel(
             f"mesh.cp={mesh.cp}: context parallelism needs plain causal attention; "
             "turn document masking off"
         )
+    return problems
+
+
+def _expert_parallel(mesh: MeshSpec, model: ModelDescription) -> list[str]:
+    if mesh.ep == 1:
+        return []
+    experts = [m for m in model.module.modules() if isinstance(m, ExpertParallel)]
+    if not experts:
+        return [
+            f"mesh.ep={mesh.ep}: the model has no Mixture-of-Experts layers to split; "
+            "set mesh.ep: 1"
+        ]
+    problems = []
+    counts = sorted({m.n_experts for m in experts})
+    if any(n % mesh.ep for n in counts):
+        problems.append(
+            f"mesh.ep={mesh.ep} must divide the model's expert count "
+            f"({', '.join(map(str, counts))}); choose an ep that divides it"
+        )
+    # the MoE layers route whole sequences on every tp rank and each cp shard balances its own
+    # tokens: expert parallelism over those ranks is not built; with replicated data groups
+    # (HSDP) torch's FSDP divides the experts' gradients twice (measured), so it is refused
+    for degree, name in ((mesh.tp, "tp"), (mesh.cp, "cp"), (mesh.dp_replicate, "dp_replicate")):
+        if degree > 1:
+            problems.append(
+                f"mesh.ep={mesh.ep} with mesh.{name}={degree}: expert parallelism composes with "
+                f"FSDP (dp_shard) and pipelines only; set mesh.{name}: 1 or mesh.ep: 1"
+            )
     return problems

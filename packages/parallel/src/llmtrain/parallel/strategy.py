@@ -27,11 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.interfaces import AfterOptimizerStep, ModelDescription
 from llmtrain.core_mesh.mesh import DIM_NAMES, MeshSpec
 from llmtrain.parallel import context_parallel, pipeline
 from llmtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from llmtrain.parallel.data_parallel import apply_ddp, apply_fsdp, set_gradient_sync
+from llmtrain.parallel.expert_parallel import expert_modules, shard_expert_data, split_experts
 from llmtrain.parallel.float8 import convert_to_float8, precompute_float8_scales
 from llmtrain.parallel.grad_norm import clip_grad_norm_
 from llmtrain.parallel.layout import check_layout
@@ -79,6 +80,7 @@ class Parallelized:
     _pp_loss: tuple[LossFn, float] | None = None
     _cp_seq_len: int = 0
     _dims: dict[str, DeviceMesh] = attrs.field(factory=dict)
+    _step_hooks: list[AfterOptimizerStep] | None = None
 
     # --- the layout ---
     def dim(self, name: str) -> DeviceMesh:
@@ -92,7 +94,7 @@ class Parallelized:
 
     @property
     def spec(self) -> MeshSpec:
-        return MeshSpec(**{name: self.size(name) for name in DIM_NAMES})
+        return MeshSpec(**{name: self.size(name) for name in (*DIM_NAMES, "ep")})
 
     @property
     def data_rank(self) -> int:
@@ -178,6 +180,23 @@ class Parallelized:
     def after_optimizer_step(self) -> None:
         if self.options.float8:
             precompute_float8_scales(self.parts)
+        if self._step_hooks is None:
+            self._step_hooks = [
+                m
+                for part in self.parts
+                for m in part.modules()
+                if isinstance(m, AfterOptimizerStep)
+            ]
+        for module in self._step_hooks:
+            module.after_optimizer_step(self._sum_over_token_ranks)
+
+    def _sum_over_token_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """A per-rank count summed over every rank that saw different tokens (data and context
+        parallel); tensor-parallel ranks share their tokens and pipeline stages their layers'."""
+        value = value.clone()
+        if self.size("dp_cp") > 1:
+            dist.all_reduce(value, group=self.dim("dp_cp").get_group())
+        return value
 
     # --- weights ---
     def materialize(self, init: Callable[[nn.Module], None]) -> None:
@@ -394,7 +413,7 @@ class DefaultStrategy:
         microbatches: int = 1,
     ) -> Parallelized:
         options = self.options
-        size = {name: device_mesh[name].size() for name in DIM_NAMES}
+        size = {name: device_mesh[name].size() for name in (*DIM_NAMES, "ep")}
         if size["tp"] > 1:
             resolve_plan(model.module, dict(model.tp_plan))  # whole model: every entry must match
         names = {id(m): n for n, m in model.module.named_modules()}
@@ -470,6 +489,8 @@ class DefaultStrategy:
                 loss_parallel=options.loss_parallel,
                 strict=False,
             )
+        experts = expert_modules(part) if size["ep"] > 1 else []
+        split_experts(experts, device_mesh["ep"])
         apply_activation_checkpointing(
             [b for i, b in blocks], options.activation_checkpointing, [i for i, b in blocks]
         )
@@ -478,6 +499,9 @@ class DefaultStrategy:
                 block.compile()
         modules = [b for _, b in blocks]
         if data_sharded:
+            # the experts first: FSDP over the data ranks that hold the same experts, so the
+            # blocks' FSDP below leaves their parameters alone
+            shard_expert_data(experts, device_mesh, options, pipelined=size["pp"] > 1)
             dims = ("dp_replicate", "dp_shard_cp") if size["dp_replicate"] > 1 else "dp_shard_cp"
             apply_fsdp(part, modules, device_mesh[dims], options, pipelined=size["pp"] > 1)
         elif size["dp_replicate"] > 1:
