@@ -2,9 +2,11 @@
 
 The model is built on the meta device (no memory), so sizes are exact where they can be:
 - parameters and gradients: counted per module, divided the way the layout divides them
-  (TP over tp, pipeline stages over pp, FSDP over dp_shard x cp);
+  (TP over tp, pipeline stages over pp, FSDP over dp_shard x cp; with expert parallelism,
+  `mesh.ep > 1`, a rank holds n_experts / ep of every MoE layer's experts, the parameters of the
+  modules that conform to core-mesh's `ExpertParallel`, and FSDP shards those over dp_shard / ep);
 - optimizer state: the configured optimizer takes one step on the meta model, and its state is
-  measured;
+  measured (the experts' part apart);
 - activations: a forward of one micro-batch on the meta device records every tensor autograd
   saves for backward, block by block; activation checkpointing, pipeline micro-batches in flight,
   sequence parallelism and context parallelism then scale that;
@@ -28,6 +30,7 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ExpertParallel
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import MODEL, OPTIMIZER, PluginManager
 from llmtrain.parallel.options import ParallelOptions
@@ -52,6 +55,8 @@ class Estimate:
     n_params: int
     rank_params: int
     notes: tuple[str, ...] = ()
+    # of rank_params, the experts this rank holds (ExpertParallel modules; n_experts / ep of each)
+    rank_expert_params: int = 0
 
     @property
     def total(self) -> int:
@@ -70,6 +75,16 @@ class Estimate:
 
 def _count(module: Any) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def expert_parameter_ids(model: Any) -> set[int]:
+    """The parameters expert parallelism splits: those of the modules that hold experts."""
+    holders: list[Any] = [m for m in model.modules() if isinstance(m, ExpertParallel)]
+    return {id(p) for m in holders for p in m.parameters()}
+
+
+def _count_experts(module: Any, experts: set[int]) -> int:
+    return sum(p.numel() for p in module.parameters() if id(p) in experts)
 
 
 def saved_activation_bytes(
@@ -123,21 +138,24 @@ def saved_activation_bytes(
     return per_block, outside, block_input[0] if block_input else 0, logits.numel()
 
 
-def optimizer_state_bytes(plugins: PluginManager, config: RunConfig, model: Any) -> int:
+def optimizer_state_bytes(
+    plugins: PluginManager, config: RunConfig, model: Any, experts: frozenset[int] = frozenset()
+) -> tuple[int, int]:
     """Build the configured optimizer on the meta model, step once with meta gradients, and
-    measure its state."""
+    measure its state: (bytes for the other parameters, bytes for the `experts` parameter ids)."""
     import torch
 
     for p in model.parameters():
         p.grad = torch.empty_like(p)
-    total = 0
+    total = [0, 0]
     for opt in plugins.build(OPTIMIZER, config.optimizer, model):
         opt.step()
-        for state in opt.state.values():
-            total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+        for param, state in opt.state.items():
+            size = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+            total[id(param) in experts] += size
     for p in model.parameters():
         p.grad = None
-    return total
+    return total[0], total[1]
 
 
 def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
@@ -175,18 +193,32 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
     n_params = _count(model)
     block_params = [_count(b) for b in blocks]
     other_params = n_params - sum(block_params)
+    experts = {i for b in blocks for i in expert_parameter_ids(b)}
+    block_experts = [_count_experts(b, experts) for b in blocks]
+    n_experts = sum(block_experts)
 
-    # this rank's parameters: a pipeline stage (the heaviest), a TP shard, an FSDP shard
-    pp, tp, cp = spec.pp, spec.tp, spec.cp
+    # this rank's parameters: a pipeline stage (the heaviest), a TP shard, then the experts this
+    # rank holds (n_experts / ep of each layer's); FSDP shards the rest over dp_shard x cp and,
+    # with ep > 1, the experts over the dp_shard / ep ranks that hold the same ones
+    pp, tp, cp, ep = spec.pp, spec.tp, spec.cp, spec.ep
     shard = spec.dp_shard * cp
+    expert_shard = shard if ep == 1 else spec.dp_shard // ep
     stage_blocks = math.ceil(n_blocks / pp)
-    biggest_block = max(block_params, default=0)
-    stage_params = stage_blocks * biggest_block + (other_params if pp == 1 else other_params // 2)
-    rank_params = math.ceil(stage_params / tp)
-    fraction = rank_params / max(n_params, 1)
-    params = math.ceil(rank_params / shard) * 4  # fp32 master weights
-    grads = params
-    optimizer = math.ceil(optimizer_state_bytes(plugins, config, model) * fraction / shard)
+    heaviest = max(range(n_blocks), key=block_params.__getitem__, default=None)
+    biggest_block = block_params[heaviest] if heaviest is not None else 0
+    biggest_experts = block_experts[heaviest] if heaviest is not None else 0
+    stage_other = stage_blocks * (biggest_block - biggest_experts) + (
+        other_params if pp == 1 else other_params // 2
+    )
+    stage_experts = stage_blocks * biggest_experts
+    rank_other = math.ceil(stage_other / tp)
+    rank_experts = math.ceil(stage_experts / tp / ep)
+    rank_params = rank_other + rank_experts
+    params = (math.ceil(rank_other / shard) + math.ceil(rank_experts / expert_shard)) * 4
+    grads = params  # fp32 master weights and their gradients, sharded alike
+    other_state, expert_state = optimizer_state_bytes(plugins, config, model, frozenset(experts))
+    optimizer = math.ceil(other_state * rank_other / max(n_params - n_experts, 1) / shard)
+    optimizer += math.ceil(expert_state * rank_experts / max(n_experts, 1) / expert_shard)
 
     # activations of one micro-batch on this rank, then how many are alive at once
     per_block, outside, block_input, logit_count = saved_activation_bytes(model, blocks, micro, seq)
@@ -215,14 +247,17 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
     loss_tp = tp if options.loss_parallel else 1
     logits = logit_count / cp * 4 * 3 / loss_tp
     gathered = 0.0
+    unsharded_blocks = stage_blocks if options.reshard_after_forward == "never" else 2
     if shard > 1:
-        unsharded_blocks = stage_blocks if options.reshard_after_forward == "never" else 2
-        gathered = unsharded_blocks * biggest_block / tp * (param_bytes + reduce_bytes)
+        gathered += (biggest_block - biggest_experts) / tp
+    if expert_shard > 1:  # a gathered block holds this rank's experts only
+        gathered += biggest_experts / tp / ep
+    gathered *= unsharded_blocks * (param_bytes + reduce_bytes)
     transient = math.ceil(logits + gathered)
 
     layout = (
         f"world {world}: dp_replicate {spec.dp_replicate} x dp_shard {spec.dp_shard} x cp {cp} "
-        f"x tp {tp} x pp {pp}; micro-batch {micro} x seq {seq}, {accum} micro-batches per step, "
+        f"x tp {tp} x pp {pp}, ep {ep}; micro-batch {micro} x seq {seq}, {accum} micro-batches per step, "
         f"activation checkpointing {ac.mode}, params {options.param_dtype}"
     )
     if config.training.init == "full":
@@ -241,6 +276,7 @@ def estimate(config: RunConfig, plugins: PluginManager, world: int) -> Estimate:
         n_params=n_params,
         rank_params=rank_params,
         notes=tuple(notes),
+        rank_expert_params=rank_experts,
     )
 
 
@@ -264,8 +300,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     except ConfigValueError as exc:
         problem = Problem(("data", exc.field), str(exc), args.config)
         raise ConfigError([problem], args.config) from None
+    experts = f" ({est.rank_expert_params:,} of them experts)" if est.rank_expert_params else ""
     print(
-        f"{config.name}: {est.n_params:,} parameters, {est.rank_params:,} on the busiest rank before FSDP"
+        f"{config.name}: {est.n_params:,} parameters, {est.rank_params:,} on the busiest rank "
+        f"before FSDP{experts}"
     )
     print(est.layout)
     for name, size in est.rows():
