@@ -18,7 +18,7 @@ KIT = Path(__file__).resolve().parents[1] / "tools" / "gpu"
 RUNNER = KIT / "runner.py"
 STEPS = [
     "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "float8-run",
-    "moe-run", "deterministic", "torchtitan-b4", "llama-b4", "llama-b4-docmask",
+    "moe-run", "moe-olmoe", "dense-olmoe-active", "moe-ep2", "deterministic", "torchtitan-b4", "llama-b4", "llama-b4-docmask",
     "llama-b4-float8", "torchtitan-b8", "llama-b8", "bare-loop", "profile-b4",
 ]  # fmt: skip
 TORCHTITAN = ("torchtitan-b4", "torchtitan-b8")
@@ -66,6 +66,20 @@ def test_dry_run_passes_every_step(tmp_path):
     assert runs["gpt2-run"]["tokens_per_s"] > 0 and runs["bare-loop"]["tokens_per_s"] > 0
     for name in ("llama-b4", "llama-b4-docmask", "llama-b8"):
         assert runs[name]["steady_tokens_per_s"] > 0, name
+    # the MoE pair on CPU (olmoe-tiny and its dense twin, an MFU against a nominal peak): the
+    # ratio of their MFUs, with the FLOPs each counts (the tiny MoE's routers are 1.8% of them)
+    moe, dense = runs["moe-olmoe"], runs["dense-olmoe-active"]
+    assert moe["flops_per_token"] == pytest.approx(dense["flops_per_token"], rel=0.02)
+    assert (
+        runs["moe-ep2"]["mfu"] > 0 and runs["moe-ep2"]["flops_per_token"] == moe["flops_per_token"]
+    )
+    versus = report["side_by_side"]["moe_vs_dense"]
+    assert versus["ratio"] == pytest.approx(moe["mfu"] / dense["mfu"], rel=1e-3)
+    assert versus["goal"] == 0.6 and versus["met"] == (versus["ratio"] >= 0.6)
+    assert (
+        "MoE MFU / dense MFU (moe-olmoe / dense-olmoe-active)"
+        in (tmp_path / "out" / "report.md").read_text()
+    )
     # the profile's table comes back in the step's log (the CPU trace: operators by self time)
     profiled = (tmp_path / "out" / "profile-b4" / "profile-b4.log").read_text()
     assert "operators by self time" in profiled and "aten::mm" in profiled
@@ -168,6 +182,93 @@ def test_the_side_by_side_steps_as_the_gpu_gets_them(tmp_path, monkeypatch):
         profiled["data"]["micro_batch"] == 4 and profiled["model"] == configs["llama-b4"]["model"]
     )
     assert ours_profile.endswith(f"llmtrain profile --top 25 {ctx.runs / 'profile-b4'}")
+
+
+def gpu_plan(tmp_path: Path, gpus: int) -> dict:
+    """The kit's steps as a GPU machine with `gpus` devices gets them (no CPU run starts)."""
+    sys.path.insert(0, str(KIT))
+    try:
+        steps = importlib.import_module("steps")  # tools/gpu/steps.py
+    finally:
+        sys.path.remove(str(KIT))
+    ctx = steps.Context(
+        KIT.parents[1], tmp_path / "work", "python3", False, tmp_path / "out", None, gpus
+    )
+    ctx.configs.mkdir(parents=True, exist_ok=True)
+    return {s.name: s for s in steps.plan(ctx, ["true"], "bundle")}
+
+
+def test_the_moe_steps_as_the_gpu_gets_them(tmp_path):
+    """olmoe-1b-7b at 4 layers and its dense twin: compiled, bf16, one process, the same shape;
+    their active FLOPs per token equal (the meta models' `describe()`); EP=2 under torchrun
+    where there are 2 GPUs, skipped saying why where there is one."""
+    import torch
+
+    from llmtrain.core_mesh.config import structure
+    from llmtrain.core_mesh.plugins import MODEL, PluginManager
+    from llmtrain.train_loop.run_config import RunConfig
+
+    plan = gpu_plan(tmp_path, gpus=1)
+    configs = {}
+    for name in ("moe-olmoe", "dense-olmoe-active"):
+        (command,) = plan[name].commands
+        assert (
+            command[-2:-1] == ["run"] and "PYTORCH_ALLOC_CONF=expandable_segments:True" in command
+        )
+        configs[name] = yaml.safe_load(Path(command[-1]).read_text())
+        assert configs[name]["parallel"] == {
+            "kind": "default", "compile": True, "param_dtype": "bfloat16"
+        }  # fmt: skip
+        assert "mesh" not in configs[name] and configs[name]["training"]["steps"] == 40
+    moe = configs["moe-olmoe"]["model"]
+    assert moe == {"kind": "olmoe-1b-7b", "n_layers": 4, "expert_matmul": "grouped",
+                   "max_seq_len": 2048}  # fmt: skip
+    assert configs["moe-olmoe"]["data"] == configs["dense-olmoe-active"]["data"]
+    plugins = PluginManager().load_entry_points()
+    flops, shapes = {}, {}
+    for name, config in configs.items():
+        config["data"]["train"] = [{"path": "unused.zarr"}]
+        options = structure(config, RunConfig, plugins=plugins)
+        with torch.device("meta"):
+            described = plugins.build(MODEL, options.model).describe()
+        flops[name] = described.flops_per_token(2048)
+        shapes[name] = plugins.options_of("model", options.model)
+    m, d = shapes["moe-olmoe"], shapes["dense-olmoe-active"]
+    assert (m.d_model, m.n_layers, m.n_heads, m.vocab_size) == (2048, 4, 16, 50304)
+    assert (d.d_model, d.n_layers, d.n_heads, d.vocab_size) == (2048, 4, 16, 50304)
+    assert d.mlp_hidden == m.top_k * m.mlp_hidden == 8192 and m.n_experts == 64
+    # 6 x active parameters + attention: equal but for the routers (4 x 2048 x 64 x 6)
+    assert flops["moe-olmoe"] - flops["dense-olmoe-active"] == 6 * 4 * 2048 * 64
+    assert plan["moe-ep2"].skip == "expert parallelism needs 2 GPUs; this machine has 1"
+    (command,) = gpu_plan(tmp_path, gpus=2)["moe-ep2"].commands
+    assert "torch.distributed.run --standalone --nproc-per-node=2 -m llmtrain run" in " ".join(
+        command
+    )
+    ep = yaml.safe_load(Path(command[-1]).read_text())
+    assert ep["mesh"] == {"dp_shard": 2, "ep": 2} and ep["model"] == moe
+
+
+def test_moe_against_dense_in_a_merged_report(tmp_path):
+    """The ratio of the MoE's MFU to the dense model's, against the goal, from figures."""
+
+    def step(name, mfu, flops):
+        return {"name": name, "status": "passed", "reason": "", "seconds": 1.0, "measures": "",
+                "commands": [], "tail": "", "budget_s": 1,
+                "figures": {"tokens_per_s": 1000.0, "mfu": mfu, "flops_per_token": flops}}  # fmt: skip
+
+    report = tmp_path / "call.json"
+    steps = [step("moe-olmoe", 0.21, 2.4334e9), step("dense-olmoe-active", 0.42, 2.4303e9)]
+    report.write_text(json.dumps({"mode": "gpu", "environment": {}, "steps": steps}))
+    out = tmp_path / "merged"
+    command = [sys.executable, str(RUNNER), "--merge", str(report), "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True)
+    versus = json.loads((out / "report.json").read_text())["side_by_side"]["moe_vs_dense"]
+    assert versus["ratio"] == 0.5 and versus["met"] is False and versus["goal"] == 0.6
+    assert versus["moe_flops_per_token"] == 2.4334e9
+    report.write_text(json.dumps({"mode": "gpu", "environment": {}, "steps": steps[:1]}))
+    subprocess.run(command, check=True, capture_output=True)
+    versus = json.loads((out / "report.json").read_text())["side_by_side"]["moe_vs_dense"]
+    assert versus == {"ratio": None, "goal": 0.6, "note": "dense-olmoe-active not run"}
 
 
 def test_two_calls_merge_into_one_table_with_goals(tmp_path):

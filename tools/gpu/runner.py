@@ -216,7 +216,34 @@ def side_by_side(steps: list[dict], environment: dict) -> dict:
         }
     else:
         bare_loop = {"ratio_to_bare": None, "note": "llama-b4 or the bare loop did not pass"}
-    return {"bare_loop": bare_loop, "torchtitan": sbs.table(by_name, environment)}
+    return {
+        "bare_loop": bare_loop,
+        "moe_vs_dense": moe_vs_dense(by_name),
+        "torchtitan": sbs.table(by_name, environment),
+    }
+
+
+def moe_vs_dense(by_name: dict[str, dict]) -> dict:
+    """MoE MFU (counted on active parameters: the top-k experts' FLOPs per token) over the MFU
+    of the dense model of equal active FLOPs, against issue 39's goal; both FLOP counts shown,
+    since the ratio means what it says only where they are (nearly) equal."""
+    moe, dense = by_name.get("moe-olmoe"), by_name.get("dense-olmoe-active")
+    figures = {n: s["figures"] for n, s in (("moe", moe), ("dense", dense)) if s}
+    if len(figures) < 2 or not all(f.get("mfu") for f in figures.values()):
+        missing = [n for n, s in (("moe-olmoe", moe), ("dense-olmoe-active", dense)) if not s]
+        why = f"{', '.join(missing)} not run" if missing else "no MFU from moe-olmoe or its dense"
+        return {"ratio": None, "goal": kit.GOAL_MOE_RATIO, "note": why}
+    ratio = figures["moe"]["mfu"] / figures["dense"]["mfu"]
+    result = {
+        "ratio": round(ratio, 4),
+        "goal": kit.GOAL_MOE_RATIO,
+        "met": ratio >= kit.GOAL_MOE_RATIO,
+    }
+    for side, f in figures.items():
+        result[f"{side}_mfu"] = f["mfu"]
+        result[f"{side}_tokens_per_s"] = f["tokens_per_s"]
+        result[f"{side}_flops_per_token"] = f.get("flops_per_token")
+    return result
 
 
 def write_report(out: Path, report: dict) -> None:
@@ -237,6 +264,10 @@ def markdown(report: dict) -> str:
     lines += ["", *sbs.markdown(report["side_by_side"]["torchtitan"], "dry-run" in report["mode"])]
     lines += ["", "## llmtrain against its bare loop", ""]
     lines.append(f"`llmtrain run` / bare loop (llama-b4): {report['side_by_side']['bare_loop']}")
+    lines += ["", "## MoE against a dense model of equal active FLOPs", ""]
+    lines.append(
+        f"MoE MFU / dense MFU (moe-olmoe / dense-olmoe-active): {report['side_by_side']['moe_vs_dense']}"
+    )
     for r in report["steps"]:
         if r["tail"]:
             lines += ["", f"## Tail of {r['name']}", "", "```", r["tail"], "```"]
@@ -308,6 +339,7 @@ def main() -> int:
     if args.merge:
         return merge(args.merge, args.out)
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-kit-"))
+    machine = environment()
     ctx = kit.Context(
         root=ROOT,
         work=work,
@@ -315,6 +347,7 @@ def main() -> int:
         dry=args.dry_run,
         out=args.out,
         bundle=args.bundle,
+        gpus=int(machine.get("gpu_count") or 0),
     )
     for folder in (ctx.site, ctx.logs, ctx.configs, ctx.data.parent):
         folder.mkdir(parents=True, exist_ok=True)
@@ -329,7 +362,7 @@ def main() -> int:
         return 0
     # the installed bundle comes first on the path, before anything installed in this Python
     env = {**os.environ, "PYTHONPATH": str(ctx.site), "PYTHONUNBUFFERED": "1"}
-    report = {"mode": "dry-run" if args.dry_run else "gpu", "environment": environment()}
+    report = {"mode": "dry-run" if args.dry_run else "gpu", "environment": machine}
     print(json.dumps(report["environment"], indent=2), flush=True)
     deadline = time.monotonic() + args.time_limit
     results = []

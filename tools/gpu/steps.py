@@ -15,6 +15,7 @@ import side_by_side as sbs
 import yaml
 
 GOAL_RATIO = 0.97  # tokens/s of `llmtrain run` against the bare loop
+GOAL_MOE_RATIO = 0.6  # MoE MFU against a dense model of equal active FLOPs (issue 39)
 # plugins bundle.sh leaves out (their third-party stacks serve no GPU check); keep in step
 LEFT_OUT_PLUGINS = {"llmtrain-lmeval", "llmtrain-wandb"}
 HERE = Path(__file__).resolve().parent
@@ -28,6 +29,7 @@ class Context:
     dry: bool
     out: Path | None = None  # the report's folder: what a step leaves there comes back
     bundle: Path | None = None
+    gpus: int = 0  # CUDA devices on this machine (a multi-GPU step is skipped with fewer)
 
     site = property(lambda self: self.work / "site")
     logs = property(lambda self: self.work / "logs")
@@ -142,7 +144,12 @@ def run_figures(ctx: Context, name: str) -> Callable[[], dict]:
         ):
             if any(key in m for m in metrics):
                 figures[figure] = max(m.get(key, 0) for m in metrics) / 1024
-        return {**figures, "last_loss": metrics[-1].get("loss"), "windows": len(timed)}
+        figures.update(last_loss=metrics[-1].get("loss"), windows=len(timed))
+        summary = ctx.runs / run / "summary.json"
+        if summary.is_file():  # what the MFU counts: the active parameters' FLOPs per token
+            done = json.loads(summary.read_text())
+            figures.update(flops_per_token=done.get("flops_per_token"), params=done.get("params"))
+        return figures
 
     return read
 
@@ -189,6 +196,10 @@ def plan(ctx: Context, install: list[str], bundle: str) -> list[Step]:
         gpt2_run(ctx),
         float8_run(ctx),
         moe_run(ctx),
+        # MoE at a realistic shape against a dense model of the same active FLOPs per token
+        moe_olmoe(ctx),
+        dense_olmoe_active(ctx),
+        moe_ep2(ctx),
         deterministic(ctx),
         # the side-by-side with TorchTitan (side_by_side.ROWS): each of our runs comes after
         # the TorchTitan run it is compared with, and the b4 variants after plain b4
@@ -353,6 +364,126 @@ def moe_run(ctx: Context) -> Step:
         commands,
         300,
         run_figures(ctx, "moe-grouped"),
+    )
+
+
+# OLMoE-1B-7B's layer (d_model 2048, 16 heads, 64 experts of SwiGLU hidden 1024, top-8, vocab
+# 50304) at 4 of its 16 layers: with fp32 AdamW states the whole model (6.9B parameters, ~110
+# GB) fits no 80 GB H100; 4 layers are 1.9B parameters, which `llmtrain estimate` puts at 40 GiB
+# at seq 2048 x 4 (7 GiB of activations). The dense model has the same attention, embeddings and
+# layers, and one SwiGLU MLP of hidden top_k x 1024 = 8192: the same active FLOPs per token (the
+# router's d_model x 64 per layer aside, 0.2% of them).
+OLMOE_LAYERS = 4
+OLMOE = {"kind": "olmoe-1b-7b", "n_layers": OLMOE_LAYERS, "expert_matmul": "grouped"}
+DENSE_OLMOE = {
+    "kind": "transformer",
+    "vocab_size": 50304,
+    "d_model": 2048,
+    "n_layers": OLMOE_LAYERS,
+    "n_heads": 16,
+    "n_kv_heads": 16,
+    "mlp": "swiglu",
+    "mlp_hidden": 8 * 1024,
+    "positions": "rope",
+    "norm": "rmsnorm",
+    "bias": False,
+    "qk_norm": True,
+    "qk_norm_scope": "all_heads",
+    "tied_embeddings": False,
+}
+# the same pair at CPU size: olmoe-tiny (d 64, 4 heads, 16 experts of hidden 32, top-4)
+OLMOE_TINY = {"kind": "olmoe-tiny", "expert_matmul": "loop"}
+DENSE_OLMOE_TINY = {
+    **DENSE_OLMOE,
+    "vocab_size": 320,
+    "d_model": 64,
+    "n_layers": 2,
+    "n_heads": 4,
+    "n_kv_heads": 4,
+    "mlp_hidden": 4 * 32,
+}
+OLMOE_SHAPE = (40, 2048, 4)  # steps, seq_len, micro-batch: logged every 10, 3 timed windows
+# the dry run's CPU runs log an MFU against a nominal peak, so the report's ratio is computed
+CPU_PEAK_TFLOPS = 1.0
+
+
+def olmoe_step(ctx: Context, name: str, model: dict, cpu_model: dict, measures: str) -> Step:
+    commands = llmtrain_run(ctx, name, model, OLMOE_SHAPE, cpu_model, **bf16())
+    if ctx.dry:
+        nominal_peak(ctx, f"cpu-{name}")
+    return Step(
+        name,
+        measures,
+        [with_env(our_env(ctx), c) for c in commands],
+        {"moe-olmoe": 300, "dense-olmoe-active": 210}[name],
+        run_figures(ctx, name),
+        keep=[ctx.runs / (f"cpu-{name}" if ctx.dry else name) / "metrics.jsonl"],
+    )
+
+
+def nominal_peak(ctx: Context, name: str) -> None:
+    """Give a written CPU config `training.peak_tflops`, so its run logs an MFU."""
+    path = ctx.configs / f"{name}.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["training"]["peak_tflops"] = CPU_PEAK_TFLOPS
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def moe_olmoe(ctx: Context) -> Step:
+    return olmoe_step(
+        ctx,
+        "moe-olmoe",
+        OLMOE,
+        OLMOE_TINY,
+        f"llmtrain-moe's olmoe-1b-7b at {OLMOE_LAYERS} of its 16 layers (the whole model with "
+        "fp32 AdamW states fits no 80 GB GPU), grouped experts, bf16 + compile, one process, "
+        "seq 2048 x 4: tokens/s and MFU on active parameters",
+    )
+
+
+def dense_olmoe_active(ctx: Context) -> Step:
+    return olmoe_step(
+        ctx,
+        "dense-olmoe-active",
+        DENSE_OLMOE,
+        DENSE_OLMOE_TINY,
+        "a dense transformer with moe-olmoe's active FLOPs per token (its layers, attention and "
+        "embeddings; one SwiGLU MLP of hidden top-8 x 1024 = 8192), bf16 + compile: MFU, the "
+        f"reference of moe-olmoe's (goal: MoE MFU >= {GOAL_MOE_RATIO} of it)",
+    )
+
+
+def moe_ep2(ctx: Context) -> Step:
+    """moe-olmoe with expert parallelism over 2 GPUs (mesh dp_shard 2, ep 2: each rank holds 32
+    of every layer's 64 experts) under torchrun; skipped on a machine with fewer GPUs. The dry
+    run starts olmoe-tiny that way on CPU (gloo, 2 processes)."""
+    name = "moe-ep2"
+    mesh = {"dp_shard": 2, "ep": 2}
+    gpu = write_config(ctx, run_config(ctx, name, OLMOE, OLMOE_SHAPE, mesh=mesh, **bf16()))
+    torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    llmtrain = [*torchrun, "-m", "llmtrain"]
+    if ctx.dry:
+        cpu = run_config(ctx, f"cpu-{name}", OLMOE_TINY, CPU_SHAPE, mesh=mesh)
+        cpu["training"]["peak_tflops"] = CPU_PEAK_TFLOPS
+        validate = [ctx.python, "-m", "llmtrain", "config", "validate", str(gpu)]
+        commands = [
+            validate,
+            with_env({"OMP_NUM_THREADS": 1}, [*llmtrain, "run", str(write_config(ctx, cpu))]),
+        ]
+    else:
+        commands = [with_env(our_env(ctx), [*llmtrain, "run", str(gpu)])]
+    skip = ""
+    if not ctx.dry and ctx.gpus < 2:
+        skip = f"expert parallelism needs 2 GPUs; this machine has {ctx.gpus}"
+    return Step(
+        name,
+        "moe-olmoe's model with expert parallelism, mesh dp_shard 2 x ep 2 (32 experts of 64 "
+        "per GPU), torchrun on 2 GPUs, bf16 + compile: tokens/s and MFU per GPU",
+        commands,
+        300,
+        run_figures(ctx, name),
+        skip=skip,
+        keep=[ctx.runs / (f"cpu-{name}" if ctx.dry else name) / "metrics.jsonl"],
     )
 
 
