@@ -51,6 +51,8 @@ PROVIDERS: dict[str, list[tuple[str, str]]] = {
     "LanguageModel": [("models", "Transformer"), ("llmtrain-moe", "MoETransformer")],
     "Objective": [("train-loop", "CrossEntropySum"), ("llmtrain-distill", "Distill")],
     "AuxiliaryLosses": [("llmtrain-moe", "MoETransformer")],
+    "ExpertParallel": [("llmtrain-moe", "Experts")],
+    "AfterOptimizerStep": [("llmtrain-moe", "MoE")],
 }
 
 # Protocols whose implementations are checked in their own package's tests instead

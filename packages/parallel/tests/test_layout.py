@@ -334,3 +334,66 @@ def test_every_problem_at_once(describe):
     assert len(problems) == len(expected_starts)
     for problem, start in zip(problems, expected_starts, strict=True):
         assert problem.startswith(start), (problem, start)
+
+
+class ToyExperts(torch.nn.Module):
+    """Conforms to core-mesh's ExpertParallel: what the layout check looks for."""
+
+    def __init__(self, n_experts: int):
+        super().__init__()
+        self.n_experts = n_experts
+
+    def shard_experts(self, ep_mesh, /) -> None:
+        raise AssertionError("the layout check splits nothing")
+
+
+def with_experts(description, n_experts: int):
+    module = torch.nn.ModuleDict({"toy": description.module, "experts": ToyExperts(n_experts)})
+    return attrs.evolve(description, module=module)
+
+
+def test_expert_parallelism_takes_its_ranks_from_dp_shard(describe):
+    model = with_experts(describe(), 8)
+    got = check_layout(ParallelOptions(), MeshSpec(ep=2), 4, model, seq_len=16, device_type="cpu")
+    assert got == MeshSpec(dp_shard=4, ep=2)
+    assert got.size == 4  # ep borrows ranks: it is not a factor of the world
+    assert got.mesh_shape == (1, 1, 2, 2, 1, 1)  # pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp
+    got = check_layout(
+        ParallelOptions(), MeshSpec(ep=4, pp=2), 8, model, seq_len=16, device_type="cpu",
+        microbatches=2,
+    )  # fmt: skip
+    assert got.mesh_shape == (2, 1, 1, 4, 1, 1)
+
+
+def test_expert_parallelism_must_divide_dp_shard(describe):
+    model = with_experts(describe(), 6)
+    [problem] = problems_of(describe, mesh=MeshSpec(ep=3), world_size=4, model=model)
+    assert problem.startswith("mesh.ep=3 must divide mesh.dp_shard=4")
+
+
+def test_expert_parallelism_needs_experts_it_divides(describe):
+    [problem] = problems_of(describe, mesh=MeshSpec(ep=2), world_size=2)
+    assert problem == (
+        "mesh.ep=2: the model has no Mixture-of-Experts layers to split; set mesh.ep: 1"
+    )
+    [problem] = problems_of(
+        describe, mesh=MeshSpec(ep=4), world_size=4, model=with_experts(describe(), 6)
+    )
+    assert problem.startswith("mesh.ep=4 must divide the model's expert count (6)")
+
+
+@pytest.mark.parametrize(
+    ("mesh", "name"),
+    [
+        (MeshSpec(ep=2, tp=2), "tp"),
+        (MeshSpec(ep=2, cp=2), "cp"),
+        (MeshSpec(ep=2, dp_replicate=2), "dp_replicate"),
+    ],
+)
+def test_expert_parallelism_composes_with_fsdp_and_pipelines_only(describe, mesh, name):
+    model = with_experts(describe(), 8)
+    [problem] = problems_of(describe, mesh=mesh, world_size=4, model=model)
+    assert problem == (
+        f"mesh.ep=2 with mesh.{name}=2: expert parallelism composes with FSDP (dp_shard) and "
+        f"pipelines only; set mesh.{name}: 1 or mesh.ep: 1"
+    )

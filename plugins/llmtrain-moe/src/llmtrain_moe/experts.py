@@ -75,10 +75,15 @@ class StackedExperts(nn.Module):
 
     def __init__(self, n_experts: int, d_model: int, hidden: int, *, gated: bool):
         super().__init__()
-        self.n_experts = n_experts
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, d_model))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, d_model)) if gated else None
         self.w2 = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+
+    @property
+    def n_experts(self) -> int:
+        """Experts in the stack: all of them, also where this rank holds a share (a DTensor's
+        shape is the global one)."""
+        return int(self.w1.shape[0])
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
         """Expert 0 on every row of x (..., d): the shared expert, which every token takes."""
