@@ -33,6 +33,14 @@ def _summary(name: str) -> str:
 def llmtrain_models(register: Register) -> None:
     for name in PRESETS:
         register(name, build, options=MoEOptions, defaults=PRESETS[name], help=_summary(name))
+    # no preset: MoEOptions' own defaults; the kind of models read from transformers
+    # directories (llmtrain-hf), whose options are all explicit
+    register(
+        "moe",
+        build,
+        options=MoEOptions,
+        help="Mixture-of-Experts decoder, every option explicit (MoEOptions' defaults)",
+    )
 
 
 def build_router_stats(options: RouterStatsOptions) -> RouterStatsCallback:
