@@ -46,12 +46,14 @@ TEST_GROUPS = {
 # folder) and requirements. llmtrain-lmeval's tests export the model with llmtrain-hf and compare
 # with lm-eval's transformers backend (its `hf` extra).
 PLUGIN_TEST_DEPS = {
+    # its `moe` extra: OLMoE, Qwen3-MoE and Mixtral convert to llmtrain-moe's models
+    "llmtrain-hf": ["plugins/llmtrain-moe"],
     "llmtrain-lmeval": [
         "plugins/llmtrain-hf",
         "lm-eval[hf]",
         # a model plugin that is not a Transformer, under lm-eval (test_model_contract.py)
         "integration_tests/plugins/llmtrain-toy-lm",
-    ]
+    ],
 }
 # plugins installed only in their own session: llmtrain-lmeval brings lm-eval and its stack
 # (datasets, evaluate, scikit-learn, ...), which no other session needs. integration_tests'
@@ -205,7 +207,8 @@ def plugin_hf_transformers4(session: nox.Session) -> None:
     """llmtrain-hf's tests (every architecture's parity with transformers among them) against
     transformers 4.x; `plugin-hf` runs them against the 5.x of the constraints."""
     path = ROOT / "plugins" / "llmtrain-hf"
-    session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *group("test"))
+    moe = str(ROOT / "plugins" / "llmtrain-moe")
+    session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), moe, *group("test"))
     session.install(TRANSFORMERS_4)  # replaces the constrained 5.x (and its hub client)
     session.run("python", "-c", "import transformers; assert transformers.__version__[0] == '4'")
     pytest(session, str(path / "tests"))

@@ -9,4 +9,9 @@ QWEN2 = "Qwen2ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 OLMO2 = "Olmo2ForCausalLM"
 GPT2 = "GPT2LMHeadModel"
-ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GPT2)
+# Mixture-of-Experts architectures: models of llmtrain-moe (`llmtrain_hf.moe`)
+OLMOE = "OlmoeForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
+MIXTRAL = "MixtralForCausalLM"
+MOE_ARCHITECTURES = (OLMOE, QWEN3_MOE, MIXTRAL)
+ARCHITECTURES = (LLAMA, MISTRAL, QWEN2, QWEN3, OLMO2, GPT2, *MOE_ARCHITECTURES)

@@ -2,10 +2,12 @@
 
 Supported: GPT2LMHeadModel, and the RoPE + RMSNorm + SwiGLU family LlamaForCausalLM (Llama 3
 RoPE scaling included), MistralForCausalLM (without sliding-window attention), Qwen2ForCausalLM,
-Qwen3ForCausalLM and Olmo2ForCausalLM. What an architecture can express is a row of
-`ROPE_FAMILY`; a config it cannot express is refused naming the option. An export picks the
-first architecture of `EXPORT_ORDER` that expresses the model (or the one asked for). The
-weight layouts differ in these ways, all handled here:
+Qwen3ForCausalLM and Olmo2ForCausalLM; with Mixture-of-Experts layers (llmtrain-moe's models,
+`llmtrain_hf.moe`) OlmoeForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM. What an
+architecture can express is a row of `ROPE_FAMILY`; a config it cannot express is refused naming
+the option. An export picks the first architecture of `EXPORT_ORDER` (`MOE_EXPORT_ORDER`) that
+expresses the model (or the one asked for). The weight layouts differ in these ways, all handled
+here:
 
 - RoPE: llmtrain rotates the pairs (x[i], x[i + head_dim/2]) with frequencies
   base^(-2i/head_dim), which is exactly HF's `rotate_half`: q/k rows need no permutation
@@ -37,7 +39,19 @@ import torch
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.models.config import RopeScaling, TransformerConfig
 from llmtrain.models.transformer import Transformer, build_model
-from llmtrain_hf.architectures import ARCHITECTURES, GPT2, LLAMA, MISTRAL, OLMO2, QWEN2, QWEN3
+from llmtrain_hf import moe
+from llmtrain_hf.architectures import (
+    ARCHITECTURES,
+    GPT2,
+    LLAMA,
+    MISTRAL,
+    MIXTRAL,
+    OLMO2,
+    OLMOE,
+    QWEN2,
+    QWEN3,
+    QWEN3_MOE,
+)
 
 # the layout (positions, norm, mlp) of GPT-2 and of the RoPE family
 GPT2_LAYOUT = {"positions": "learned", "norm": "layernorm", "mlp": "gelu"}
@@ -54,7 +68,8 @@ class RopeArchitecture:
     `biases`: which projections carry biases and which config fields switch them —
     "attention+mlp" (Llama: `attention_bias` for q/k/v/o, `mlp_bias`), "attention" (q/k/v/o by
     `attention_bias`, no MLP bias), "qkv" (Qwen2: q/k/v always, o and MLP never), "none".
-    `export_fields`: config values an export sets (sliding windows off)."""
+    `export_fields`: config values an export sets (sliding windows off). `moe`: how a
+    Mixture-of-Experts architecture lays out its MoE layers (None: a dense one)."""
 
     name: str
     model_type: str
@@ -64,6 +79,7 @@ class RopeArchitecture:
     norm_placement: Literal["pre", "after_sublayer"]
     rope_scaling: bool
     export_fields: dict[str, Any] = attrs.field(factory=dict)
+    moe: moe.MoELayout | None = None
 
 
 ROPE_FAMILY = {
@@ -84,11 +100,32 @@ ROPE_FAMILY = {
         ),
         # transformers 4.x's Olmo2Config accepts no llama3 RoPE scaling
         RopeArchitecture(OLMO2, "olmo2", "Olmo2Config", "attention", "all_heads", "after_sublayer", False),
+        # Mixture-of-Experts: pre-norm blocks with the MoE layers of `moe`; OLMoE's q/k norms
+        # span all heads (OLMo-2's), Qwen3-MoE's one head; no RoPE scaling llmtrain-hf writes
+        RopeArchitecture(
+            OLMOE, "olmoe", "OlmoeConfig", "attention", "all_heads", "pre", False,
+            {"clip_qkv": None}, moe.OLMOE_LAYOUT,
+        ),
+        RopeArchitecture(
+            QWEN3_MOE, "qwen3_moe", "Qwen3MoeConfig", "attention", "head", "pre", False,
+            {"use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
+            moe.QWEN3_MOE_LAYOUT,
+        ),
+        RopeArchitecture(
+            MIXTRAL, "mixtral", "MixtralConfig", "none", "none", "pre", False,
+            {"sliding_window": None, "router_jitter_noise": 0.0}, moe.MIXTRAL_LAYOUT,
+        ),
     )
 }  # fmt: skip
-MODEL_TYPES = {**{a.model_type: a.name for a in ROPE_FAMILY.values()}, "gpt2": GPT2}
+MODEL_TYPES = {
+    **{a.model_type: a.name for a in ROPE_FAMILY.values() if a.moe is None},
+    "gpt2": GPT2,
+    **{a.model_type: a.name for a in ROPE_FAMILY.values() if a.moe is not None},
+}
 # an export takes the first that fits: Mistral computes what Llama does, so only when asked
 EXPORT_ORDER = (LLAMA, QWEN2, QWEN3, OLMO2, MISTRAL)
+# the query/key norm tells them apart: at most one fits a model
+MOE_EXPORT_ORDER = (OLMOE, QWEN3_MOE, MIXTRAL)
 
 
 class UnsupportedModelError(UserError):
@@ -122,6 +159,10 @@ def _bias_mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str
 
 def mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
     """Why `arch` cannot compute the model of `cfg` (empty: it can)."""
+    if moe.is_moe(cfg) != (arch.moe is not None):
+        if arch.moe is None:
+            return ["a Mixture-of-Experts model (a dense architecture)"]
+        return ["a dense model (a Mixture-of-Experts architecture, for llmtrain-moe's models)"]
     problems = [
         f"model.{key}: {getattr(cfg, key)} (needs {value})"
         for key, value in ROPE_LAYOUT.items()
@@ -138,28 +179,41 @@ def mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
     if arch.name == LLAMA and cfg.d_model % cfg.n_heads:
         # transformers 5's LlamaConfig refuses it, whatever head_dim says
         problems.append(f"model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
+    if arch.moe is not None and moe.is_moe(cfg):
+        problems += moe.mismatches(arch.moe, cfg)
     return problems
 
 
 def architecture_of(cfg: TransformerConfig, prefer: str | None = None) -> str:
     """The transformers architecture an export of `cfg` writes: `prefer` when given (it must
-    fit), else the first of EXPORT_ORDER that fits (GPT2 for learned positions); else a
-    UserError naming what each candidate lacks."""
-    if type(cfg) is not TransformerConfig:
+    fit), else the first of EXPORT_ORDER that fits (GPT2 for learned positions; the first of
+    MOE_EXPORT_ORDER for llmtrain-moe's models); else a UserError naming what each candidate
+    lacks."""
+    mixture = moe.is_moe(cfg)
+    if type(cfg) is not TransformerConfig and not mixture:
         raise UnsupportedModelError(
             f"model options of type {type(cfg).__name__} are not llmtrain's TransformerConfig; "
-            "hf export handles the built-in transformer kinds (tiny, gpt2-*, llama-*, transformer)"
+            "hf export handles the built-in transformer kinds (tiny, gpt2-*, llama-*, transformer) "
+            "and llmtrain-moe's models"
         )
     if prefer is not None and prefer not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"--architecture {prefer}: choose one of {', '.join(ARCHITECTURES)}"
         )
+    if moe.is_moe(cfg):
+        problems = moe.unexpressible(cfg)
+        if problems:
+            raise UnsupportedModelError(
+                f"{'; '.join(problems)}: no transformers architecture computes this model"
+            )
     if prefer == GPT2 or (prefer is None and cfg.positions == "learned"):
-        problems = _gpt2_mismatches(cfg)
+        problems = _gpt2_mismatches(cfg) + (["a Mixture-of-Experts model"] if mixture else [])
         if problems:
             raise UnsupportedModelError(f"{'; '.join(problems)}: no equivalent in {GPT2}")
         return GPT2
-    candidates = [prefer] if prefer is not None else list(EXPORT_ORDER)
+    candidates = (
+        [prefer] if prefer is not None else list(MOE_EXPORT_ORDER if mixture else EXPORT_ORDER)
+    )
     reasons = {name: mismatches(ROPE_FAMILY[name], cfg) for name in candidates}
     for name in candidates:
         if not reasons[name]:
@@ -239,7 +293,7 @@ def hf_config(
         )
     else:
         spec = ROPE_FAMILY[arch]
-        config = getattr(transformers, spec.config_class)(
+        fields: dict[str, Any] = dict(
             hidden_size=cfg.d_model,
             intermediate_size=cfg.hidden_size,
             num_hidden_layers=cfg.n_layers,
@@ -256,6 +310,11 @@ def hf_config(
             **spec.export_fields,
             **common,
         )
+        if spec.moe is not None and moe.is_moe(cfg):
+            if not spec.moe.head_dim:  # OLMoE has no such field: d_model / n_heads (checked)
+                del fields["head_dim"]
+            fields.update(moe.config_fields(spec.moe, cfg))
+        config = getattr(transformers, spec.config_class)(**fields)
     config.dtype = dtype
     return config
 
@@ -315,6 +374,12 @@ def source_architecture(config: Any, where: str = "config.json") -> str:
     """The supported architecture of an HF config (by its model_type), or a UserError."""
     model_type = getattr(config, "model_type", None)
     archs = list(getattr(config, "architectures", None) or [])
+    if model_type == moe.QWEN2_MOE_TYPE:
+        raise _refuse(
+            where,
+            f"model_type {model_type!r} is not supported: Qwen2-MoE scales its shared expert by a "
+            "sigmoid gate that llmtrain-moe's shared expert has no weight for",
+        )
     arch = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if arch is None or any(a != arch for a in archs):
         named = f"{model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
@@ -370,7 +435,7 @@ def _rope_family_options(
     qkv, out, mlp = _biases(spec, config)
     bias = qkv if qkv == out == mlp else False
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return TransformerConfig(
+    options: dict[str, Any] = dict(
         max_seq_len=config.max_position_embeddings,
         d_model=config.hidden_size,
         n_layers=config.num_hidden_layers,
@@ -393,6 +458,9 @@ def _rope_family_options(
         mlp_bias=None if mlp == bias else mlp,
         **common,
     )
+    if spec.moe is not None:
+        return moe.options(spec.moe, config, where, options)
+    return TransformerConfig(**options)
 
 
 def _biases(spec: RopeArchitecture, config: Any) -> tuple[bool, bool, bool]:
@@ -507,10 +575,29 @@ GPT2_BUFFERS = re.compile(r"\.attn\.(bias|masked_bias)$")
 ROTARY_BUFFER = re.compile(r"rotary_emb\.inv_freq$")
 
 
+# an llmtrain-moe block: its norms as pre-norm blocks name them, no dense MLP
+MOE_BLOCK_NAMES = {
+    **{k: v for k, v in ROPE_FAMILY_NAMES.items() if not k.startswith("blocks.{i}.mlp.")},
+    "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+    "blocks.{i}.moe_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+}
+
+
+def _moe_layout(cfg: TransformerConfig) -> moe.MoELayout | None:
+    """The MoE layout of the architecture a model of `cfg` exports as (None: a dense model)."""
+    if not moe.is_moe(cfg):
+        return None
+    return ROPE_FAMILY[architecture_of(cfg)].moe
+
+
 def _names(cfg: TransformerConfig) -> dict[str, str]:
-    """llmtrain name -> HF name of every tensor a model of `cfg` may have (its layout's)."""
+    """llmtrain name -> HF name of every tensor a model of `cfg` may have (its layout's; a MoE
+    model's experts aside, which are not renames: `moe.experts_to_hf`)."""
     if cfg.positions == "learned":
         return _layered(GPT2_NAMES, cfg.n_layers)
+    layout = _moe_layout(cfg)
+    if layout is not None:
+        return _layered({**MOE_BLOCK_NAMES, **moe.router_names(layout)}, cfg.n_layers)
     return _layered({**ROPE_FAMILY_NAMES, **BLOCK_NORM_NAMES[cfg.norm_placement]}, cfg.n_layers)
 
 
@@ -556,6 +643,11 @@ def to_hf_state_dict(
             out.update(block)
             used |= read
         out.setdefault("transformer.ln_f.bias", torch.zeros_like(weights["norm.weight"]))
+    layout = _moe_layout(cfg)
+    if layout is not None:
+        experts, read = moe.experts_to_hf(weights, layout, cfg.n_layers)
+        out.update(experts)
+        used |= read
     if cfg.tied_embeddings:
         out["lm_head.weight"] = weights["tok_emb.weight"]
     unused = sorted(set(weights) - used)
@@ -598,7 +690,8 @@ def _gpt2_block_to_hf(
 def from_hf_state_dict(
     state: dict[str, torch.Tensor], cfg: TransformerConfig
 ) -> dict[str, torch.Tensor]:
-    """An HF state dict -> llmtrain weights for `cfg` (see `options_from_hf`)."""
+    """An HF state dict, as the files lay it out (`moe.file_layout`), -> llmtrain weights for
+    `cfg` (see `options_from_hf`)."""
     gpt2 = cfg.positions == "learned"
     state = {
         k: v
@@ -615,6 +708,11 @@ def from_hf_state_dict(
             block, read = _gpt2_block_from_hf(state, cfg, i)
             out.update(block)
             used |= read
+    layout = _moe_layout(cfg)
+    if layout is not None and moe.is_moe(cfg):
+        experts, read = moe.experts_from_hf(state, layout, cfg.n_layers, cfg.n_experts)
+        out.update(experts)
+        used |= read
     extra = sorted(set(state) - used)
     if extra:
         raise UserError(f"HF weights with no llmtrain counterpart: {extra[:5]}")
@@ -642,6 +740,24 @@ def _gpt2_block_from_hf(
 
 # --- whole models ----------------------------------------------------------------------------------
 
+# the model kind of options read from a transformers config: every option explicit
+DENSE_KIND = "transformer"
+MOE_KIND = "moe"
+
+
+def build_llmtrain(cfg: TransformerConfig) -> Transformer:
+    """The llmtrain model of `cfg` on the default device: llmtrain-models' `Transformer`, or
+    llmtrain-moe's `MoETransformer` (a subclass) for its options."""
+    if moe.is_moe(cfg):
+        model: Transformer = moe.build(cfg)
+        return model
+    return build_model(cfg)
+
+
+def model_kind(cfg: TransformerConfig) -> str:
+    """The model kind (plugin entry) that builds `cfg` from its options alone."""
+    return MOE_KIND if moe.is_moe(cfg) else DENSE_KIND
+
 
 def to_hf_model(
     model: Transformer | dict[str, torch.Tensor],
@@ -666,6 +782,10 @@ def to_hf_model(
     config = hf_config(options, eos_token_id=eos_token_id, dtype=dtype, architecture=arch)
     state = to_hf_state_dict(weights, options)
     hf = getattr(transformers, arch)(config)
+    layout = ROPE_FAMILY[arch].moe if arch in ROPE_FAMILY else None
+    if layout is not None and moe.is_moe(options):  # transformers 5 fuses experts in memory
+        names = set(hf.state_dict())
+        state = moe.in_memory_layout(state, layout, options.n_layers, options.n_experts, names)
     _check_names(set(state), set(hf.state_dict()), arch)
     hf.load_state_dict(state, strict=True)
     if options.padded_vocab_size > options.vocab_size:
@@ -708,8 +828,9 @@ def save_hf_model(
 
 
 def from_hf_model(hf_model: Any) -> Transformer:
-    """An llmtrain `Transformer` (float32, eval mode; its options are `.cfg`) with the weights of
-    a transformers model of a supported architecture (`ARCHITECTURES`)."""
+    """An llmtrain `Transformer` (float32, eval mode; its options are `.cfg`; llmtrain-moe's
+    `MoETransformer` for a MoE architecture) with the weights of a transformers model of a
+    supported architecture (`ARCHITECTURES`)."""
     cfg = options_from_hf(hf_model.config, where=type(hf_model).__name__)
     arch = source_architecture(hf_model.config)
     if type(hf_model).__name__ != arch:
@@ -717,8 +838,12 @@ def from_hf_model(hf_model: Any) -> Transformer:
             f"{type(hf_model).__name__} is not supported; llmtrain-hf reads the causal-LM heads "
             f"{', '.join(ARCHITECTURES)}"
         )
-    weights = from_hf_state_dict(hf_model.state_dict(), cfg)
-    model = build_model(cfg)
+    state = hf_model.state_dict()
+    layout = ROPE_FAMILY[arch].moe if arch in ROPE_FAMILY else None
+    if layout is not None:  # transformers 5 fuses experts in memory
+        state = moe.file_layout(state, layout)
+    weights = from_hf_state_dict(state, cfg)
+    model = build_llmtrain(cfg)
     _check_names(set(weights), set(model.state_dict()), arch)
     model.load_state_dict(weights, strict=True)
     return model.to(torch.float32).eval()

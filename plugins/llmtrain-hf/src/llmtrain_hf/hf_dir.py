@@ -29,12 +29,12 @@ import torch
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.models.config import TransformerConfig
-from llmtrain.models.transformer import build_model
 from llmtrain_hf.convert import (
     GPT2_BUFFERS,
     GPT2_NAMES,
     ROPE_FAMILY_NAMES,
     ROTARY_BUFFER,
+    build_llmtrain,
     options_from_hf,
     source_architecture,
     to_hf_state_dict,
@@ -391,7 +391,7 @@ def _expected(hf: HFDir, options: TransformerConfig) -> dict[str, tuple[int, ...
     """HF name -> shape of every tensor of the model `options` describe (a tied head included)."""
     try:
         with torch.device("meta"):
-            model = build_model(options)
+            model = build_llmtrain(options)
     except (TypeError, ValueError) as exc:  # transformers 4.x lets e.g. a float size through
         raise UserError(
             f"{hf.where(CONFIG)}: describes no model llmtrain can build ({one_line(exc)}): fix "

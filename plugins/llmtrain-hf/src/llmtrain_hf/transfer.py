@@ -21,9 +21,16 @@ from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
-from llmtrain.models.transformer import Transformer, build_model
+from llmtrain.models.transformer import Transformer
+from llmtrain_hf import moe
 from llmtrain_hf.architectures import GPT2
-from llmtrain_hf.convert import architecture_of, portable_config, save_hf_model
+from llmtrain_hf.convert import (
+    architecture_of,
+    build_llmtrain,
+    model_kind,
+    portable_config,
+    save_hf_model,
+)
 from llmtrain_hf.hf_dir import HFDir, read_config, read_weights_of
 from llmtrain_hf.tokenizer import (
     TokenizerExport,
@@ -33,8 +40,6 @@ from llmtrain_hf.tokenizer import (
     write_tokenizer,
 )
 
-# the model kind an imported checkpoint names: every option explicit, no preset defaults
-IMPORT_KIND = "transformer"
 # the part name the Trainer saves its model under (`train.model.*` in the checkpoint)
 MODEL_PART = "train"
 
@@ -94,11 +99,13 @@ def export_checkpoint(
     plugins = _plugins(plugins)
     with _one_process():
         model, info, step = load_model(checkpoint, step, plugins)
-    if type(model) is not Transformer:
+    if type(model) is not Transformer and not (
+        isinstance(model, Transformer) and moe.is_moe(model.cfg)
+    ):
         kind = info.get("model", {}).get("kind")
         raise UserError(
             f"{checkpoint}: model kind {kind!r} builds a {type(model).__name__}, not llmtrain's "
-            "Transformer; hf export handles the built-in transformer kinds"
+            "Transformer; hf export handles the built-in transformer kinds and llmtrain-moe's"
         )
     cfg = model.cfg
     arch = architecture_of(cfg, architecture)
@@ -201,7 +208,8 @@ def import_hf(
 ) -> Report:
     """Read a transformers model directory (an architecture of `convert.ARCHITECTURES`) and save
     it as a committed llmtrain checkpoint at step 0 in `out` (a path or fsspec URL), with the
-    model options (kind `transformer`, every option explicit) and, when HF_DIR has
+    model options (kind `transformer`, or llmtrain-moe's `moe`; every option explicit) and,
+    when HF_DIR has
     tokenizer.json, the tokenizer: `llmtrain generate OUT` and `llmtrain eval` then work on it.
 
     Every file of HF_DIR is read and checked before anything is written (`hf_dir`): a missing,
@@ -212,7 +220,7 @@ def import_hf(
     checkpoints = _empty_destination(out)
     try:
         weights, _ = read_weights_of(source, cfg)
-        model = build_model(cfg.options)
+        model = build_llmtrain(cfg.options)
         model.load_state_dict({k: v.to(torch.float32) for k, v in weights.items()}, strict=True)
         del weights
         model = model.to(torch.float32).eval()
@@ -225,7 +233,9 @@ def import_hf(
             )
         with _removed_on_failure(out):
             record, note = write_tokenizer(tokenizer, out)
-            info: dict[str, Any] = {"model": {"kind": IMPORT_KIND, **unstructure(model.cfg)}}
+            # every option explicit: no preset defaults (kind `transformer`, or `moe`)
+            kind = model_kind(model.cfg)
+            info: dict[str, Any] = {"model": {"kind": kind, **unstructure(model.cfg)}}
             if record is not None:
                 info["data"] = {"fingerprint": record["fingerprint"], "tokenizer": record}
             with _one_process():

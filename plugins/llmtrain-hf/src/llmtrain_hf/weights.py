@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from typing import Any
 
 CONFIG = "config.json"
-# the model kind of the options derived from an HF config: every option explicit
-KIND = "transformer"
 
 
 class HFWeights:
@@ -33,25 +31,28 @@ class HFWeights:
     def load(
         self, path: str, storage_options: Mapping[str, Any]
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(llmtrain weights on CPU, `{"kind": "transformer", **options}`) of the directory, every
-        file checked (`hf_dir`): a damaged one is a UserError naming it."""
+        """(llmtrain weights on CPU, `{"kind": "transformer", **options}`) of the directory
+        (kind `moe`, llmtrain-moe's, for a Mixture-of-Experts architecture), every file checked
+        (`hf_dir`): a damaged one is a UserError naming it."""
         from llmtrain.core_mesh.config import unstructure
+        from llmtrain_hf.convert import model_kind
         from llmtrain_hf.hf_dir import read_model
 
         cfg, weights, _ = read_model(path, storage_options)
-        return weights, {"kind": KIND, **unstructure(cfg.options)}
+        return weights, {"kind": model_kind(cfg.options), **unstructure(cfg.options)}
 
     def model(self, path: str, storage_options: Mapping[str, Any]) -> dict[str, Any]:
         """`{"kind": "transformer", **options}` of the directory, from its config.json; the
         weight files' headers are checked against it too (`hf_dir.layout`), so that a damaged
         directory is refused when the run's config loads, before the run starts."""
         from llmtrain.core_mesh.config import unstructure
+        from llmtrain_hf.convert import model_kind
         from llmtrain_hf.hf_dir import HFDir, layout, read_config
 
         hf = HFDir.open(path, storage_options)
         cfg = read_config(hf)
         layout(hf, cfg)
-        return {"kind": KIND, **unstructure(cfg.options)}
+        return {"kind": model_kind(cfg.options), **unstructure(cfg.options)}
 
 
 def _names(path: str, storage_options: Mapping[str, Any]) -> set[str]:
