@@ -363,6 +363,9 @@ def test_expert_parallelism_takes_its_ranks_from_dp_shard(describe):
         microbatches=2,
     )  # fmt: skip
     assert got.mesh_shape == (2, 1, 1, 4, 1, 1)
+    hsdp = MeshSpec(dp_replicate=2, ep=2)
+    got = check_layout(ParallelOptions(), hsdp, 8, model, seq_len=16, device_type="cpu")
+    assert got.mesh_shape == (1, 2, 2, 2, 1, 1)
 
 
 def test_expert_parallelism_must_divide_dp_shard(describe):
@@ -387,13 +390,12 @@ def test_expert_parallelism_needs_experts_it_divides(describe):
     [
         (MeshSpec(ep=2, tp=2), "tp"),
         (MeshSpec(ep=2, cp=2), "cp"),
-        (MeshSpec(ep=2, dp_replicate=2), "dp_replicate"),
     ],
 )
-def test_expert_parallelism_composes_with_fsdp_and_pipelines_only(describe, mesh, name):
+def test_expert_parallelism_composes_with_data_parallelism_and_pipelines_only(describe, mesh, name):
     model = with_experts(describe(), 8)
     [problem] = problems_of(describe, mesh=mesh, world_size=4, model=model)
     assert problem == (
-        f"mesh.ep=2 with mesh.{name}=2: expert parallelism composes with FSDP (dp_shard) and "
+        f"mesh.ep=2 with mesh.{name}=2: expert parallelism composes with FSDP, HSDP and "
         f"pipelines only; set mesh.{name}: 1 or mesh.ep: 1"
     )

@@ -121,13 +121,22 @@ def test_expert_parallel_logs_the_same_numbers_as_one_process(reference, expert_
     assert_same_router_stats(reference["metrics"], got)
 
 
-def test_four_ranks_split_the_experts_and_shard_them(reference):
-    """ep=2 of dp_shard=4: two ranks hold each half of the experts, and FSDP shards that half
-    between them (the experts' gradients are divided by all 4 data ranks)."""
-    argv = ["name=four-ep", "data.micro_batch=2", "mesh.ep=2"]
+@pytest.mark.parametrize(
+    ("name", "mesh"),
+    [
+        # two ranks hold each half of the experts, and FSDP shards that half between them
+        ("four-ep", ["mesh.ep=2"]),
+        # HSDP: two replicated groups of 2 ranks, each rank one half of the experts whole
+        ("four-hsdp-ep", ["mesh.dp_replicate=2", "mesh.ep=2"]),
+    ],
+)
+def test_four_ranks_split_the_experts_and_shard_them(reference, name, mesh):
+    """Expert parallelism beside sharded (and replicated) data: the experts' gradients are
+    divided by all 4 data ranks whatever their FSDP mesh is."""
+    argv = [f"name={name}", "data.micro_batch=2", *mesh]
     proc = ts.run(ts.torchrun(4, "run", reference["path"], *argv), timeout=600)
     assert ts.error_lines(proc.stderr) == []
-    got = ts.by_step(ts.read_metrics(reference["tmp"] / "runs" / "four-ep"))
+    got = ts.by_step(ts.read_metrics(reference["tmp"] / "runs" / name))
     ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
 
 

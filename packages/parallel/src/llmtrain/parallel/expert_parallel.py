@@ -3,7 +3,7 @@ Mixture-of-Experts layer, and the layer itself sends each token to the rank hold
 and back (all-to-all). The ep ranks are data-parallel ranks (ep divides dp_shard): each reads its
 own tokens. What this package does is generic, for any module that conforms to core-mesh's
 `ExpertParallel`: tell it its ep mesh, then shard its (already split) experts over the data
-ranks that hold the same experts (dp_shard_mod_ep).
+ranks that hold the same experts (dp_shard_mod_ep; replicated over dp_replicate under HSDP).
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def shard_expert_data(
     the expert parameters alone)."""
     if not experts:
         return
-    dims = "dp_shard_mod_ep"  # check_layout refuses dp_replicate > 1 with ep
+    dims: str | tuple[str, str] = "dp_shard_mod_ep"
+    if device_mesh["dp_replicate"].size() > 1:
+        dims = ("dp_replicate", "dp_shard_mod_ep")  # HSDP: replicated across the groups
     # `Parallelized` scales the loss by every rank that saw different tokens (dp_cp), which
     # FSDP's own average over its mesh undoes for dense weights. An expert's gradient has
     # already been summed over the ep ranks' tokens by the all-to-all's backward, so it is
@@ -54,8 +56,8 @@ def shard_expert_data(
         if not isinstance(module, FSDPModule):  # fully_shard made it one
             raise TypeError(f"{type(module).__name__} was not wrapped by FSDP")
         module.set_gradient_divide_factor(factor)
-        if device_mesh.device_type == "cpu" and device_mesh[dims].size() > 1:
-            # a divisor other than the mesh's size is a pre-multiplied sum, which gloo lacks;
-            # on a mesh of one FSDP divides without any collective (and forcing a sum there
-            # would divide twice)
+        if device_mesh.device_type == "cpu" and device_mesh["dp_shard_mod_ep"].size() > 1:
+            # a divisor other than the shard group's size is a pre-multiplied sum, which gloo
+            # lacks. Where that group is one rank FSDP divides without a collective, and
+            # forcing a sum there would divide a second time (torch 2.13, measured)
             module.set_force_sum_reduction_for_comms(True)

@@ -154,12 +154,11 @@ def _expert_parallel(mesh: MeshSpec, model: ModelDescription) -> list[str]:
             f"({', '.join(map(str, counts))}); choose an ep that divides it"
         )
     # the MoE layers route whole sequences on every tp rank and each cp shard balances its own
-    # tokens: expert parallelism over those ranks is not built; with replicated data groups
-    # (HSDP) torch's FSDP divides the experts' gradients twice (measured), so it is refused
-    for degree, name in ((mesh.tp, "tp"), (mesh.cp, "cp"), (mesh.dp_replicate, "dp_replicate")):
+    # tokens: expert parallelism over those ranks is not built
+    for degree, name in ((mesh.tp, "tp"), (mesh.cp, "cp")):
         if degree > 1:
             problems.append(
                 f"mesh.ep={mesh.ep} with mesh.{name}={degree}: expert parallelism composes with "
-                f"FSDP (dp_shard) and pipelines only; set mesh.{name}: 1 or mesh.ep: 1"
+                f"FSDP, HSDP and pipelines only; set mesh.{name}: 1 or mesh.ep: 1"
             )
     return problems
