@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ from llmtrain.models.generate import generate
 from llmtrain.train_loop.experiments.quickstart import write_corpus
 from llmtrain.train_loop.saved_model import load_model
 
+DATA = Path(__file__).parent / "data"
 PROMPT = torch.tensor([[5, 17, 42, 99, 3, 250, 7]])
 NEW_TOKENS = 12
 
@@ -378,3 +380,36 @@ def test_a_moe_directory_without_llmtrain_moe_says_what_to_install(hf, tmp_path,
     assert "config.json: a Mixture-of-Experts model needs the plugin llmtrain-moe" in message
     assert "pip install llmtrain-moe" in message and "\n" not in message
     json.loads((tmp_path / "hf" / "config.json").read_text())  # the directory is intact
+
+
+@pytest.mark.parametrize("version", ["4", "5"])
+def test_an_export_written_under_either_major_version_keeps_its_experts(hf, version):
+    """config.json files as `hf export` wrote them under transformers 4.57 and 5.23 (a Qwen3-MoE
+    of 16 experts, top-4): 5.x names the count `num_local_experts`, which 4.x does not read
+    (it would build 128 experts), so the export writes `num_experts` too."""
+    from transformers import AutoConfig
+
+    path = DATA / f"qwen3-moe-export-transformers{version}"
+    written = json.loads((path / "config.json").read_text())
+    assert written["transformers_version"].startswith(f"{version}.")
+    assert written["num_experts"] == 16
+    config = AutoConfig.from_pretrained(path)
+    cfg = options_from_hf(config)
+    assert (cfg.n_experts, cfg.top_k, cfg.head_dim, cfg.renormalize) == (16, 4, 24, False)
+    theirs = hf.random_model(config)
+    ours = from_hf_model(theirs)
+    tokens = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(2))
+    assert hf.max_diff(logits(ours, tokens), logits(theirs, tokens)) <= hf.TOL
+
+
+def test_training_losses_map_to_transformers_fields_or_are_named():
+    """aux_loss_weight is transformers' router_aux_loss_coef; the router z-loss has no field,
+    and the export says so (olmoe-tiny trains with 0.001, as OLMoE did)."""
+    from llmtrain_hf.convert import hf_config
+    from llmtrain_hf.transfer import _export_notes
+
+    cfg = preset_options("olmoe-tiny", aux_loss_weight=0.03)
+    assert hf_config(cfg).router_aux_loss_coef == 0.03
+    notes = _export_notes(cfg, "OlmoeForCausalLM")
+    assert "model.router_z_loss 0.001: OlmoeForCausalLM has no field for it" in "\n".join(notes)
+    assert not any("router_z_loss" in n for n in _export_notes(preset_options("moe-tiny"), "x"))

@@ -342,7 +342,8 @@ def _hf_rope_scaling(scaling: RopeScaling | None) -> dict[str, Any] | None:
 def portable_config(directory: str, cfg: TransformerConfig) -> None:
     """Make the config.json that save_pretrained wrote readable by transformers 4.x and 5.x:
     5.x writes RoPE settings only as `rope_parameters`, which 4.x ignores (it would fall back to
-    rope_theta 10000), so the 4.x keys are added; 4.x's file already reads in 5.x."""
+    rope_theta 10000), so the 4.x keys are added; 4.x's file already reads in 5.x. Likewise 5.x
+    writes Qwen3-MoE's expert count as `num_local_experts`, 4.x reads `num_experts` (else 128)."""
     if cfg.positions != "rope":
         return
     path = os.path.join(directory, "config.json")
@@ -350,6 +351,9 @@ def portable_config(directory: str, cfg: TransformerConfig) -> None:
         data = json.load(f)
     data["rope_theta"] = cfg.rope_base
     data["rope_scaling"] = _hf_rope_scaling(cfg.rope_scaling)
+    spec = ROPE_FAMILY.get((data.get("architectures") or [""])[0])
+    if spec is not None and spec.moe is not None and moe.is_moe(cfg):
+        data[spec.moe.experts_field] = cfg.n_experts
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")

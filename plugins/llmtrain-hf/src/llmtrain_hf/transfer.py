@@ -197,6 +197,11 @@ def _export_notes(cfg: Any, arch: str) -> list[str]:
         )
     if arch == GPT2 and not cfg.bias:
         notes.append("model.bias: false exports as GPT-2's biases set to zero (the same function)")
+    if moe.is_moe(cfg) and cfg.router_z_loss:
+        notes.append(
+            f"model.router_z_loss {cfg.router_z_loss}: {arch} has no field for it (a training "
+            "loss; aux_loss_weight is its router_aux_loss_coef)"
+        )
     return notes
 
 
