@@ -307,6 +307,13 @@ def test_a_run_starts_from_a_moe_directory(run_cli, plugins, hf, tmp_path, token
     tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(3))
     # an expert takes ceil(4.0 x 16 x 2 / 8) = 16 tokens of 16: none dropped, as in transformers
     assert hf.max_diff(logits(ours, tokens), logits(theirs, tokens)) <= hf.TOL
+    # trained with a capacity, it computes another function than transformers on longer texts:
+    # its export is refused in one line naming the option, and writes nothing
+    code, _, err = run_cli("hf", "export", checkpoints, "-o", tmp_path / "out", "--no-tokenizer")
+    assert code == 2, err
+    (line,) = [x for x in err.splitlines() if "capacity_factor" in x]
+    assert "model.capacity_factor: 4.0 (transformers' MoE layers are dropless" in line
+    assert not (tmp_path / "out").exists()
 
 
 def _layout(case: str):
