@@ -11,11 +11,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from llmtrain.parallel.data_parallel import (
-    should_reshard,
     apply_ddp,
     apply_fsdp,
     mixed_precision,
     set_gradient_sync,
+    should_reshard,
 )
 from llmtrain.parallel.options import ParallelOptions
 from llmtrain.parallel.strategy import Parallelized
