@@ -35,7 +35,9 @@ class Distill:
             options.temperature,
             options.z_loss,
         )
-        self._sums = torch.zeros(3, dtype=torch.float64)  # ce, kl, counted targets
+        # ce, kl, counted targets of the step so far, kept on the loss's device: read once a
+        # step (metrics), not synced per micro-batch
+        self._sums: torch.Tensor | None = None
 
     def prepare(self, inputs: torch.Tensor, targets: torch.Tensor, count: float, /) -> Any:
         return torch.stack([inputs, targets], dim=-1)
@@ -63,14 +65,16 @@ class Distill:
         if self.z_loss:
             log_z = torch.logsumexp(flat, dim=-1)
             loss = loss + self.z_loss * (log_z.square() * counted).sum()
-        sums = torch.stack([ce.detach(), kl.detach(), counted.sum().to(ce.dtype)])
-        self._sums += sums.to("cpu", torch.float64)
+        sums = torch.stack([ce.detach(), kl.detach(), counted.sum().to(ce.dtype)]).double()
+        self._sums = sums if self._sums is None else self._sums + sums
         return loss
 
     def metrics(self) -> dict[str, float]:
         """The step's mean cross-entropy and KL per counted target (this rank's micro-batches)."""
+        if self._sums is None:
+            return {}
         ce, kl, count = self._sums.tolist()
-        self._sums.zero_()
+        self._sums = None
         if not count:
             return {}
         return {"distill/ce": ce / count, "distill/kl": kl / count}
