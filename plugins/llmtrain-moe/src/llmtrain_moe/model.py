@@ -31,7 +31,7 @@ from llmtrain.models.transformer import (
     make_norm,
     splits_across_tp_ranks,
 )
-from llmtrain_moe.experts import Experts, local
+from llmtrain_moe.experts import Experts, SharedExpert, StackedExperts, expert_counts, local
 from llmtrain_moe.options import MoEOptions
 from llmtrain_moe.routing import (
     Routing,
@@ -39,7 +39,6 @@ from llmtrain_moe.routing import (
     balance_loss,
     bias_update,
     expert_capacity,
-    expert_counts,
     expert_load,
     route,
     router_z_loss,
@@ -84,7 +83,7 @@ class MoE(nn.Module):
             matmul=cfg.expert_matmul,
         )
         self.shared = (
-            Experts(1, cfg.d_model, cfg.hidden_size, gated=cfg.mlp == "swiglu")
+            SharedExpert(cfg.d_model, cfg.hidden_size, gated=cfg.mlp == "swiglu")
             if cfg.shared_expert
             else None
         )
@@ -122,7 +121,7 @@ class MoE(nn.Module):
         if self.expert_choices is not None and self.training and torch.is_grad_enabled():
             # activation checkpointing runs this forward again in the backward and counts every
             # choice twice: the same factor for every expert, which the update's sign ignores
-            self.expert_choices.add_(expert_counts(routing.experts, cfg.n_experts))
+            self.expert_choices.add_(expert_counts(routing.experts.reshape(-1), cfg.n_experts))
         keep = routing.keep.reshape(B * T, -1) if routing.keep is not None else None
         y = self.experts.routed(
             x.reshape(B * T, d),
@@ -273,7 +272,7 @@ class MoETransformer(Transformer):
         std = cfg.init_std
         residual_std = std / math.sqrt(2 * cfg.n_layers) if cfg.scale_residual_init else std
         for module in self.modules():
-            if isinstance(module, Experts):
+            if isinstance(module, StackedExperts):
                 for w in (module.w1, module.w3):
                     if w is not None:
                         nn.init.normal_(w, std=std, generator=generator)

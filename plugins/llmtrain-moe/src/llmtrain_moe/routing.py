@@ -67,14 +67,6 @@ def within_capacity(experts: torch.Tensor, n_experts: int, capacity: int) -> tor
     return (place < capacity).view(G, k, T).transpose(1, 2)
 
 
-def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """How many of the choices (..., k) went to each expert: (E,) int64, without a host sync
-    (a scatter, not `bincount`, whose output size depends on the values)."""
-    flat = experts.reshape(-1)
-    counts = torch.zeros(n_experts, dtype=torch.long, device=experts.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
-
-
 def bias_update(counts: torch.Tensor, rate: float) -> torch.Tensor:
     """DeepSeek-V3's step for the routing bias, from a step's per-expert choice counts (E,):
     `rate * sign(mean count - count_e)`, raising the under-loaded experts and lowering the
