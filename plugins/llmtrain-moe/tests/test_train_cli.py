@@ -156,6 +156,17 @@ def test_resume_at_another_expert_parallel_degree_continues_exactly(reference, e
     ts.assert_close_runs(reference["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
 
 
+def test_pipeline_with_expert_parallelism_logs_the_same_numbers(accumulated):
+    """4 ranks: a 2-stage pipeline (one layer a stage) whose stages each split their layer's
+    experts over 2 data ranks; 2 micro-batches per rank, as in the accumulated run."""
+    argv = ["name=pp-ep", "data.micro_batch=2", "mesh.pp=2", "mesh.ep=2"]
+    proc = ts.run(ts.torchrun(4, "run", accumulated["path"], *argv), timeout=600)
+    assert ts.error_lines(proc.stderr) == []
+    got = ts.by_step(ts.read_metrics(accumulated["tmp"] / "runs" / "pp-ep"))
+    assert list(got) == list(range(1, STEPS + 1))
+    ts.assert_close_runs(accumulated["metrics"], got, RTOL, ["loss", "grad_norm", "eval_loss"])
+
+
 def test_pipeline_logs_the_same_numbers_as_one_process_with_as_many_micro_batches(accumulated):
     proc = ts.run(
         ts.torchrun(2, "run", accumulated["path"], "name=two-pp", "mesh.pp=2"), timeout=180
