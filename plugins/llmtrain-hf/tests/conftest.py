@@ -163,6 +163,34 @@ def save_hf_dir(model, path, tokenizer_json: str | None = None) -> str:
     return str(path)
 
 
+def spread_weights(model, seed: int = 0):
+    """A freshly built llmtrain `model`, initialised from `seed` and moved away from its init:
+    norms and biases off 1 and 0, matrices (routers and experts too) large enough that tokens
+    route apart, so no tensor can go missing or be misplaced unseen. In eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    model.init_weights(g)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.normal_(0.0, 0.1, generator=g)
+    return model.eval()
+
+
+def greedy_hf(model, prompt: torch.Tensor, max_new_tokens: int) -> list[list[int]]:
+    """A transformers model's greedy continuation of `prompt` (B, T), prompt included."""
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            attention_mask=torch.ones_like(prompt),
+            pad_token_id=0,
+        )
+    return out.tolist()
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, (a.shape, b.shape)
     return (a.float() - b.float()).abs().max().item()
@@ -180,6 +208,8 @@ def hf() -> SimpleNamespace:
         save_dir=save_hf_dir,
         sentences=sentences,
         max_diff=max_diff,
+        spread=spread_weights,
+        greedy=greedy_hf,
         TOL=TOL,
     )
 

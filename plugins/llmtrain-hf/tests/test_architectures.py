@@ -71,18 +71,6 @@ def logits(model, tokens, *, hf: bool):
     return out.logits if hf else out
 
 
-def greedy_hf(model, prompt):
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            attention_mask=torch.ones_like(prompt),
-            pad_token_id=0,
-        )
-    return out.tolist()
-
-
 @pytest.mark.parametrize("case", CASES)
 def test_a_saved_directory_imports_with_transformers_logits_and_generations(
     hf, tmp_path, tokens, case
@@ -97,7 +85,9 @@ def test_a_saved_directory_imports_with_transformers_logits_and_generations(
     for key, value in OPTIONS[case].items():
         assert getattr(cfg, key) == value, key
     assert hf.max_diff(logits(ours, tokens, hf=False), logits(theirs, tokens, hf=True)) <= hf.TOL
-    assert generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist() == greedy_hf(theirs, PROMPT)
+    assert generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist() == hf.greedy(
+        theirs, PROMPT, NEW_TOKENS
+    )
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -114,7 +104,10 @@ def test_an_export_loads_in_transformers_as_the_same_architecture(hf, tmp_path, 
     assert type(theirs).__name__ == ARCHITECTURE[case]
     assert source_architecture(AutoConfig.from_pretrained(out)) == ARCHITECTURE[case]
     assert hf.max_diff(logits(theirs, tokens, hf=True), logits(ours, tokens, hf=False)) <= hf.TOL
-    assert greedy_hf(theirs, PROMPT) == generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist()
+    assert (
+        hf.greedy(theirs, PROMPT, NEW_TOKENS)
+        == generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist()
+    )
     # the same tensors as the directory it came from
     original = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     for name, tensor in original.state_dict().items():

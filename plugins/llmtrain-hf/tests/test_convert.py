@@ -16,7 +16,6 @@ from llmtrain_hf.convert import (
     to_hf_model,
 )
 
-from llmtrain.models.config import TransformerConfig
 from llmtrain.models.generate import generate
 from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import build_model
@@ -91,19 +90,6 @@ def test_gpt2_imports_with_its_logits_and_exports_back_exactly(hf, tokens, overr
 # --- llmtrain -> transformers ---------------------------------------------------------------------
 
 
-def random_llmtrain(cfg: TransformerConfig, seed: int = 0):
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(seed)
-    model.init_weights(g)
-    with torch.no_grad():  # norms and biases away from 1 and 0, so none can go missing unseen
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-            else:
-                p.normal_(0.0, 0.1, generator=g)
-    return model.eval()
-
-
 LLMTRAIN_CONFIGS = {
     # the tiny preset: GQA, SwiGLU rounded to a multiple, vocab 300 padded to 320
     "tiny": preset_config("tiny", vocab_size=300, max_seq_len=64, rope_base=500000.0),
@@ -143,7 +129,7 @@ LLMTRAIN_CONFIGS = {
 @pytest.mark.parametrize("name", list(LLMTRAIN_CONFIGS))
 def test_llmtrain_model_exports_with_its_logits(hf, name):
     cfg = LLMTRAIN_CONFIGS[name]
-    ours = random_llmtrain(cfg)
+    ours = hf.spread(build_model(cfg))
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
     theirs = to_hf_model(ours, eos_token_id=0)
     assert type(theirs).__name__ == architecture_of(cfg)
@@ -161,10 +147,10 @@ def test_llmtrain_model_exports_with_its_logits(hf, name):
     [(name, torch.float32, None) for name in LLMTRAIN_CONFIGS]
     + [("tiny", torch.bfloat16, None), ("tiny", torch.float32, "MistralForCausalLM")],
 )
-def test_save_hf_model_writes_what_save_pretrained_writes(tmp_path, name, dtype, architecture):
+def test_save_hf_model_writes_what_save_pretrained_writes(hf, tmp_path, name, dtype, architecture):
     """`hf export` writes the files without building the transformers model: byte for byte
     what that model's save_pretrained writes (tied heads left out, padding ids suppressed)."""
-    ours = random_llmtrain(LLMTRAIN_CONFIGS[name])
+    ours = hf.spread(build_model(LLMTRAIN_CONFIGS[name]))
     kwargs = dict(eos_token_id=0, dtype=dtype, architecture=architecture)
     save_hf_model(str(tmp_path / "direct"), ours, **kwargs)
     to_hf_model(ours, **kwargs).save_pretrained(tmp_path / "transformers")
@@ -191,7 +177,7 @@ def test_export_uses_llmtrain_gelu_and_every_number(hf):
 @pytest.mark.parametrize("name", ["tiny", "gpt2-124m-shape"])
 def test_greedy_generation_agrees(hf, name):
     cfg = LLMTRAIN_CONFIGS[name]
-    ours = random_llmtrain(cfg, seed=5)
+    ours = hf.spread(build_model(cfg), seed=5)
     theirs = to_hf_model(ours)
     prompt = torch.tensor([[5, 17, 42, 99, 3]])
     mine = generate(ours, prompt, 12, temperature=0)  # never a padding id (300..319)

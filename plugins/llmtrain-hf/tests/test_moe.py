@@ -128,18 +128,6 @@ def load_ours(directory) -> MoETransformer:
     return model.eval()
 
 
-def greedy_hf(model, prompt):
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            attention_mask=torch.ones_like(prompt),
-            pad_token_id=0,
-        )
-    return out.tolist()
-
-
 def logits(model, tokens):
     with torch.no_grad():
         out = model(tokens)
@@ -163,20 +151,9 @@ def test_a_saved_moe_directory_imports_with_transformers_logits_and_generations(
     # every expert is used by these tokens: none could be misplaced unseen
     load = torch.tensor(ours.router_stats()["0"]["load"])
     assert (load > 0).all(), load
-    assert generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist() == greedy_hf(theirs, PROMPT)
-
-
-def random_moe(cfg: MoEOptions, seed: int = 0) -> MoETransformer:
-    model = build_model(cfg)
-    g = torch.Generator().manual_seed(seed)
-    model.init_weights(g)
-    with torch.no_grad():  # norms away from 1, experts and router large enough to route apart
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-            else:
-                p.normal_(0.0, 0.1, generator=g)
-    return model.eval()
+    assert generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist() == hf.greedy(
+        theirs, PROMPT, NEW_TOKENS
+    )
 
 
 # llmtrain-moe models and the architecture each exports as
@@ -213,13 +190,16 @@ def test_an_llmtrain_moe_model_exports_to_what_transformers_computes(hf, tmp_pat
 
     cfg, arch = EXPORTS[name]
     assert architecture_of(cfg) == arch
-    ours = random_moe(cfg)
+    ours = hf.spread(build_model(cfg))
     save_hf_model(str(tmp_path / "hf"), ours)  # no end of document: 12 tokens each
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     assert type(theirs).__name__ == arch
     tokens = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
     assert hf.max_diff(logits(theirs, tokens), logits(ours, tokens)) <= hf.TOL
-    assert greedy_hf(theirs, PROMPT) == generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist()
+    assert (
+        hf.greedy(theirs, PROMPT, NEW_TOKENS)
+        == generate(ours, PROMPT, NEW_TOKENS, temperature=0).tolist()
+    )
     # and back: the same weights and options (aux_loss_weight through router_aux_loss_coef)
     again = from_hf_model(theirs)
     assert isinstance(again, MoETransformer)
@@ -232,8 +212,8 @@ def test_an_llmtrain_moe_model_exports_to_what_transformers_computes(hf, tmp_pat
 @pytest.mark.parametrize(
     ("name", "dtype"), [("olmoe-tiny", torch.float32), ("moe-tiny", torch.bfloat16)]
 )
-def test_save_hf_model_writes_what_save_pretrained_writes(tmp_path, name, dtype):
-    ours = random_moe(EXPORTS[name][0])
+def test_save_hf_model_writes_what_save_pretrained_writes(hf, tmp_path, name, dtype):
+    ours = hf.spread(build_model(EXPORTS[name][0]))
     save_hf_model(str(tmp_path / "direct"), ours, eos_token_id=0, dtype=dtype)
     to_hf_model(ours, eos_token_id=0, dtype=dtype).save_pretrained(tmp_path / "transformers")
     files = sorted(p.name for p in (tmp_path / "transformers").iterdir())
