@@ -129,7 +129,19 @@ def _dtype(name: str) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) else None
 
 
-class _Sink(Protocol):
+class _Closing(Protocol):
+    """A file used in a `with` block (closed on leaving it)."""
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> object: ...
+
+
+class _Sink(_Closing, Protocol):
     """A checkpoint file open for writing: a local file, a `_WholeUpload` or an fsspec file."""
 
     def write(self, data: memoryview, /) -> int | None: ...
@@ -138,16 +150,8 @@ class _Sink(Protocol):
 
     def __enter__(self) -> _Sink: ...
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        tb: TracebackType | None,
-        /,
-    ) -> object: ...
 
-
-class _Source(Protocol):
+class _Source(_Closing, Protocol):
     """A checkpoint file open for reading: a local file, a `_Span` or an fsspec file."""
 
     def seek(self, position: int, /) -> object: ...
@@ -155,14 +159,6 @@ class _Source(Protocol):
     def readinto(self, into: memoryview, /) -> int | None: ...
 
     def __enter__(self) -> _Source: ...
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        value: BaseException | None,
-        tb: TracebackType | None,
-        /,
-    ) -> object: ...
 
 
 class _Files:
