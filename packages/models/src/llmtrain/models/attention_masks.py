@@ -150,16 +150,25 @@ def attend(
     *,
     is_causal: bool,
     dropout_p: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of q (B, Hq, T, D) over k, v (B, Hkv, S, D): causal, or under a boolean mask,
-    or within documents (a DocumentMask), key/value heads shared by groups of query heads."""
+    or within documents (a DocumentMask), key/value heads shared by groups of query heads.
+    `scale` multiplies the scores (None: 1/sqrt(D); µP passes its own)."""
     gqa = q.size(1) != k.size(1)
     if isinstance(mask, DocumentMask):
         if dropout_p == 0.0 and mask.block_mask is not None:
-            return _flex(q)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+            return _flex(q)(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=gqa)
         mask = mask.dense()
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, dropout_p=dropout_p, enable_gqa=gqa
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=is_causal,
+        dropout_p=dropout_p,
+        scale=scale,
+        enable_gqa=gqa,
     )
 
 
@@ -179,6 +188,7 @@ class _FlexAttention(Protocol):
         value: torch.Tensor,
         *,
         block_mask: BlockMask | None,
+        scale: float | None,
         enable_gqa: bool,
     ) -> torch.Tensor: ...
 

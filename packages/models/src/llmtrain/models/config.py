@@ -116,6 +116,13 @@ class TransformerConfig:
     init_std: float = attrs.field(default=0.02, validator=_positive_float)
     scale_residual_init: bool = True
     doc_masking: bool = False
+    # µP (Tensor Programs V): init, output multiplier, attention scale and per-parameter learning
+    # rates follow the width multiplier d_model / mup_base_width, so settings tuned at the base
+    # width transfer to wider models; at d_model == mup_base_width it is the standard model
+    parametrization: Literal["standard", "mup"] = attrs.field(
+        default="standard", validator=attrs.validators.in_(("standard", "mup"))
+    )
+    mup_base_width: int = 256
 
     def __attrs_post_init__(self) -> None:
         if self._head_dim is None and self.d_model % self.n_heads:
@@ -134,6 +141,40 @@ class TransformerConfig:
             )
         if self.rope_scaling is not None and self.positions != "rope":
             raise ConfigValueError("rope_scaling", "scales RoPE; set positions: rope or remove it")
+        if self.mup_base_width < 1:
+            raise ConfigValueError(
+                "mup_base_width",
+                f"must be a positive width (the d_model at which µP is the standard model), "
+                f"got {self.mup_base_width}",
+            )
+
+    @property
+    def width_multiplier(self) -> float:
+        """µP's m = d_model / mup_base_width; 1 under the standard parametrization."""
+        if self.parametrization != "mup":
+            return 1.0
+        return self.d_model / self.mup_base_width
+
+    @property
+    def output_multiplier(self) -> float:
+        """What the final normed hidden state is multiplied by before the output projection:
+        1/m under µP (the logits' multiplier), 1 under standard."""
+        return 1.0 / self.width_multiplier
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention scores' scale: None under standard (SDPA's 1/sqrt(head_dim)); under µP
+        sqrt(b) / head_dim, b the head size this config has at d_model = mup_base_width. A head
+        size derived from d_model widens with it (b = mup_base_width / n_heads) and the scale
+        falls as 1/head_dim; an explicit `head_dim` stays put as width grows by adding heads, so
+        b = head_dim and the scale is the standard one. Written as 1/sqrt(head_dim * head_dim/b)
+        so that at m == 1 it is exactly the float SDPA computes by default."""
+        if self.parametrization != "mup":
+            return None
+        base_head_dim = (
+            self._head_dim if self._head_dim is not None else self.mup_base_width / self.n_heads
+        )
+        return 1.0 / math.sqrt(self.head_dim * (self.head_dim / base_head_dim))
 
     @property
     def kv_heads(self) -> int:

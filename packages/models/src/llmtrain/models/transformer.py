@@ -128,6 +128,8 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(k_norm_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        # None (SDPA's 1/sqrt(head_dim)) but under µP
+        self.scale = cfg.attention_scale
 
     def forward(
         self,
@@ -160,6 +162,7 @@ class Attention(nn.Module):
             mask,
             is_causal=mask is None and cache is None,
             dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
         )
         y = y.transpose(1, 2).reshape(B, T, -1)
         out: torch.Tensor = self.resid_dropout(self.wo(y))
@@ -321,6 +324,10 @@ class Transformer(nn.Module):
         if logits_at is not None:
             h = h[logits_at]
         h = self.norm(h)
+        if self.cfg.output_multiplier != 1.0:
+            # µP's logit multiplier 1/m, applied before the head so that a loss given head_fn,
+            # a tensor-parallel head and a pipeline's last stage all see it
+            h = h * self.cfg.output_multiplier
         if head_fn is not None:
             return head_fn(h, self._output_matrix())
         if self.head is not None:
@@ -382,13 +389,17 @@ class Transformer(nn.Module):
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Initialise every parameter and buffer; also right after `to_empty` from the meta device."""
         cfg = self.cfg
+        # µP: a hidden matrix's std falls as 1/sqrt(fan_in), i.e. by sqrt(m) from the base width
+        hidden_std = cfg.init_std / math.sqrt(cfg.width_multiplier)
         residual_std = (
-            cfg.init_std / math.sqrt(2 * cfg.n_layers) if cfg.scale_residual_init else cfg.init_std
+            hidden_std / math.sqrt(2 * cfg.n_layers) if cfg.scale_residual_init else hidden_std
         )
+        hidden = {id(module) for module in self.hidden_matrices()}
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_residual_out = name.endswith(("attn.wo", "mlp.w2"))
-                std = residual_std if is_residual_out else cfg.init_std
+                std = hidden_std if id(module) in hidden else cfg.init_std
+                if name.endswith(("attn.wo", "mlp.w2")):
+                    std = residual_std
                 nn.init.normal_(module.weight, mean=0.0, std=std, generator=generator)
                 bias = getattr(module, "bias", None)  # an Embedding has none
                 if isinstance(bias, torch.Tensor):
@@ -399,6 +410,27 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+    def hidden_matrices(self) -> list[nn.Module]:
+        """The Linear layers whose weights µP treats as hidden matrices (both dimensions grow
+        with width): every Linear of the blocks; not the embeddings nor the head."""
+        return [
+            module
+            for block in self.blocks.values()
+            for module in block.modules()
+            if isinstance(module, nn.Linear)
+        ]
+
+    def lr_multipliers(self) -> dict[str, float]:
+        """Parameter name (as `named_parameters()` gives it) -> the Adam-family learning-rate
+        multiplier µP gives it, only where it is not 1: 1/m for the weights of the hidden
+        matrices; embeddings (the tied output matrix too), the head, norms and biases keep the
+        base rate. {} under the standard parametrization (or at m == 1)."""
+        factor = 1.0 / self.cfg.width_multiplier
+        if factor == 1.0:
+            return {}
+        hidden = {id(module.weight) for module in self.hidden_matrices()}
+        return {name: factor for name, p in self.named_parameters() if id(p) in hidden}
 
     def describe(self) -> ModelDescription:
         cfg = self.cfg
