@@ -201,3 +201,155 @@ def test_every_optimizer_trains_the_tiny_model(installed, kind):
             opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.01, losses
+
+
+# µP: the model's learning-rate multipliers become parameter groups
+
+
+class Scaled(Mixed):
+    """A stand-in for a µP model: multipliers by name, one on a vector and one on a table."""
+
+    def lr_multipliers(self) -> dict[str, float]:
+        return {"proj.weight": 0.5, "proj.bias": 0.25, "embed.weight": 2.0, "absent.weight": 3.0}
+
+
+def mup_tiny(d_model: int = 64, base: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    config = preset_config(
+        "tiny",
+        d_model=d_model,
+        max_seq_len=16,
+        tied_embeddings=False,
+        parametrization="mup",
+        mup_base_width=base,
+    )
+    model = build_model(config)
+    model.init_weights()
+    return model
+
+
+def group_of(optimizer) -> dict[int, dict]:
+    return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+
+def test_multiplier_groups_scale_lr_and_keep_the_decay_split():
+    m = Scaled()
+    [opt] = adamw(AdamOptions(lr=0.01, weight_decay=0.5), m)
+    groups = group_of(opt)
+    expected = {  # name: (lr, weight decay, multiplier)
+        "proj.weight": (0.005, 0.5, 0.5),
+        "head.weight": (0.01, 0.5, 1.0),
+        "kernel": (0.01, 0.5, 1.0),
+        "proj.bias": (0.0025, 0.0, 0.25),
+        "embed.weight": (0.02, 0.0, 2.0),
+        "norm.weight": (0.01, 0.0, 1.0),
+        "norm.bias": (0.01, 0.0, 1.0),
+        "scale": (0.01, 0.0, 1.0),
+    }
+    named = dict(m.named_parameters())
+    for name, (lr, wd, multiplier) in expected.items():
+        group = groups[id(named[name])]
+        assert (group["lr"], group["weight_decay"], group["lr_multiplier"]) == (lr, wd, multiplier)
+        assert group["base_lr"] == 0.01, name
+    assert id(m.frozen) not in groups
+    # decay class first, then the multipliers in the order parameters() gives (the module's own
+    # parameters before its children's)
+    assert [(g["weight_decay"], g["lr_multiplier"]) for g in opt.param_groups] == [
+        (0.5, 1.0),
+        (0.5, 0.5),
+        (0.0, 1.0),
+        (0.0, 2.0),
+        (0.0, 0.25),
+    ]
+    before = zero_grads(m)
+    opt.step()  # a zero gradient: AdamW's decoupled decay is lr x multiplier x wd
+    torch.testing.assert_close(m.proj.weight.detach(), before["proj.weight"] * (1 - 0.005 * 0.5))
+    torch.testing.assert_close(m.head.weight.detach(), before["head.weight"] * (1 - 0.01 * 0.5))
+
+
+def test_a_module_without_multipliers_gets_the_groups_it_always_got():
+    """Standard models (lr_multipliers() == {}) and modules without the method: the two decay
+    groups exactly, with no µP keys, so a standard run steps bit for bit as before."""
+
+    class NoMultipliers(Mixed):
+        def lr_multipliers(self) -> dict[str, float]:
+            return {"proj.weight": 1.0}  # a multiplier of 1 is no multiplier
+
+    standard = tiny()
+    assert standard.lr_multipliers() == {}
+    for module in (Mixed(), NoMultipliers(), standard, mup_tiny(32, 32)):
+        [opt] = adamw(AdamOptions(lr=0.01, weight_decay=0.5), module)
+        reference = decay_groups(module, 0.5)
+        assert len(opt.param_groups) == len(reference)
+        for group, plain in zip(opt.param_groups, reference, strict=True):
+            assert ids(group["params"]) == ids(plain["params"])
+            assert [id(p) for p in group["params"]] == [id(p) for p in plain["params"]]
+            assert "lr_multiplier" not in group and "base_lr" not in group
+            assert group["lr"] == 0.01
+    # µP at its base width computes what standard computes, steps included
+    a, b = tiny(), mup_tiny(32, 32)
+    b.load_state_dict(a.state_dict())
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    for model in (a, b):
+        [opt] = adamw(AdamOptions(lr=0.01), model)
+        for _ in range(2):
+            logits = model(tokens[:, :-1])
+            nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_mup_transformer_groups_by_hand():
+    model = mup_tiny(64, 32)  # m = 2: hidden matrices at lr / 2
+    for build in (adamw, adam):
+        [opt] = build(AdamOptions(lr=0.004, weight_decay=0.1), model)
+        groups = group_of(opt)
+        for name, p in model.named_parameters():
+            hidden = name.startswith("blocks.") and name.endswith(
+                tuple(f"{w}.weight" for w in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
+            )
+            group = groups[id(p)]
+            assert group["lr"] == (0.002 if hidden else 0.004), name
+            assert group["lr_multiplier"] == (0.5 if hidden else 1.0), name
+            assert group["weight_decay"] == (0.1 if p.ndim == 2 and "emb" not in name else 0.0)
+
+
+def test_a_pipeline_stage_takes_the_multipliers_of_the_parameters_it_holds():
+    model = mup_tiny(64, 32)
+    model.trim_to_stage([1], False, True)  # the last of two stages: block 1, norm and head
+    [opt] = adamw(AdamOptions(lr=0.004), model)
+    named = {id(p): n for n, p in model.named_parameters()}
+    scaled = sorted(named[id(p)] for g in opt.param_groups if g["lr"] == 0.002 for p in g["params"])
+    assert scaled == sorted(
+        f"blocks.1.{w}.weight"
+        for w in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3")
+    )
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(named)
+
+
+def test_muon_orthogonalised_matrices_take_no_multiplier_its_adamw_does():
+    m = Scaled()
+    muon_opt, adamw_opt = muon(MuonOptions(lr=0.02, adamw_lr=0.001, weight_decay=0.1), m)
+    [muon_group] = muon_opt.param_groups
+    assert id(m.proj.weight) in ids(muon_group["params"])  # its 0.5 is not applied
+    assert muon_group["lr"] == 0.02 and "lr_multiplier" not in muon_group
+    groups = group_of(adamw_opt)
+    assert groups[id(m.proj.bias)]["lr"] == 0.00025
+    assert groups[id(m.embed.weight)]["lr"] == 0.002
+    assert groups[id(m.head.weight)]["lr"] == 0.001
+    assert {g["base_lr"] for g in adamw_opt.param_groups} == {0.001}
+    # a µP transformer: every AdamW parameter keeps multiplier 1, so no µP keys there either
+    model = mup_tiny(64, 32)
+    muon_opt, adamw_opt = muon(MuonOptions(lr=0.02, adamw_lr=0.001), model)
+    assert [g["lr"] for g in muon_opt.param_groups] == [0.02]
+    assert {g["lr"] for g in adamw_opt.param_groups} == {0.001}
+
+
+def test_sgd_refuses_a_mup_model():
+    with pytest.raises(ConfigValueError, match="sgd has no µP learning-rate rule") as info:
+        sgd(SGDOptions(), mup_tiny(64, 32))
+    assert info.value.field == "kind"
+    [opt] = sgd(SGDOptions(lr=0.1), tiny())
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.1]

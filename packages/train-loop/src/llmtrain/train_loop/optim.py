@@ -4,6 +4,13 @@ Weight decay applies to matrices only: parameters with fewer than two dimensions
 biases) and embedding tables are excluded by rule. An optimizer plugin's target is called as
 `target(options, module)` and returns a list of torch optimizers over the module's parameters
 (Muon returns two: Muon for hidden matrices, AdamW for the rest).
+
+µP: a module with `lr_multipliers()` (parameter name -> multiplier, entries != 1 only; a µP
+model's hidden matrices get 1/width-multiplier) has its Adam-family groups split further by
+multiplier. Such a group's `lr` is the configured lr times its multiplier; it also records the
+configured lr as `base_lr` and the multiplier as `lr_multiplier`, which the trainer's schedule
+multiplies back in at every step. A module without multipliers gets exactly the groups it always
+got, with no extra keys.
 """
 
 from __future__ import annotations
@@ -89,6 +96,44 @@ def decay_groups(module: Any, weight_decay: float, params: Any = None) -> list[d
     return [g for g in groups if g["params"]]
 
 
+def lr_multipliers(module: Any) -> dict[int, float]:
+    """The module's µP learning-rate multipliers by parameter id: its `lr_multipliers()` names,
+    matched against `named_parameters()`. The optimizer is built per model part (a pipeline
+    stage, an FSDP- or TP-wrapped module): those keep the model's parameter names, and a stage
+    simply lacks the names of the blocks it does not hold."""
+    method = getattr(module, "lr_multipliers", None)
+    by_name: dict[str, float] = method() if callable(method) else {}
+    return {
+        id(p): float(by_name[name])
+        for name, p in module.named_parameters()
+        if name in by_name and by_name[name] != 1.0
+    }
+
+
+def multiplier_groups(module: Any, groups: list[dict[str, Any]], lr: float) -> list[dict[str, Any]]:
+    """`groups` split by the module's lr multipliers, each part with `lr` = `lr` x multiplier,
+    `base_lr` = `lr` and `lr_multiplier`; `groups` themselves where the module has none."""
+    multipliers = lr_multipliers(module)
+    if not multipliers:
+        return groups
+    split: list[dict[str, Any]] = []
+    for group in groups:
+        by_multiplier: dict[float, list[Any]] = {}
+        for p in group["params"]:
+            by_multiplier.setdefault(multipliers.get(id(p), 1.0), []).append(p)
+        for multiplier, params in by_multiplier.items():
+            split.append(
+                {
+                    **group,
+                    "params": params,
+                    "lr": lr * multiplier,
+                    "base_lr": lr,
+                    "lr_multiplier": multiplier,
+                }
+            )
+    return split
+
+
 def _implementation(fused: bool | None, module: Any) -> dict[str, bool]:
     if fused is not None:
         return {"fused": fused}
@@ -107,7 +152,7 @@ def _adam_family(name: str, options: AdamOptions, module: Any) -> list[Any]:
     cls = getattr(torch.optim, name)
     return [
         cls(
-            decay_groups(module, options.weight_decay),
+            multiplier_groups(module, decay_groups(module, options.weight_decay), options.lr),
             lr=options.lr,
             betas=options.betas,
             eps=options.eps,
@@ -129,6 +174,15 @@ def adam(options: AdamOptions, module: Any) -> list[Any]:
 def sgd(options: SGDOptions, module: Any) -> list[Any]:
     import torch
 
+    if getattr(getattr(module, "cfg", None), "parametrization", "standard") == "mup":
+        # the model's multipliers are Adam's (1/m for hidden matrices); µP under SGD scales
+        # other parameters instead (Tensor Programs V, table 3), which no model states
+        raise ConfigValueError(
+            "kind",
+            "sgd has no µP learning-rate rule here; use adamw, adam or muon with "
+            "parametrization: mup, or parametrization: standard with sgd",
+        )
+
     return [
         torch.optim.SGD(
             decay_groups(module, options.weight_decay),
@@ -145,7 +199,13 @@ def muon(options: MuonOptions, module: Any) -> list[Any]:
 
     if not hasattr(torch.optim, "Muon"):
         raise ConfigValueError("kind", f"torch {torch.__version__} has no torch.optim.Muon")
-    # Muon orthogonalises hidden matrices; the embedding and output layers stay with AdamW
+    # Muon orthogonalises hidden matrices; the embedding and output layers stay with AdamW.
+    # Under µP the hidden matrices get no 1/m multiplier: Muon's update is orthogonalised (unit
+    # spectral norm) and torch scales it by sqrt(max(1, fan_out / fan_in)), so its spectral norm
+    # is lr x a shape factor that does not change when both dimensions grow with the width: the
+    # spectral condition for feature learning, ||dW|| ~ sqrt(fan_out / fan_in) (Bernstein et
+    # al., "A Spectral Condition for Feature Learning", arXiv 2310.17813), holds as it is. The
+    # AdamW part takes the model's multipliers as adamw does.
     outer = _embedding_ids(module)
     head = getattr(module, "head", None)
     if isinstance(head, nn.Module):
@@ -163,7 +223,9 @@ def muon(options: MuonOptions, module: Any) -> list[Any]:
     if rest:
         optimizers.append(
             torch.optim.AdamW(
-                decay_groups(module, options.weight_decay, rest),
+                multiplier_groups(
+                    module, decay_groups(module, options.weight_decay, rest), options.adamw_lr
+                ),
                 lr=options.adamw_lr,
                 betas=options.betas,
                 eps=options.eps,

@@ -601,9 +601,14 @@ class Trainer:
         lr_factor = self.lr_factor(self.step)
         for opt in self._all_optimizers():
             for group in opt.param_groups:
-                group["lr"] = group["base_lr"] * lr_factor
+                scheduled = group["base_lr"] * lr_factor
+                # a µP group (optim.multiplier_groups) keeps its multiplier on top
+                multiplier = group.get("lr_multiplier")
+                group["lr"] = scheduled if multiplier is None else scheduled * multiplier
+        # logged: the configured lr times the schedule, whatever a group's µP multiplier
+        lr = self.optimizers[0][0].param_groups[0]["base_lr"] * lr_factor
         if count == 0:
-            return self._nothing_counted()
+            return self._nothing_counted(lr)
         local = self.model.forward_backward(
             inputs,
             self.objective.prepare(inputs, targets, count),
@@ -625,7 +630,6 @@ class Trainer:
         if not finite:
             self._non_finite(loss, grad_norm)
         self._advance()
-        lr = self.optimizers[0][0].param_groups[0]["lr"]
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.objective.metrics()}
         if self.train_data.loss_mask:
             metrics["loss_tokens"] = count
@@ -650,7 +654,7 @@ class Trainer:
         doc_starts = torch.from_numpy(doc).to(self.device) if doc is not None else None
         return inputs, targets, doc_starts
 
-    def _nothing_counted(self) -> dict[str, float]:
+    def _nothing_counted(self, lr: float) -> dict[str, float]:
         """A global batch whose loss mask counts no token: nothing to learn, no update (an
         optimizer step on zero gradients would still move the weights through its momentum)."""
         self.step += 1
@@ -661,7 +665,6 @@ class Trainer:
             "made no update",
         )
         self._advance()
-        lr = self.optimizers[0][0].param_groups[0]["lr"]
         return {"grad_norm": 0.0, "lr": lr, "loss_tokens": 0}
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
