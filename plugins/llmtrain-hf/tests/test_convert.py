@@ -248,6 +248,22 @@ def test_an_export_takes_the_first_architecture_that_fits_or_the_one_asked_for()
         architecture_of(odd, "LlamaForCausalLM")
 
 
+@pytest.mark.parametrize("kind", ["tiny", "gpt2-124m"])
+def test_a_mup_model_is_refused_naming_its_parametrization(kind):
+    # even at its base width, where it computes the standard model: the export refuses the option
+    for base in (64, 32):
+        cfg = preset_config(
+            kind, d_model=64, n_layers=1, n_heads=4, parametrization="mup", mup_base_width=base
+        )
+        with pytest.raises(
+            UnsupportedModelError, match=r"^model\.parametrization: mup has no"
+        ) as info:
+            hf_config(cfg)
+        assert "\n" not in str(info.value)
+        with pytest.raises(UnsupportedModelError, match=r"model\.parametrization: mup"):
+            to_hf_model(build_model(cfg))
+
+
 def test_gpt2_with_grouped_query_attention_is_refused():
     cfg = preset_config("gpt2-124m", d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)
     with pytest.raises(UnsupportedModelError, match=r"model\.n_kv_heads: 2"):

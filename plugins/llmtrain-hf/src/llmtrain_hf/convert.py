@@ -200,6 +200,12 @@ def architecture_of(cfg: TransformerConfig, prefer: str | None = None) -> str:
         raise UnsupportedModelError(
             f"--architecture {prefer}: choose one of {', '.join(ARCHITECTURES)}"
         )
+    if cfg.parametrization != "standard":
+        # µP's logit multiplier and attention scale have no field in a transformers config
+        raise UnsupportedModelError(
+            f"model.parametrization: {cfg.parametrization} has no transformers equivalent "
+            "(its logit multiplier and attention scale); hf export takes standard models only"
+        )
     if moe.is_moe(cfg):
         problems = moe.unexpressible(cfg)
         if problems:
