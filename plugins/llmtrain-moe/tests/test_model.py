@@ -323,6 +323,7 @@ def test_dense_options_the_moe_block_does_not_have_are_refused():
     for key, value, message in (
         ("norm_placement", "after_sublayer", "the MoE block normalises each branch's input (pre)"),
         ("mlp_bias", True, "the experts have no biases"),
+        ("parametrization", "mup", "mup is not supported for Mixture-of-Experts models yet"),
     ):
         with pytest.raises(ConfigError) as info:
             structure({"model": {"kind": "moe-tiny", key: value}}, Schema, plugins=plugins)

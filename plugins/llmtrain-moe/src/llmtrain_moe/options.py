@@ -73,6 +73,13 @@ class MoEOptions(TransformerConfig):
             )
         if self._mlp_bias:
             raise ConfigValueError("mlp_bias", "the experts have no biases; remove it")
+        if self.parametrization != "standard":
+            # the experts and router are not scaled by µP's rules (nor checked to transfer)
+            raise ConfigValueError(
+                "parametrization",
+                f"{self.parametrization} is not supported for Mixture-of-Experts models yet; "
+                "use standard",
+            )
         if self.n_experts >= 1 and self.top_k > self.n_experts:
             raise ConfigValueError(
                 "top_k", f"must be at most n_experts={self.n_experts}, got {self.top_k}"
