@@ -7,6 +7,9 @@ entry: their mean at the x values every seed logged, with the mean's 95% t-inter
 (each seed drawn thin behind it; `--per-run` draws one line per run instead). A single run's
 metric logged with a `<metric>_stderr` gets a ± stderr band. matplotlib is an optional
 extra: `pip install 'llmtrain-ablate[plot]'`.
+
+With a setting as `--x` (`--x optimizer.lr --group model.d_model`) each run is one point
+instead: `settings_plot.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from llmtrain.ablate.runs import (
     DOWNSTREAM,
@@ -32,6 +36,7 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
 FORMATS = (".png", ".svg", ".pdf")
+CURVE_X = ("step", "tokens")  # curves over the run; any other --x is a setting
 TITLES = {"loss": "train loss", "eval_loss": "eval loss"}
 COLUMNS = 3  # panels a row
 
@@ -102,15 +107,9 @@ def plot(
     """Draw and save; returns the metrics drawn (those some run has). `bands`: a group of
     seeds is drawn as its mean with the mean's `confidence` interval as a band (and each seed
     thin behind it); without, one line per run."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError(
-            "llmtrain plot needs matplotlib: pip install 'llmtrain-ablate[plot]'"
-        ) from None
-    output = Path(output)
-    if output.suffix.lower() not in FORMATS:
-        raise UserError(f"-o {output}: use a file ending in {', '.join(FORMATS)}")
+    output = _matplotlib(output)
+    from matplotlib.figure import Figure
+
     drawn = [m for m in metrics if any(run.series(m, x)[0] for run in runs)]
     if not drawn:
         raise UserError(
@@ -180,11 +179,30 @@ def plot(
     axes[0].legend(fontsize="small")
     if title:
         fig.suptitle(title)
+    save(fig, output)
+    return drawn
+
+
+def save(fig: Any, output: Path) -> None:
+    """Write a matplotlib figure by its suffix, through a temporary file renamed over it."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
     fig.savefig(tmp, format=output.suffix[1:].lower(), dpi=120)
     tmp.replace(output)
-    return drawn
+
+
+def _matplotlib(output: str | Path) -> Path:
+    """The output path, once matplotlib imports and the suffix is one it writes."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "llmtrain plot needs matplotlib: pip install 'llmtrain-ablate[plot]'"
+        ) from None
+    output = Path(output)
+    if output.suffix.lower() not in FORMATS:
+        raise UserError(f"-o {output}: use a file ending in {', '.join(FORMATS)}")
+    return output
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -195,7 +213,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "-o", "--output", required=True, help="the figure: .png, .svg or .pdf (required)"
     )
     parser.add_argument(
-        "--x", choices=("step", "tokens"), default="step", help="the x axis (default: step)"
+        "--x",
+        default="step",
+        metavar="X",
+        help="the x axis: step, tokens, or a setting (a config key such as optimizer.lr): then "
+        "each run is one point, the final value of --metric (default eval_loss), with the best "
+        "x of each curve marked (default: step)",
+    )
+    parser.add_argument(
+        "--group",
+        default=None,
+        metavar="KEY",
+        help="with a setting as --x: one curve per value of this setting, e.g. model.d_model "
+        "(default: one curve)",
     )
     parser.add_argument(
         "--metric",
@@ -229,6 +259,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, ctx: Context) -> int:
     if not 0.0 <= args.smooth < 1.0:
         raise UserError(f"--smooth must be in [0, 1), got {args.smooth}")
+    if args.x not in CURVE_X:
+        return _run_against_setting(args)
+    if args.group is not None:
+        raise UserError(
+            f"--group {args.group}: groups points against a setting; give one as --x "
+            "(e.g. --x optimizer.lr)"
+        )
     runs = find_runs(args.paths)
     metrics = args.metric or ["loss", "eval_loss"]
     if args.downstream:
@@ -247,4 +284,30 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         bands=not args.per_run,
     )
     print(f"{len(runs)} runs, {', '.join(drawn)} -> {args.output}", file=sys.stderr)
+    return 0
+
+
+def _run_against_setting(args: argparse.Namespace) -> int:
+    """`--x SETTING`: the final metric of each run against a setting, the best x marked, and
+    the best x per curve printed."""
+    from llmtrain.ablate import settings_plot
+
+    for flag, given in (("--smooth", args.smooth), ("--per-run", args.per_run)):
+        if given:
+            raise UserError(
+                f"{flag}: is for curves over steps; with --x {args.x} each run is one point "
+                "(seeds are averaged, each drawn faint)"
+            )
+    output = _matplotlib(args.output)
+    runs = find_runs(args.paths)
+    metrics = args.metric or [
+        "eval_loss" if any("eval_loss" in m for run in runs for m in run.metrics) else "loss"
+    ]
+    if args.downstream:
+        metrics = list(dict.fromkeys([*metrics, *downstream_metrics(runs)]))
+    found = settings_plot.panels(runs, args.x, args.group, metrics)
+    x = settings_plot.resolve_key(runs, args.x, "--x")
+    settings_plot.draw(found, output, x, log_y=args.log_y, title=args.title)
+    print("\n".join(settings_plot.best_lines(found, x)))
+    print(f"{len(runs)} runs, final {', '.join(metrics)} against {x} -> {output}", file=sys.stderr)
     return 0
