@@ -10,7 +10,8 @@ import attrs
 import pytest
 import torch
 
-from llmtrain.core_mesh.config import ConfigValueError
+from llmtrain.core_mesh.config import Choice, ConfigError, ConfigValueError, structure
+from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.models import attention_masks
 from llmtrain.models.config import TransformerConfig
 from llmtrain.models.transformer import Attention, Transformer
@@ -274,3 +275,25 @@ def test_the_multipliers_follow_d_model_over_the_base_width():
     assert cfg.attention_scale == pytest.approx(math.sqrt(32) / 128, rel=1e-12)
     narrow = attrs.evolve(cfg, d_model=128)
     assert narrow.width_multiplier == 0.5 and narrow.output_multiplier == 2.0
+
+
+@attrs.frozen(kw_only=True)
+class Schema:
+    model: Choice.of("model")
+
+
+def test_bad_mup_options_under_a_kind_are_reported_at_their_paths():
+    plugins = PluginManager(blocked=()).load_entry_points()
+    ok = structure({"model": {"kind": "tiny", "parametrization": "mup"}}, Schema, plugins=plugins)
+    assert ok.model.options.parametrization == "mup" and ok.model.options.mup_base_width == 256
+    with pytest.raises(ConfigError) as info:
+        structure(
+            {"model": {"kind": "tiny", "parametrization": "mup", "mup_base_width": 0}},
+            Schema,
+            plugins=plugins,
+        )
+    assert [p.path for p in info.value.problems] == [("model", "mup_base_width")]
+    assert "model.mup_base_width: must be a positive width" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "tiny", "parametrization": "µP"}}, Schema, plugins=plugins)
+    assert [p.path for p in info.value.problems] == [("model", "parametrization")]
