@@ -85,7 +85,7 @@ def test_show_fills_defaults_and_applies_overrides(plugins, config, capsys):
         "weight_decay": 0.0,
     }
     assert shown["lr_scheduler"] is None
-    assert shown["mesh"] == {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 2, "pp": 1}
+    assert shown["mesh"] == {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 2, "pp": 1, "ep": 1}
     assert shown["parallel"]["kind"] == "default"
     assert [logger["kind"] for logger in shown["loggers"]] == ["console", "jsonl"]
 
