@@ -135,3 +135,30 @@ def test_a_non_numeric_setting_names_the_run(tmp_path, make_run):
     with pytest.raises(UserError, match=r"--x model.parametrization: run .* has mup, not a number"):
         settings_plot.panels(runs, "model.parametrization")
     assert math.isfinite(settings_plot.panels(runs, "optimizer.lr")[0].curves[0].points[0].x)
+
+
+def test_the_report_shows_the_figure_where_a_sweep_varies_the_lr_at_several_widths(
+    tmp_path, make_run, run_cli
+):
+    pytest.importorskip("matplotlib")
+    root = _sweep(tmp_path, make_run)
+    out = tmp_path / "report.html"
+    code, _, err = run_cli("report", root, "-o", out)
+    assert code == 0, err
+    page = out.read_text(encoding="utf-8")
+    assert "<h2>Learning rate against width</h2>" in page
+    assert 'id="transfer" alt="final eval_loss against optimizer.lr' in page
+    assert 'src="data:image/png;base64,' in page[page.index('id="transfer"') :]
+    best = page[page.index('<pre id="transfer-best">') :]
+    best = best[: best.index("</pre>")]
+    assert "the best lr spans 0 grid step(s)" in best and "the best lr spans 2 grid step(s)" in best
+    # one width only: no such section
+    one_width = tmp_path / "one-width"
+    for run in root.iterdir():
+        if "-32-" in run.name:
+            (one_width / run.name).mkdir(parents=True)
+            for file in run.iterdir():
+                (one_width / run.name / file.name).write_bytes(file.read_bytes())
+    code, _, err = run_cli("report", one_width, "-o", tmp_path / "one.html")
+    assert code == 0, err
+    assert "Learning rate against width" not in (tmp_path / "one.html").read_text()

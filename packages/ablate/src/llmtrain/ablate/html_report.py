@@ -6,7 +6,8 @@ the seeds on each side, a warning where they are too few). Then the compare tabl
 narrow default columns of `llmtrain compare` (means over seeds with their confidence
 intervals; with `--baseline`, each row's difference and significance mark), every result in a
 folded second table, the loss and metric curves (a group of seeds as its mean with a
-confidence band), the scaling-law fits and their extrapolation where the runs vary model size
+confidence band), where the runs vary a learning rate at several widths the final loss
+against it (one curve per width, the best marked: the µP transfer figure), the scaling-law fits and their extrapolation where the runs vary model size
 and tokens (`llmtrain fit`'s; a sweep that cannot be fitted says why instead), and each run's
 settings and status. Wide tables scroll inside their own box, so the page never scrolls
 sideways. It is self-contained: the styles are inline, the figures are PNGs in data: URLs, and
@@ -28,7 +29,14 @@ from typing import Any
 
 from llmtrain.ablate import compare, plot
 from llmtrain.ablate.files import write_atomically
-from llmtrain.ablate.runs import Run, find_runs, group_by_settings, shown, varied_keys
+from llmtrain.ablate.runs import (
+    Run,
+    find_runs,
+    group_by_settings,
+    is_number,
+    shown,
+    varied_keys,
+)
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
@@ -148,6 +156,37 @@ def curves_context(
     return {"url": url, "alt": "curves of " + ", ".join(drawn), "band_note": note}
 
 
+WIDTH_KEY = "model.d_model"  # the width a learning-rate sweep is read against
+
+
+def transfer_context(runs: Sequence[Run], loss_key: str) -> dict[str, Any] | None:
+    """Where the runs vary a learning rate (a key ending in `lr`, 3 values or more) at several
+    widths (`model.d_model`): the final loss against the lr, one curve per width, the best lr
+    of each marked (`plot --x optimizer.lr --group model.d_model`'s figure) and the best lr per
+    width as text. None otherwise."""
+    from llmtrain.ablate import settings_plot
+
+    keys = varied_keys(runs)
+    values = {k: {shown(run.settings.get(k)) for run in runs} for k in keys}
+    lrs = [k for k in keys if k.rsplit(".", 1)[-1] == "lr" and len(values[k]) >= 3]
+    if not lrs or WIDTH_KEY not in keys:
+        return None
+    if not all(is_number(run.settings.get(lrs[0])) for run in runs):
+        return None
+    logged = any(loss_key in m for run in runs for m in run.metrics)
+    metric = loss_key if logged else "loss"
+    found = settings_plot.panels(runs, lrs[0], WIDTH_KEY, [metric])
+    url = png_data_url(lambda path: settings_plot.draw(found, path, lrs[0]))
+    return {
+        "url": url,
+        "alt": f"final {metric} against {lrs[0]}, one curve per {WIDTH_KEY}",
+        "note": f"Each finished run is one point: its final {metric} against {lrs[0]}, one "
+        f"curve per {WIDTH_KEY}, a panel per other setting; the star is each width's best. "
+        "Under µP the best learning rate should stay put as the width grows.",
+        "text": "\n".join(settings_plot.best_lines(found, lrs[0])),
+    }
+
+
 def fit_context(runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ()) -> dict[str, Any]:
     """The parametric fit of the runs and, where they hold IsoFLOP budgets, the IsoFLOP fit,
     extrapolated to the `predict` targets (`llmtrain fit --predict`'s); or why there is no fit
@@ -222,6 +261,7 @@ def report_html(
         "other row is tested against it here, in one sentence each.",
         compare=compare_part,
         curves=curves_context(runs, metrics, x, alpha),
+        transfer=transfer_context(runs, loss_key),
         fit=fit_context(runs, loss_key, predict),
         runs_table=runs_context(runs),
     )
