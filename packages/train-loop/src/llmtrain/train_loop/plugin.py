@@ -1,6 +1,6 @@
 """train-loop's plugin (entry point `train_loop`): the run-level commands (`run`, `eval`,
-`generate`, `quickstart`, `config`, `sweep`, `estimate`, `which`), the optimizers, lr schedules,
-loggers and the `loss_spike` callback. Loading it imports no torch. The commands that read runs back (`compare`, `plot`,
+`generate`, `quickstart`, `config`, `sweep`, `estimate`, `mup-check`, `which`), the optimizers,
+lr schedules, loggers and the `loss_spike` callback. Loading it imports no torch. The commands that read runs back (`compare`, `plot`,
 `profile`, `ranks`) are llmtrain-ablate's."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from llmtrain.train_loop import (
     optim,
     schedules,
 )
-from llmtrain.train_loop.experiments import estimate, quickstart, sweep, which
+from llmtrain.train_loop.experiments import estimate, mup_check, quickstart, sweep, which
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.run_config import resolved
 
@@ -147,6 +147,14 @@ def llmtrain_commands(register: Register) -> None:
             help="memory per rank for a config and world size, without allocating it",
             configure=estimate.configure,
             run=estimate.run,
+        ),
+    )
+    register(
+        "mup-check",
+        lambda _: Command(
+            help="µP's coordinate check: activation sizes against width, a few steps on CPU",
+            configure=mup_check.configure,
+            run=mup_check.run,
         ),
     )
     register(
