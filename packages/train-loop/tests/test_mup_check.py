@@ -16,7 +16,7 @@ import pytest
 
 from llmtrain.core_mesh.cli import main
 from llmtrain.core_mesh.plugins import PluginManager, hookimpl
-from llmtrain.train_loop.experiments.mup_check import loglog_slope
+from llmtrain.train_loop.experiments.mup_check import KINDS, Check, loglog_slope, verdict
 
 HIDDEN = ("attention", "mlp", "block")
 
@@ -42,6 +42,25 @@ def test_loglog_slope():
     assert loglog_slope([1, 2, 4], [3, 3, 3]) == pytest.approx(0.0)
     assert loglog_slope([1, 2, 4], [1, 2**0.5, 2]) == pytest.approx(0.5)
     assert loglog_slope([10, 100], [5, 50]) == pytest.approx(1.0)
+
+
+def fake_check(parametrization, power, zero=()):
+    """Every kind at widths 1, 2, 4 sized width**power (0 for the kinds in `zero`), 1 step."""
+    sizes = {k: [[1.0, 0.0 if k in zero else w**power] for w in (1, 2, 4)] for k in KINDS}
+    return Check(parametrization, (1, 2, 4), sizes, sizes, [[1.0]] * 3)
+
+
+def test_verdict_reads_the_slopes():
+    assert verdict([fake_check("mup", 0.1), fake_check("standard", 0.5)]) == [
+        "mup: flat with width (largest |slope| 0.10, embedding size; flat means below 0.25)",
+        "standard: logits grow with width (slope 0.50; growing means above 0.35; largest "
+        "|slope| 0.50, embedding size)",
+    ]
+    [line] = verdict([fake_check("mup", 0.3, zero=("embedding",))])
+    assert line.startswith("mup: NOT flat with width (largest |slope| 0.30, attention size")
+    [line] = verdict([fake_check("standard", 0.2)])
+    assert line.startswith("standard: logits do not grow with width (slope 0.20")
+    assert fake_check("mup", 0.1, zero=("mlp",)).as_json()["slopes"]["sizes"]["mlp"] is None
 
 
 def test_flat_under_mup_growing_under_standard(tmp_path, dataset, run_cli):

@@ -75,11 +75,15 @@ class Check:
             "sizes": self.sizes,
             "updates": self.updates,
             "losses": self.losses,
-            "slopes": {
-                "sizes": {k: self.slope(self.sizes, k) for k in KINDS},
-                "updates": {k: self.slope(self.updates, k) for k in KINDS},
+            "slopes": {  # null where a kind has no slope (0 at some width)
+                what: {k: _finite(self.slope(series, k)) for k in KINDS}
+                for what, series in (("sizes", self.sizes), ("updates", self.updates))
             },
         }
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
@@ -317,14 +321,18 @@ def verdict(checks: Sequence[Check]) -> list[str]:
     """One line per parametrization: flat (µP) or growing (standard), by the slopes."""
     lines = []
     for check in checks:
+        # a kind that is 0 at some width (nothing moved it) has no slope and is left out
         slopes = {
-            f"{kind} {what}": check.slope(series, kind)
+            f"{kind} {what}": slope
             for what, series in (("size", check.sizes), ("update", check.updates))
             for kind in KINDS
-            if not (what == "update" and kind == "embedding" and check.updates[kind][0][-1] == 0)
+            if math.isfinite(slope := check.slope(series, kind))
         }
-        worst = max(slopes, key=lambda k: abs(slopes[k]) if math.isfinite(slopes[k]) else math.inf)
-        logits = slopes["logits size"]
+        if not slopes:
+            lines.append(f"{check.parametrization}: nothing to compare (every size was 0)")
+            continue
+        worst = max(slopes, key=lambda k: abs(slopes[k]))
+        logits = slopes.get("logits size", math.nan)
         name = check.parametrization
         if name == "mup":
             flat = abs(slopes[worst]) < FLAT
