@@ -369,7 +369,7 @@ def figure(checks: Sequence[Check], output: Path, steps: int) -> None:
         from matplotlib.figure import Figure
     except ImportError:
         raise UserError(
-            "llmtrain mup-check -o needs matplotlib: pip install 'llmtrain-ablate[plot]'"
+            "llmtrain mup-check -o needs matplotlib: pip install 'llmtrain-train-loop[plot]'"
         ) from None
     fig = Figure(figsize=(5.5 * len(checks), 4.2), layout="constrained")
     axes = fig.subplots(1, len(checks), squeeze=False, sharey=True)[0]
