@@ -2,28 +2,31 @@
 train large: the µP transfer"): a small version of the README's recipe, from its example config
 `examples/mup-transfer.yaml`. `llmtrain sweep` plans 3 widths (d_model 32, 64, 128 with n_heads
 stepped to keep head_dim 8) x 5 learning rates (2^-9 .. 2^-5) x 2 parametrizations (standard |
-mup, base width 32); each of the 30 runs (30 steps of 16 x 32 tokens of the byte-level test
-corpus, seeded) is then trained in this process, since starting `llmtrain run` 30 times would
-cost more than the training; `llmtrain plot --x optimizer.lr --group model.d_model` reads the
-sweep back and finds each width's best lr.
+mup, base width 32); each of the 30 runs (the example's 40 steps of 16 x 32 tokens, on the
+byte-level test corpus, seeded) is then trained in this process, since starting `llmtrain run`
+30 times would cost more than the training (about 35 s in all on 2 cores); `llmtrain plot --x
+optimizer.lr --group model.d_model` reads the sweep back and finds each width's best lr.
 
 What was measured (CPU, one thread; the runs are seeded and deterministic, so these are the
 numbers every time): final eval losses, lr 2^-9 .. 2^-5,
 
-    standard  d_model 32:  3.457 2.568 2.010 1.896 2.320   best 2^-6
-              d_model 64:  2.510 1.886 1.706 2.305 2.408   best 2^-7
-              d_model 128: 1.766 1.555 2.054 2.194 2.983   best 2^-8
-    mup       d_model 32:  3.457 2.568 2.010 1.896 2.320   best 2^-6
-              d_model 64:  3.425 2.649 1.998 2.152 2.572   best 2^-7
-              d_model 128: 3.427 2.644 2.045 2.274 2.474   best 2^-7
+    standard  d_model 32:  3.013 2.248 1.704 1.656 2.120   best 2^-6
+              d_model 64:  2.131 1.548 1.350 2.064 2.316   best 2^-7
+              d_model 128: 1.356 1.212 1.794 2.071 2.740   best 2^-8
+    mup       d_model 32:  3.013 2.248 1.704 1.656 2.120   best 2^-6
+              d_model 64:  3.043 2.305 1.599 1.861 2.379   best 2^-7
+              d_model 128: 3.045 2.302 1.690 2.003 2.308   best 2^-7
 
-Under standard the best lr falls one grid step per doubling of the width (Adam's update of a
-hidden matrix moves its output in proportion to the fan-in); under µP it stays within one step.
-The drift under standard was the same in every variant tried (a hand-written loop at 30 and
-40 steps, 8 or 16 x 32 tokens a step: 2^-7, 2^-8, 2^-9 against µP's 2^-7 at every width; the
-README's 42 runs of 40 steps on the quickstart corpus: 2^-6, 2^-7, 2^-8 against µP's 2^-6 at
-every width), so it is asserted too (2 grid steps or more across the widths), beside µP's stability (at most
-1). At the base width µP is the standard model, so those two curves are the same runs' numbers.
+(30 steps gave the same best lrs.) Under standard the best lr falls one grid step per doubling
+of the width (Adam's update of a hidden matrix moves its output in proportion to the fan-in);
+under µP the wider models agree, by a wide margin, and the base width is a near tie between
+2^-7 and 2^-6. That near tie is the fragile point: the base width's curve is the same under both
+parametrizations (µP is the standard model there), so the test asserts what holds whichever way
+it falls: µP's best lrs span at most one grid step, standard's span more than µP's and at least
+one, and at the widest model standard's best lr is below µP's. Standard drifted two grid steps
+in every variant measured (a hand-written loop at 30 and 40 steps, 8 or 16 x 32 tokens a step:
+2^-7, 2^-8, 2^-9 against µP's 2^-7 at every width; this test at 30 and 40 steps; the README's
+42 runs on the quickstart corpus: 2^-6, 2^-7, 2^-8 against µP's 2^-6 at every width).
 """
 
 from __future__ import annotations
@@ -47,13 +50,12 @@ LRS = [2.0**e for e in range(-9, -4)]
 
 
 def _base(tmp_path, data) -> str:
-    """The README's example with the test corpus (bytes: 258 ids) and fewer steps."""
+    """The README's example (40 steps) on the test corpus (bytes: 258 ids)."""
     config = yaml.safe_load((ROOT / "examples" / "mup-transfer.yaml").read_text(encoding="utf-8"))
     assert config["model"]["parametrization"] == "mup" and config["model"]["mup_base_width"] == 32
     config["model"]["vocab_size"] = 320
     config["data"]["train"] = [{"path": data.train}]
     config["data"]["eval"]["path"] = data.valid
-    config["training"]["steps"] = 30
     path = tmp_path / "mup-transfer.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
     return str(path)
@@ -109,10 +111,13 @@ def test_under_mup_the_best_lr_stays_within_one_grid_step_across_widths(transfer
             assert all(p.value is not None for p in curve.points), "every run finished"
         best[name] = [curve.best.x for curve in panel.curves]
     print(f"best lr per width {list(WIDTHS)}: {best}")
-    assert by_parametrization["mup"].best_spread() <= 1, best
-    # measured: standard's best lr falls one step per doubling (2^-7, 2^-8, 2^-9)
-    assert by_parametrization["standard"].best_spread() >= 2, best
+    mup_spread = by_parametrization["mup"].best_spread()
+    standard_spread = by_parametrization["standard"].best_spread()
+    assert mup_spread is not None and mup_spread <= 1, best
+    # measured: standard's best lr falls one step per doubling (2^-6, 2^-7, 2^-8), µP's spans 1
+    assert standard_spread is not None and standard_spread >= max(1, mup_spread + 1), best
     assert best["standard"][0] > best["standard"][-1], best
+    assert best["standard"][-1] < best["mup"][-1], best
     # at the base width µP is the standard model: the same runs, the same losses
     for mup, standard in zip(
         by_parametrization["mup"].curves[0].points,
