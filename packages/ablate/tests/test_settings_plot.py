@@ -162,3 +162,26 @@ def test_the_report_shows_the_figure_where_a_sweep_varies_the_lr_at_several_widt
     code, _, err = run_cli("report", one_width, "-o", tmp_path / "one.html")
     assert code == 0, err
     assert "Learning rate against width" not in (tmp_path / "one.html").read_text()
+
+
+def test_the_curves_of_a_large_sweep_put_their_legend_below_the_panels(tmp_path, make_run):
+    """24 settings in a panel's legend would cover its curves (and collapse the layout): they
+    go below the panels, in columns, and the figure grows to hold them."""
+    pytest.importorskip("matplotlib")
+    import struct
+    import warnings
+
+    from llmtrain.ablate import plot
+
+    runs = find_runs([_sweep(tmp_path, make_run)])
+    columns, inches = plot._legend_layout(
+        ["d_model=32 n_heads=4 parametrization=mup lr=0.5"] * 24, 2
+    )
+    assert columns == 3 and inches == pytest.approx(0.3 + 0.17 * 8)
+    assert plot._legend_layout(["a"] * plot.LEGEND_INSIDE, 2) is None
+    out = tmp_path / "curves.png"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "constrained_layout not applied"
+        plot.plot(runs, out)
+    width, height = struct.unpack(">II", out.read_bytes()[16:24])
+    assert height > 4.2 * 120 + 100 and width == 12 * 120

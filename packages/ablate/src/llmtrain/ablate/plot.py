@@ -120,7 +120,9 @@ def plot(
     groups = group_by_settings(runs, keys)
     ncols = min(len(drawn), COLUMNS)
     nrows = math.ceil(len(drawn) / ncols)
-    fig = Figure(figsize=(6.0 * ncols, 4.2 * nrows), layout="constrained")
+    legend = _legend_layout([label(s, short) if keys else m[0].name for s, m in groups], ncols)
+    height = 4.2 * nrows + (legend[1] if legend else 0.0)
+    fig = Figure(figsize=(6.0 * ncols, height), layout="constrained")
     grid = fig.subplots(nrows, ncols, squeeze=False).flat
     axes = [next(grid) for _ in drawn]
     for unused in grid:
@@ -176,11 +178,29 @@ def plot(
         ax.grid(alpha=0.3)
         if log_y:
             ax.set_yscale("log")
-    axes[0].legend(fontsize="small")
+    if legend:  # too many settings to sit inside a panel: below the figure, in columns
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center",
+                   ncols=legend[0], fontsize="x-small")  # fmt: skip
+    else:
+        axes[0].legend(fontsize="small")
     if title:
         fig.suptitle(title)
     save(fig, output)
     return drawn
+
+
+LEGEND_INSIDE = 10  # more settings than this: the legend goes below the panels
+
+
+def _legend_layout(names: Sequence[str], panels_a_row: int) -> tuple[int, float] | None:
+    """(columns, inches of height) of a legend below the panels for this many settings; None
+    where it fits inside the first panel. A crowded legend inside a panel hides the curves."""
+    if len(names) <= LEGEND_INSIDE:
+        return None
+    width = 6.0 * panels_a_row
+    entry = 0.7 + 0.06 * max(len(name) for name in names)  # x-small text, in inches
+    columns = max(1, min(len(names), int(width // entry)))
+    return columns, 0.3 + 0.17 * math.ceil(len(names) / columns)
 
 
 def save(fig: Any, output: Path) -> None:
