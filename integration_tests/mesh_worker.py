@@ -10,12 +10,13 @@ from llmtrain.core_mesh.mesh import MeshSpec, build_device_mesh
 from llmtrain.core_mesh.world import World, init_distributed, shutdown_distributed
 
 out_dir, tp = sys.argv[1], int(sys.argv[2])
+ep = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 world = World.from_env()
 init_distributed(world, "cpu")
-mesh = build_device_mesh(MeshSpec(tp=tp), "cpu")
+mesh = build_device_mesh(MeshSpec(tp=tp, ep=ep), "cpu")
 value = torch.tensor([float(world.rank)])
 sums = {}
-for name in ("tp", "dp_shard", "dp", "dp_shard_cp", "pp"):
+for name in ("tp", "dp_shard", "dp", "dp_shard_cp", "pp", "ep", "dp_shard_mod_ep"):
     t = value.clone()
     dist.all_reduce(t, group=mesh[name].get_group())
     sums[name] = t.item()
@@ -23,7 +24,8 @@ result = {
     "world": [world.rank, world.local_rank, world.world_size],
     "backend": dist.get_backend(),
     "sizes": {
-        name: mesh[name].size() for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp")
+        name: mesh[name].size()
+        for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "ep", "dp_shard_mod_ep")
     },
     "sums": sums,
 }
