@@ -33,17 +33,7 @@ def reference(data, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
     config = ts.run_config(data, tmp / "runs", name="ref")
     config["model"].update(parametrization="mup", mup_base_width=16)
-    path = ts.write_config(tmp / "run.yaml", config)
-    proc = ts.run(ts.llmtrain("run", path), timeout=600)
-    run_dir = tmp / "runs" / "ref"
-    return {
-        "tmp": tmp,
-        "config": config,
-        "path": path,
-        "proc": proc,
-        "dir": run_dir,
-        "metrics": ts.by_step(ts.read_metrics(run_dir)),
-    }
+    return ts.one_process_run(tmp, config)
 
 
 def saved_groups(run_dir, config: dict, step: int) -> dict[str, dict]:

@@ -30,17 +30,7 @@ def reference(data, tmp_path_factory):
     """One process, 30 steps, as written in the shared config."""
     tmp = tmp_path_factory.mktemp("reference")
     config = ts.run_config(data, tmp / "runs", name="ref")
-    path = ts.write_config(tmp / "run.yaml", config)
-    proc = ts.run(ts.llmtrain("run", path), timeout=600)
-    run_dir = tmp / "runs" / "ref"
-    return {
-        "tmp": tmp,
-        "config": config,
-        "path": path,
-        "proc": proc,
-        "dir": run_dir,
-        "metrics": ts.by_step(ts.read_metrics(run_dir)),
-    }
+    return ts.one_process_run(tmp, config)
 
 
 def test_one_process_run_end_to_end(reference):

@@ -58,6 +58,22 @@ def run_config(data: SimpleNamespace, run_dir: Path, name: str = "run") -> dict:
     }
 
 
+def one_process_run(tmp: Path, config: dict) -> dict:
+    """`config` (named "ref", run_dir tmp/runs) trained by `llmtrain run` in one process: what
+    the layout tests compare their multi-rank runs with."""
+    path = write_config(tmp / "run.yaml", config)
+    proc = run(llmtrain("run", path), timeout=600)
+    run_dir = tmp / "runs" / "ref"
+    return {
+        "tmp": tmp,
+        "config": config,
+        "path": path,
+        "proc": proc,
+        "dir": run_dir,
+        "metrics": by_step(read_metrics(run_dir)),
+    }
+
+
 def write_config(path: Path, config: dict) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
