@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 
 MAX_LEN = 32  # short, so documents span several windows and long contexts are cut
+# two implementations of one float32 model (ours packs a context's options into one row, the
+# transformers backend runs a row per option): equal up to rounding, relative to the magnitude
+REL, FLOOR = 1e-5, 1e-6
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,35 @@ def test_loglikelihood_as_the_hf_backend(models):
     mine = ours.loglikelihood(instances("loglikelihood", pairs))
     other = theirs.loglikelihood(instances("loglikelihood", pairs))
     for (ll, greedy), (ll_hf, greedy_hf) in zip(mine, other, strict=True):
-        assert ll == pytest.approx(ll_hf, abs=1e-4)
+        assert ll == pytest.approx(ll_hf, rel=REL, abs=FLOOR)
         assert greedy == greedy_hf
+
+
+def test_a_documents_options_are_one_item_and_documents_stay_apart():
+    """The harness's requests become llmtrain's items: one per document and context, the
+    continuations its options in the order asked; two documents asking the same question are
+    two items, as in the task file."""
+    from llmtrain_lmeval.model import items_by_document
+    from lm_eval.api.instance import Instance
+
+    asked = [  # (document, context, continuation)
+        (0, "Q: which?", " river"),
+        (0, "Q: which?", " lamp"),
+        (1, "Q: which?", " river"),
+        (1, "Q: other?", " storm"),
+        (0, "Q: which?", " café"),
+    ]
+    requests = [
+        Instance("loglikelihood", {}, (context, continuation), i, metadata=("arc", doc, 1))
+        for i, (doc, context, continuation) in enumerate(asked)
+    ]
+    items, places = items_by_document(requests)
+    assert [(item.contexts, item.choices, item.delimiter) for item in items] == [
+        (("Q: which?",), (" river", " lamp", " café"), ""),
+        (("Q: which?",), (" river",), ""),
+        (("Q: other?",), (" storm",), ""),
+    ]
+    assert places == [(0, 0), (0, 1), (1, 0), (2, 0), (0, 2)]
 
 
 def test_loglikelihood_rolling_as_the_hf_backend(models):
@@ -54,7 +84,7 @@ def test_loglikelihood_rolling_as_the_hf_backend(models):
     other = theirs.loglikelihood_rolling(
         instances("loglikelihood_rolling", [(d,) for d in documents])
     )
-    assert mine == pytest.approx(other, abs=1e-3)
+    assert mine == pytest.approx(other, rel=REL, abs=FLOOR)
     assert len(ours.tokenizer.encode_batch(documents[:1])[0]) > 2 * MAX_LEN
 
 

@@ -3,11 +3,14 @@ llmtrain's downstream scorer, so the harness's numbers and `llmtrain eval-tasks`
 
     lm_eval --model llmtrain --model_args checkpoint=runs/x/checkpoints --tasks hellaswag
 
-- `loglikelihood`: each (context, continuation) pair becomes a one-choice `TaskItem` with no
-  delimiter, turned into token rows by `llmtrain.downstream.requests.option_requests` (the
-  harness's tokenization: the continuation's tokens are those of the whole string minus the
-  context's, trailing spaces move to the continuation, an empty context is the end-of-document
-  token) and scored by `llmtrain.downstream.scoring.score` (rows sorted by length, batched).
+- `loglikelihood`: the (context, continuation) pairs of one document that share a context become
+  one `TaskItem` with the continuations as its choices and no delimiter, as llmtrain's own tasks
+  hold a question's options; `llmtrain.downstream.requests.option_requests` turns them into token
+  rows (the harness's tokenization: the continuation's tokens are those of the whole string minus
+  the context's, trailing spaces move to the continuation, an empty context is the
+  end-of-document token) and `llmtrain.downstream.scoring.score` scores them: a packing model
+  reads the shared context once for all of its options, and the rows and batches are those of
+  `llmtrain eval-tasks` at the same batch size, so both give the same bits.
 - `loglikelihood_rolling`: `rolling_requests`' disjoint windows, summed per document.
 - `generate_until`: `llmtrain.models.generate.generate`, greedy unless the task samples, cut at
   the first stop string.
@@ -45,10 +48,17 @@ FIRST_CHUNK = 16  # generated tokens before the stop strings are first looked fo
 class HarnessRequest(Protocol):
     """What this model reads of lm-eval's `Instance`: its arguments (context, continuation) for
     loglikelihood, (text,) for loglikelihood_rolling, (context, generation kwargs) for
-    generate_until."""
+    generate_until; and the task and document it belongs to (None where the caller made the
+    instance without them)."""
 
     @property
     def args(self) -> tuple[Any, ...]: ...
+
+    @property
+    def task_name(self) -> str | None: ...
+
+    @property
+    def doc_id(self) -> int | None: ...
 
 
 # lm-eval ships no type information (py.typed or stubs), so its LM is Any here
@@ -118,19 +128,19 @@ class LLMTrainLM(LM):  # type: ignore[misc]
     # -- scoring ---------------------------------------------------------------------------
 
     def _scores(self, rows: Sequence[Request]) -> list[Score]:
-        return score(rows, self._runner, Batching(rows=self.batch_size), self._device)
+        # packed rows as long as the model takes, as `llmtrain eval-tasks` packs them
+        batching = Batching(rows=self.batch_size)
+        return score(rows, self._runner, batching, self._device, max_len=self.max_length)
 
     def loglikelihood(
         self, requests: Sequence[HarnessRequest], disable_tqdm: bool = False
     ) -> list[tuple[float, bool]]:
-        pairs = [tuple(request.args) for request in requests]
-        items = [
-            TaskItem((context,), (continuation,), delimiter="") for context, continuation in pairs
-        ]
+        items, places = items_by_document(requests)
         rows = option_requests(items, self.tokenizer, self.max_length)
-        results = [(s.loglikelihood, s.greedy) for s in self._scores(rows)]
-        for args, result in zip(pairs, results, strict=True):
-            self.cache_hook.add_partial("loglikelihood", args, result)
+        found = {(row.item, row.option): s for row, s in zip(rows, self._scores(rows), strict=True)}
+        results = [(found[place].loglikelihood, found[place].greedy) for place in places]
+        for request, result in zip(requests, results, strict=True):
+            self.cache_hook.add_partial("loglikelihood", tuple(request.args), result)
         return results
 
     def loglikelihood_rolling(
@@ -202,6 +212,34 @@ class LLMTrainLM(LM):  # type: ignore[misc]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eod_id])
+
+
+def items_by_document(
+    requests: Sequence[HarnessRequest],
+) -> tuple[list[TaskItem], list[tuple[int, int]]]:
+    """One item per (task, document, context) in first-seen order, its choices the continuations
+    asked after that context, and each request's (item, option). A document's options are one
+    item, as in llmtrain's own tasks: a packing model scores them in one row with one copy of
+    the context, and two documents that happen to ask the same question stay apart."""
+    index: dict[tuple[str | None, int | None, str], int] = {}
+    choices: list[list[str]] = []
+    contexts: list[str] = []
+    places = []
+    for request in requests:
+        context, continuation = request.args
+        key = (request.task_name, request.doc_id, context)
+        if key not in index:
+            index[key] = len(contexts)
+            contexts.append(context)
+            choices.append([])
+        item = index[key]
+        places.append((item, len(choices[item])))
+        choices[item].append(continuation)
+    items = [
+        TaskItem((context,), tuple(options), delimiter="")
+        for context, options in zip(contexts, choices, strict=True)
+    ]
+    return items, places
 
 
 def pick_device(device: str | None) -> torch.device:
