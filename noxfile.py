@@ -33,6 +33,14 @@ SIBLINGS = {"train-loop": ["data-pack", "models", "parallel", "checkpoint", "abl
 TEST_SIBLINGS = {
     "downstream": ["data-pack", "models", "parallel", "checkpoint", "ablate", "train-loop"]
 }
+# programs outside Python that a session's tests run, by session: {program: Debian package}.
+# The HTML report is laid out in Debian's headless chromium: ablate's test_report_browser.py
+# drives it directly, integration's test_verdict.py through Playwright. (git, bash and mount,
+# which other tests run, come with every Debian machine that can clone the repository.)
+SYSTEM_PROGRAMS = {
+    "ablate": {"chromium": "chromium"},
+    "integration": {"chromium": "chromium"},
+}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
 EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot]"}
 TEST_GROUPS = {
@@ -114,6 +122,7 @@ def make_package_session(package: str) -> None:
         deps = ["core-mesh", *SIBLINGS.get(package, []), *TEST_SIBLINGS.get(package, []), package]
         tests = [dep for name in ["test", *TEST_GROUPS.get(package, [])] for dep in group(name)]
         session.install(*CONSTRAINTS, *package_paths(*dict.fromkeys(deps)), *tests)
+        ensure_programs(session)
         # the shared checks: installs alone, one namespace, one version, torch only where allowed
         session.env["LLMTRAIN_PACKAGE"] = package
         own_tests = ROOT / "packages" / package / "tests"
@@ -150,13 +159,19 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *(str(marker.parent) for marker in TYPED))
 
 
-def ensure_chromium(session: nox.Session) -> None:
-    """Debian's chromium, which test_verdict.py's browser check drives (through Playwright):
-    installed with apt where the machine lacks it."""
-    if shutil.which("chromium"):
+def ensure_programs(session: nox.Session) -> None:
+    """The programs outside Python that this session's tests run (SYSTEM_PROGRAMS), installed
+    with Debian's apt where the machine lacks them: each session installs its own, whatever ran
+    before it, so a session passes alone on a new machine."""
+    missing = [
+        package
+        for program, package in SYSTEM_PROGRAMS.get(session.name, {}).items()
+        if not shutil.which(program)
+    ]
+    if not missing:
         return
     session.run("apt-get", "update", "-qq", external=True)
-    apt = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium"]
+    apt = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
     session.run(*apt, external=True)
 
 
@@ -168,7 +183,7 @@ def integration(session: nox.Session) -> None:
     # the test model plugin that is not a Transformer (test_model_contract.py); its
     # dependencies are installed above
     session.install("--no-deps", str(TOY_LM))
-    ensure_chromium(session)
+    ensure_programs(session)
     pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu", "--durations=25")
 
 
