@@ -74,6 +74,13 @@ nox.options.default_venv_backend = "uv|virtualenv"
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = False
 
+# Every test session starts many Python processes (the CLI, torchrun's ranks), each importing
+# torch and llmtrain: from .pyc files that takes ~2 s, compiling the sources ~4.5 s. uv installs
+# no .pyc files, so the first import writes them into the session's venv; where
+# PYTHONDONTWRITEBYTECODE is set (CI's machines set it) nothing would be written and every
+# process would compile again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 # uv does not read pip's settings; carry pip's local wheel folder over so the pinned torch
 # resolves to the local CPU build where the machine has one.
 if "UV_FIND_LINKS" not in os.environ and os.environ.get("PIP_FIND_LINKS"):
@@ -95,11 +102,8 @@ def plugin_paths(*, shared: bool = False) -> list[str]:
     return [str(p.parent) for p in paths if not (shared and p.parent.name in OWN_SESSION_PLUGINS)]
 
 
-def install_everything(session: nox.Session, *, bytecode: bool = False) -> None:
-    """Every package and the shared plugins. `bytecode`: compile the .pyc files at install (pip
-    does, uv does not), for sessions that start many Python processes: without them each start
-    compiles what it imports (torch and llmtrain.parallel: ~9 s, against ~3 s from .pyc files),
-    and where PYTHONDONTWRITEBYTECODE is set every start compiles them again."""
+def install_everything(session: nox.Session) -> None:
+    """Every package and the shared plugins."""
     session.install(
         *CONSTRAINTS,
         *package_paths(*PACKAGES),
@@ -108,12 +112,13 @@ def install_everything(session: nox.Session, *, bytecode: bool = False) -> None:
         *group("test"),
         *group("integration"),
         *group("object-store"),
-        env={"UV_COMPILE_BYTECODE": "1"} if bytecode else None,
     )
 
 
 def pytest(session: nox.Session, *paths: str) -> None:
-    session.run("pytest", *paths, *session.posargs)
+    """The tests at `paths`, listing the slowest (where the suite's time goes, in every
+    session's log); extra arguments after `--` go to pytest."""
+    session.run("pytest", *paths, "--durations=15", *session.posargs)
 
 
 def make_package_session(package: str) -> None:
@@ -179,18 +184,18 @@ def ensure_programs(session: nox.Session) -> None:
 def integration(session: nox.Session) -> None:
     """All packages and plugins together: multi-process gloo, object storage, CLI end to end,
     the HTML report in a headless browser."""
-    install_everything(session, bytecode=True)
+    install_everything(session)
     # the test model plugin that is not a Transformer (test_model_contract.py); its
     # dependencies are installed above
     session.install("--no-deps", str(TOY_LM))
     ensure_programs(session)
-    pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu", "--durations=25")
+    pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu")
 
 
 @nox.session
 def gpu(session: nox.Session) -> None:
     """The CUDA checks (nccl, bf16, compile); they skip cleanly on a machine without a GPU."""
-    install_everything(session, bytecode=True)
+    install_everything(session)
     pytest(session, str(ROOT / "integration_tests"), "-m", "gpu")
 
 
