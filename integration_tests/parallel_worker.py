@@ -1,7 +1,14 @@
-"""Run under torchrun by test_parallel_layouts.py: train the tiny model 3 steps on a fixed batch
-under one parallel layout and write the losses and gradient norms (rank 0) as JSON.
+"""Run under torchrun by test_parallel_layouts.py (and test_gpu.py): for each of several named
+parallel layouts in turn, train the tiny model 3 steps on a fixed batch and write the losses and
+gradient norms (rank 0) as JSON, {name: result}.
 
-A layout with `"bare": true` is the reference: the same steps in plain PyTorch, one process, no
+The layouts of one world size share one torchrun: the process group starts once and every
+layout builds its own device mesh over it, so the cases pay for one start of the processes, not
+one each. Rank 0 rewrites the file after every case; a case that raises writes its traceback
+under its name and ends the run (its peers may be waiting in a collective), leaving the cases
+after it without a result.
+
+`bare(cfg)` is the reference: the same steps in plain PyTorch, one process, no
 llmtrain.parallel at all. The layouts train with the trainer's loss (`cross_entropy_sum`), so
 where the layout allows it the loss runs the output projection itself, in chunks
 (`linear_cross_entropy`); the reference computes the whole batch's logits.
@@ -9,6 +16,8 @@ where the layout allows it the loss runs the output projection itself, in chunks
 
 import json
 import sys
+import traceback
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -75,10 +84,8 @@ def bare(cfg):
     return {"losses": losses, "grad_norms": norms, "final_loss": final}
 
 
-def parallel(cfg, layout):
-    world = World.from_env()
-    device_type = layout.get("device", "cpu")
-    device = init_distributed(world, device_type)
+def parallel(cfg, layout, world: World, device: torch.device) -> dict:
+    device_type = device.type
     spec = MeshSpec(**layout.get("mesh", {}))
     options = structure(layout.get("options", {}), ParallelOptions)
     microbatches = layout.get("microbatches", 1)
@@ -115,24 +122,33 @@ def parallel(cfg, layout):
     par.train(False)
     final = par.evaluate(tokens, targets, trainer_loss, doc_starts=starts)
     final = (par.sum_over_data(final) / count).item()
-    result = {
+    return {
         "losses": losses,
         "grad_norms": norms,
         "final_loss": final,
         "spec": str(par.spec),
         "loss_from_hidden": par.head_fn_ok,
     }
+
+
+def run_cases(out: Path, cases: dict[str, dict]) -> None:
+    """Every case in order on one process group (the device of the cases' `device`, default
+    cpu); rank 0 writes {name: result} after each."""
+    (device_type,) = {layout.get("device", "cpu") for layout in cases.values()}
+    world = World.from_env()
+    device = init_distributed(world, device_type)
+    results: dict[str, dict] = {}
+    for name, layout in cases.items():
+        try:
+            results[name] = parallel(model_config(**layout.get("model", {})), layout, world, device)
+        except Exception:
+            results[name] = {"error": traceback.format_exc()}
+            raise
+        finally:
+            if world.rank == 0:
+                out.write_text(json.dumps(results))
     shutdown_distributed()
-    return world.rank, result
 
 
 if __name__ == "__main__":
-    out, layout = sys.argv[1], json.loads(sys.argv[2])
-    cfg = model_config(**layout.get("model", {}))
-    if layout.get("bare"):
-        rank, result = 0, bare(cfg)
-    else:
-        rank, result = parallel(cfg, layout)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
+    run_cases(Path(sys.argv[1]), json.loads(sys.argv[2]))

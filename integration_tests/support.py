@@ -37,7 +37,7 @@ def run(cmd, *, env=None, cwd=None, timeout=300, check=True):
     return proc
 
 
-def torchrun(script, *args, nproc, env=None, timeout=300):
+def torchrun(script, *args, nproc, env=None, timeout=300, check=True):
     """Run a script under torchrun on this machine (gloo on CPU), with a free rendezvous port."""
     return run(
         [
@@ -51,6 +51,7 @@ def torchrun(script, *args, nproc, env=None, timeout=300):
         ],
         env=env,
         timeout=timeout,
+        check=check,
     )
 
 

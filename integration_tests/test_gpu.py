@@ -48,19 +48,24 @@ def test_parallel_layouts_nccl_bf16(tmp_path):
     import parallel_worker
 
     want = parallel_worker.bare(parallel_worker.model_config())
-    for i, (nproc, layout) in enumerate(_gpu_layouts(torch.cuda.device_count())):
-        out = tmp_path / f"layout{i}.json"
+    layouts = _gpu_layouts(torch.cuda.device_count())
+    for world in sorted({nproc for nproc, _ in layouts}):  # one torchrun per world size
+        cases = {
+            f"layout{i}": {**layout, "device": "cuda"}
+            for i, (nproc, layout) in enumerate(layouts)
+            if nproc == world
+        }
+        out = tmp_path / f"world{world}.json"
         torchrun(
-            Path(__file__).with_name("parallel_worker.py"),
-            out,
-            json.dumps({**layout, "device": "cuda"}),
-            nproc=nproc,
+            Path(__file__).with_name("parallel_worker.py"), out, json.dumps(cases), nproc=world
         )
-        got = json.loads(out.read_text())
-        bf16 = layout.get("options", {}).get("param_dtype") == "bfloat16"
-        rel = 2e-2 if bf16 else 1e-3
-        assert got["losses"] == pytest.approx(want["losses"], rel=rel), layout
-        assert got["final_loss"] == pytest.approx(want["final_loss"], rel=rel), layout
+        results = json.loads(out.read_text())
+        for name, layout in cases.items():
+            got = results[name]
+            bf16 = layout.get("options", {}).get("param_dtype") == "bfloat16"
+            rel = 2e-2 if bf16 else 1e-3
+            assert got["losses"] == pytest.approx(want["losses"], rel=rel), layout
+            assert got["final_loss"] == pytest.approx(want["final_loss"], rel=rel), layout
 
 
 # --- observability on CUDA: the out-of-memory snapshot, CUDA memory metrics, profiles ---

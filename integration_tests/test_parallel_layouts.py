@@ -3,7 +3,10 @@ the loss and gradient norm of 3 AdamW steps (with clipping), and the loss after 
 plain single-process PyTorch loop within rtol 1e-4 (float32 on CPU; the differences seen are
 about 1e-6, the order in which sums are taken).
 
-Each case is a real torchrun of 2 or 4 gloo processes running `parallel_worker.py`.
+The cases run in real torchruns of gloo processes running `parallel_worker.py`: one torchrun of
+2 processes for the 2-rank cases, one of 4 for the 4-rank ones, each case in turn on its own
+device mesh (a process start costs more than a case's 3 steps). A case that fails shows its own
+traceback; the cases after it in the same torchrun fail saying they did not run.
 """
 
 from __future__ import annotations
@@ -79,12 +82,41 @@ def references():
     return get
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(nproc) -> ({name: result} of that world size's cases, the torchrun's process): one
+    torchrun per world size, started when a test first asks for it."""
+    done: dict[int, tuple[dict, object]] = {}
+
+    def get(nproc: int) -> tuple[dict, object]:
+        if nproc not in done:
+            out = tmp_path_factory.mktemp(f"world{nproc}") / "results.json"
+            cases = {name: layout for name, (n, layout) in CASES.items() if n == nproc}
+            proc = torchrun(WORKER, out, json.dumps(cases), nproc=nproc, timeout=900, check=False)
+            done[nproc] = (json.loads(out.read_text()) if out.exists() else {}, proc)
+        return done[nproc]
+
+    return get
+
+
+def case_result(runs, name: str) -> dict:
+    """The case's result from its world size's torchrun; its traceback, or the run's output
+    where it did not run, as the failure."""
+    nproc, _ = CASES[name]
+    results, proc = runs(nproc)
+    if name not in results:
+        pytest.fail(
+            f"{name} did not run: the {nproc}-rank torchrun exited {proc.returncode}\n"
+            f"{proc.stderr[-6000:]}"
+        )
+    assert "error" not in results[name], results[name]["error"]
+    return results[name]
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_layout_matches_one_process(name, tmp_path, references):
-    nproc, layout = CASES[name]
-    out = tmp_path / "result.json"
-    torchrun(WORKER, out, json.dumps(layout), nproc=nproc)
-    got = json.loads(out.read_text())
+def test_layout_matches_one_process(name, runs, references):
+    _, layout = CASES[name]
+    got = case_result(runs, name)
     want = references(layout.get("model", {}))
     assert got["losses"] == pytest.approx(want["losses"], rel=RTOL, abs=ATOL)
     assert got["grad_norms"] == pytest.approx(want["grad_norms"], rel=RTOL, abs=ATOL)
