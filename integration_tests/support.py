@@ -12,16 +12,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def noxfile_packages() -> list[str]:
-    """The packages under packages/, as noxfile.py's PACKAGES lists them (the one list; read
-    with `ast`, since nox is not installed where the tests run)."""
+def noxfile_constant(name: str):
+    """The literal noxfile.py assigns to `name` (read with `ast`, since nox is not installed
+    where the tests run)."""
     tree = ast.parse((ROOT / "noxfile.py").read_text(encoding="utf-8"))
     for node in tree.body:
         if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
-            "PACKAGES"
+            name
         ]:
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("noxfile.py assigns no PACKAGES list")
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"noxfile.py assigns no {name}")
+
+
+def noxfile_packages() -> list[str]:
+    """The packages under packages/, as noxfile.py's PACKAGES lists them (the one list)."""
+    return list(noxfile_constant("PACKAGES"))
 
 
 PACKAGES = noxfile_packages()
