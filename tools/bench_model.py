@@ -1,4 +1,4 @@
-"""Forward+backward tokens/s of llmtrain's Transformer vs a plain-PyTorch reference: python tools/bench_model.py [--config llama-small|gpt2-small|gpt2-124m|llama-1b|small|large|all] [--json].
+"""Forward+backward tokens/s of llmtrain's Transformer vs a plain-PyTorch reference: python tools/bench_model.py [--config llama-small|gpt2-small|gpt2-124m|llama-1b|smoke|small|large|all] [--json].
 
 Both models get the same token batch, the same loss (computed outside the models), the same
 thread count and dtype; each step is zero grads, forward, loss, backward (no optimizer). After a
@@ -29,6 +29,10 @@ CONFIGS = {
         COMMON, n_kv_heads=8, positions="learned", norm="layernorm", mlp="gelu", bias=True
     ),
 }
+# the GPU kit's dry run: the same code path in a second, not a measurement
+CONFIGS["smoke"] = dict(COMMON, vocab_size=512, d_model=64, n_layers=2, n_heads=4, seq=64,
+                        batch=2, n_kv_heads=2, positions="rope", norm="rmsnorm", mlp="swiglu",
+                        bias=False)  # fmt: skip
 GOAL = 0.97
 
 

@@ -260,7 +260,7 @@ def bench_model(ctx: Context) -> Step:
             "--device",
             "cpu",
             "--config",
-            "gpt2-small",
+            "smoke",  # parses and starts: a 2-layer model, not gpt2-small's 17 s on CPU
             "--steps",
             "1",
             "--warmup",
