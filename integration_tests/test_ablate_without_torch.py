@@ -1,39 +1,24 @@
 """A real sweep read back on a machine without torch: `pip install llmtrain-core-mesh
 llmtrain-ablate` into a fresh venv (torch not importable there), and `llmtrain compare` and
 `llmtrain ranks` print what they print here, with every package installed. `plot` there asks for
-the `[plot]` extra instead of failing on an import."""
+the `[plot]` extra instead of failing on an import. The sweep is the README's laptop ablation
+(`laptop`, laptop_ladder.py: 2 learning rates x 3 seeds), trained once for the whole session."""
 
 from __future__ import annotations
-
-import shlex
 
 import pytest
 import train_support as ts
 from support import ROOT, run
 
 pytestmark = pytest.mark.slow
-STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    """`llmtrain sweep --grid model.n_layers=1,2 --seeds 2` of 6-step runs, here (with torch).
-    The sweep writes its runs (`--launch print`) and the 4 `llmtrain run`s it prints train side
-    by side: `--launch here` would run them one after another, each start seconds of imports on
-    one core (test_sweep.py tests that launcher)."""
-    work = tmp_path_factory.mktemp("ablate")
-    data = ts.pack_corpus(work / "data")
-    config = ts.run_config(data, work / "unused", "abl")
-    config["data"]["eval"]["every"] = 3
-    config["training"].update(steps=STEPS, log_every=1, checkpoint_every=STEPS)
-    base = ts.write_config(work / "base.yaml", config)
-    cmd = ts.llmtrain("sweep", base, "--grid", "model.n_layers=1,2", "--seeds", 2)
-    printed = ts.run([*cmd, "--dir", work / "sweeps", "--launch", "print"], timeout=600)
-    runs = [shlex.split(line) for line in printed.stdout.splitlines()]
-    assert len(runs) == 4 and all(r[:2] == ["llmtrain", "run"] for r in runs), printed.stdout
-    for proc in ts.side_by_side(*(ts.llmtrain(*r[1:]) for r in runs)):
-        assert proc.returncode == 0, f"{proc.args} exited {proc.returncode}\n{proc.stderr}"
-    return work / "sweeps" / "abl"
+def sweep(laptop):
+    """`llmtrain sweep examples/ablation-laptop.yaml --grid optimizer.lr=1e-3,3e-3 --seeds 3`,
+    as the README's laptop commands ran it."""
+    work, _ = laptop
+    return work / "sweeps" / "lr"
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +42,11 @@ def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
         written = {"config.yaml", "metrics.jsonl", "summary.json", "logs/rank0.jsonl"}
         assert all((run_dir / name).is_file() for name in written), run_dir
     light = str(light_venv / "bin" / "llmtrain")
-    one_run = sweep / "n_layers=2,seed=1"
+    one_run = sweep / "lr=0.003,seed=1"
     for args in (
         ("compare", sweep),
         ("compare", sweep, "--per-run", "--json"),
-        ("compare", sweep, "--baseline", "n_layers=1", "--json"),  # scipy's tests
+        ("compare", sweep, "--baseline", "optimizer.lr=0.001", "--json"),  # scipy's tests
         ("compare", *sorted(p for p in sweep.iterdir() if p.is_dir()), "--columns", "all"),
         ("ranks", one_run),
     ):
@@ -69,9 +54,9 @@ def test_a_sweep_reads_back_the_same_without_torch(sweep, light_venv):
         there = run([light, *map(str, args)], timeout=600).stdout
         assert there == here, args
     table = run([light, "compare", sweep], timeout=600).stdout.splitlines()
-    assert table[0].split()[:4] == ["n_layers", "runs", "status", "final_eval_loss"]
+    assert table[0].split()[:4] == ["lr", "runs", "status", "final_eval_loss"]
     rows = [line.split()[:4] for line in table[2:]]
-    assert rows == [["1", "2", "2", "finished"], ["2", "2", "2", "finished"]]
+    assert rows == [["0.001", "3", "3", "finished"], ["0.003", "3", "3", "finished"]]
 
 
 def test_plot_without_matplotlib_names_the_extra(sweep, light_venv, tmp_path):
