@@ -1,5 +1,6 @@
-"""Test sessions. `nox -s tests` is what CI runs: lint, every package alone, every plugin in
-plugins/ with its own tests, then integration.
+"""Test sessions. `nox -s tests` is the whole suite: `units` (lint, typecheck, every package
+alone, every plugin in plugins/ with its own tests), then integration. CI (.ci/run) runs
+`units` and `integration` side by side.
 
 Each package session installs only that package (and core-mesh, and whatever the package itself
 depends on) into a fresh venv, so a missing dependency declaration fails here, not for users.
@@ -175,9 +176,11 @@ def ensure_programs(session: nox.Session) -> None:
     ]
     if not missing:
         return
-    session.run("apt-get", "update", "-qq", external=True)
+    # one apt at a time: CI runs two sessions at once (.ci/run), and apt refuses a second
+    lock = ["flock", str(ROOT / ".nox" / "apt.lock")]
+    session.run(*lock, "apt-get", "update", "-qq", external=True)
     apt = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
-    session.run(*apt, external=True)
+    session.run(*lock, *apt, external=True)
 
 
 @nox.session
@@ -238,18 +241,18 @@ def plugin_hf_transformers4(session: nox.Session) -> None:
 
 @nox.session(
     python=False,
-    requires=[
-        "lint",
-        "typecheck",
-        *PACKAGES,
-        *PLUGIN_SESSIONS,
-        "plugin-hf-transformers4",
-        "integration",
-    ],
+    requires=["lint", "typecheck", *PACKAGES, *PLUGIN_SESSIONS, "plugin-hf-transformers4"],
 )
+def units(session: nox.Session) -> None:
+    """Every session of `tests` but integration: lint, typecheck, each package alone, each
+    plugin with its tests. CI (.ci/run) runs it beside `integration`, one lane a core."""
+    session.log("lint, typecheck and every package and plugin session passed")
+
+
+@nox.session(python=False, requires=["units", "integration"])
 def tests(session: nox.Session) -> None:
-    """What CI runs: lint, typecheck, each package alone, each plugin with its tests, then
-    integration."""
+    """The whole suite, one session after another: `units`, then integration. CI runs the same
+    two in parallel (.ci/run)."""
     session.log("lint, every package and plugin session and integration passed")
 
 
