@@ -165,13 +165,14 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", *(str(marker.parent) for marker in TYPED))
 
 
-def ensure_programs(session: nox.Session) -> None:
-    """The programs outside Python that this session's tests run (SYSTEM_PROGRAMS), installed
-    with Debian's apt where the machine lacks them: each session installs its own, whatever ran
-    before it, so a session passes alone on a new machine."""
+def ensure_programs(session: nox.Session, tests_of: str | None = None) -> None:
+    """The programs outside Python that this session's tests run (SYSTEM_PROGRAMS; `tests_of`:
+    the session whose tests these are, default this one), installed with Debian's apt where the
+    machine lacks them: each session installs its own, whatever ran before it, so a session
+    passes alone on a new machine."""
     missing = [
         package
-        for program, package in SYSTEM_PROGRAMS.get(session.name, {}).items()
+        for program, package in SYSTEM_PROGRAMS.get(tests_of or session.name, {}).items()
         if not shutil.which(program)
     ]
     if not missing:
@@ -214,6 +215,7 @@ def make_plugin_session(path: Path) -> str:
             for dep in PLUGIN_TEST_DEPS.get(path.name, [])
         ]
         session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), *extra, *group("test"))
+        ensure_programs(session)
         pytest(session, str(path / "tests"))
 
     return name
@@ -235,6 +237,7 @@ def plugin_hf_transformers4(session: nox.Session) -> None:
     moe = str(ROOT / "plugins" / "llmtrain-moe")
     session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(path), moe, *group("test"))
     session.install(TRANSFORMERS_4)  # replaces the constrained 5.x (and its hub client)
+    ensure_programs(session, tests_of="plugin-hf")
     session.run("python", "-c", "import transformers; assert transformers.__version__[0] == '4'")
     pytest(session, str(path / "tests"), "-m", "not damage")
 
