@@ -115,7 +115,7 @@ def parallel(cfg, layout, world: World, device: torch.device) -> dict:
         local = par.forward_backward(
             tokens, targets, trainer_loss, scale=1.0 / count.item(), doc_starts=starts
         )
-        norms.append(par.clip_grad_norm_(MAX_NORM))
+        norms.append(par.clip_grad_norm_(MAX_NORM).item())
         losses.append((par.sum_over_data(local) / count).item())
         opt.step()
         opt.zero_grad()

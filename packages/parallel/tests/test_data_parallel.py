@@ -83,7 +83,7 @@ def test_one_rank_data_parallel_keeps_the_numbers(
     for name, p in model.named_parameters():
         torch.testing.assert_close(full(p.grad), plain_params[name].grad, msg=name)
     expected_norm = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])
-    assert par.clip_grad_norm_(None) == pytest.approx(expected_norm.item(), rel=1e-5)
+    assert par.clip_grad_norm_(None).item() == pytest.approx(expected_norm.item(), rel=1e-5)
 
     # full (unsharded) weights in, the same weights out
     state = {k: torch.randn_like(v) for k, v in plain.state_dict().items()}

@@ -164,13 +164,13 @@ def test_clip_grad_norm_is_torchs(one_process_mesh, make_toy, toy_batch, loss_fn
     par = parallelize(model, one_process_mesh)
     par.forward_backward(tokens, targets, loss_fn, scale=1.0)
     loss_fn(plain(tokens), targets).backward()
-    measured = par.clip_grad_norm_(None)
+    measured = par.clip_grad_norm_(None).item()
     expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.25)
     assert measured == pytest.approx(expected.item(), rel=1e-5)
     assert measured > 0.25
-    assert par.clip_grad_norm_(0.25) == pytest.approx(measured, rel=1e-6)
+    assert par.clip_grad_norm_(0.25).item() == pytest.approx(measured, rel=1e-6)
     assert_same_grads(grads_of(par.parts), {n: p.grad for n, p in plain.named_parameters()})
-    assert par.clip_grad_norm_(None) == pytest.approx(0.25, rel=1e-4)
+    assert par.clip_grad_norm_(None).item() == pytest.approx(0.25, rel=1e-4)
 
 
 def test_materialize_a_model_built_on_the_meta_device(
@@ -280,7 +280,7 @@ def test_pipeline_schedule_on_one_rank_trains_like_the_whole_model(
     expected_loss, expected_grads = plain_mean_loss_grads(plain, tokens, targets)
     torch.testing.assert_close(total / targets.numel(), expected_loss)
     assert_same_grads(grads_of(par.parts), expected_grads)
-    assert par.clip_grad_norm_(None) == pytest.approx(
+    assert par.clip_grad_norm_(None).item() == pytest.approx(
         torch.nn.utils.get_total_norm(list(expected_grads.values())).item(), rel=1e-5
     )
 

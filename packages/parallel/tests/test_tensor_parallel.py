@@ -113,7 +113,7 @@ def test_styles_on_a_one_rank_mesh_compute_what_the_plain_model_does(
         torch.testing.assert_close(grad, plain_params[name].grad, msg=name)
     # the global norm over DTensor gradients is the plain model's norm
     expected = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
-    norm = clip_grad_norm_(model.parameters(), 0.5)
+    norm = clip_grad_norm_(model.parameters(), 0.5).item()
     assert norm == pytest.approx(expected.item(), rel=1e-6)
     for name, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad

@@ -130,6 +130,7 @@ def test_a_failed_run_s_summary_holds_no_credential(tmp_path):
         description=description,
         run_dir=tmp_path,
         secrets={secret},
+        metric_directions={"loss": "lower"},
     )
     error = OSError(
         f"403 for https://bucket.s3/x?X-Amz-Credential=AKIAZXCVBNMASDFGHJKL and {secret}"

@@ -52,17 +52,32 @@ def test_the_loss_is_the_hand_computation(alpha, temperature):
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_metrics_are_the_means_per_counted_target_and_reset():
+def test_metrics_are_recorded_means_per_counted_target_and_restart_each_step():
+    from llmtrain.train_loop.metrics import MetricRecorder, combine_over
+
     student, teacher, targets = random_batch(5)
-    distill = objective(alpha=0.5, temperature=2.0)
+    recorder = MetricRecorder(combine_over(None), data_world=1)
+    distill = Distill(
+        None, DistillOptions(teacher="unused", alpha=0.5, temperature=2.0), recorder.record
+    )
+    inputs = torch.zeros_like(targets)
+    distill.prepare(inputs, targets, torch.tensor(1.0))
     distill.loss(student, teacher, targets)
     distill.loss(student, teacher, targets)  # two micro-batches of the same step
     counted = int((targets != IGNORE).sum())
     ce = by_hand(student, teacher, targets, 1.0, 2.0) / counted
     kl = by_hand(student, teacher, targets, 0.0, 2.0) / 4.0 / counted
-    got = distill.metrics()
+    recorded = recorder.current
+    assert all(isinstance(v, torch.Tensor) for v in recorded.values())  # not read yet
+    got = recorder.read(recorded)
     assert got == pytest.approx({"distill/ce": float(ce), "distill/kl": float(kl)}, rel=1e-5)
-    assert distill.metrics() == {}
+    assert recorder.directions == {"distill/ce": "lower", "distill/kl": "lower"}
+
+    recorder.new_step()
+    distill.prepare(inputs, targets, torch.tensor(1.0))  # the next step starts its own sums
+    distill.loss(student, teacher, targets)
+    again = recorder.read(recorder.current)
+    assert again == pytest.approx({"distill/ce": float(ce), "distill/kl": float(kl)}, rel=1e-5)
 
 
 def test_alpha_one_is_the_cross_entropy_objective_exactly():

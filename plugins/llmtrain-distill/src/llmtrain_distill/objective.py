@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ObjectiveContext
+from llmtrain.core_mesh.interfaces import MetricRecorder, ObjectiveContext
 from llmtrain.train_loop.loss import IGNORE
 from llmtrain_distill.plugin import DistillOptions
 
@@ -28,18 +28,22 @@ WHERE = "training.objective"
 class Distill:
     """The `distill` objective (`llmtrain.core_mesh.interfaces.Objective`)."""
 
-    def __init__(self, teacher: Any, options: DistillOptions) -> None:
+    def __init__(
+        self, teacher: Any, options: DistillOptions, record_metric: MetricRecorder | None = None
+    ) -> None:
         self.teacher = teacher
+        self.record_metric = record_metric
         self.alpha, self.temperature, self.z_loss = (
             options.alpha,
             options.temperature,
             options.z_loss,
         )
-        # ce, kl, counted targets of the step so far, kept on the loss's device: read once a
-        # step (metrics), not synced per micro-batch
+        # ce, kl, counted targets of the step so far, kept on the loss's device and recorded
+        # as the step's metrics: read only when the step is logged
         self._sums: torch.Tensor | None = None
 
-    def prepare(self, inputs: torch.Tensor, targets: torch.Tensor, count: float, /) -> Any:
+    def prepare(self, inputs: torch.Tensor, targets: torch.Tensor, count: Any, /) -> Any:
+        self._sums = None  # a new step
         return torch.stack([inputs, targets], dim=-1)
 
     def __call__(self, logits: torch.Tensor, packed: torch.Tensor, /) -> torch.Tensor:
@@ -67,17 +71,18 @@ class Distill:
             loss = loss + self.z_loss * (log_z.square() * counted).sum()
         sums = torch.stack([ce.detach(), kl.detach(), counted.sum().to(ce.dtype)]).double()
         self._sums = sums if self._sums is None else self._sums + sums
+        self._record(self._sums)
         return loss
 
-    def metrics(self) -> dict[str, float]:
-        """The step's mean cross-entropy and KL per counted target (this rank's micro-batches)."""
-        if self._sums is None:
-            return {}
-        ce, kl, count = self._sums.tolist()
-        self._sums = None
-        if not count:
-            return {}
-        return {"distill/ce": ce / count, "distill/kl": kl / count}
+    def _record(self, sums: torch.Tensor) -> None:
+        """The step so far: mean cross-entropy and KL per counted target of this rank's
+        micro-batches, averaged over the data ranks when logged (a rank that counted nothing
+        records NaN)."""
+        if self.record_metric is None:
+            return
+        ce, kl, count = sums.unbind()
+        self.record_metric("distill/ce", ce / count, better="lower")
+        self.record_metric("distill/kl", kl / count, better="lower")
 
 
 def build(options: DistillOptions, context: ObjectiveContext) -> Distill:
@@ -109,7 +114,7 @@ def build(options: DistillOptions, context: ObjectiveContext) -> Distill:
             f"model.vocab_size ({student}); distill needs the same tokenizer"
         )
     teacher.to(context.device).eval().requires_grad_(False)
-    return Distill(teacher, options)
+    return Distill(teacher, options, context.record_metric)
 
 
 def teacher_location(path: str) -> tuple[str, int | None]:

@@ -16,6 +16,7 @@ the training forward, not the evaluation's.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ class RouterStatsCallback(Callback):
             )
 
     # the training forward's statistics, kept before an evaluation's forward replaces them
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None:
         if self.held is None or self.held[0] != step:
             self.held = (step, self._current())
 

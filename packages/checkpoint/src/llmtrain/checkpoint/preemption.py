@@ -44,8 +44,8 @@ class Preemption:
         import torch
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            return self.requested
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.requested  # nobody to ask: the flag, no tensor
         flag = torch.tensor([1.0 if self.requested else 0.0], device=torch.device(self.device))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         # every rank returns the vote, so all stop at the same step; a signal that lands during

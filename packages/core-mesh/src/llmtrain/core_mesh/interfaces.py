@@ -7,7 +7,7 @@ tensors, modules and arrays appear as `Any`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -292,9 +292,12 @@ class ParallelModel(Protocol):
         loss_fn: Callable[[Any, Any], Any],
         /,
         *,
-        scale: float = ...,
+        scale: Any = ...,
         doc_starts: Any = ...,
-    ) -> Any: ...
+    ) -> Any:
+        """`scale`: a number, or a float64 tensor on the device (1 / the step's count, which
+        the trainer does not read on the host)."""
+        ...
 
     def evaluate(
         self,
@@ -313,11 +316,16 @@ class ParallelModel(Protocol):
 
     def sum_over_data(self, value: Any, /) -> Any: ...
 
-    def clip_grad_norm_(self, max_norm: float | None, /) -> float:
-        """Clip the gradients to a global L2 norm (None: only measure it); returns the norm."""
+    def clip_grad_norm_(self, max_norm: float | None, /) -> Any:
+        """Clip the gradients to a global L2 norm (None: only measure it); returns the norm, a
+        float32 tensor on the device (not read, so the step waits for nothing)."""
         ...
 
-    def after_optimizer_step(self) -> None: ...
+    def after_optimizer_step(self, applied: Any = None, /) -> None:
+        """The modules' state updates after an optimizer step (`AfterOptimizerStep`);
+        `applied`: a boolean device tensor, False where the step was skipped: their state then
+        stays as it was, without the host reading the flag."""
+        ...
 
     def materialize(self, init: Callable[[Any], None], /) -> None:
         """Allocate parts built on the meta device on this rank's device; `init(part)` fills them."""
@@ -385,6 +393,10 @@ class TrainingRun(Protocol):
       Python-level randomness from it, not from the global `random` (libraries draw from that
       one at moments no run controls, e.g. botocore when it retries a request, so a resumed run
       could not continue it exactly);
+    - `record_metric(name, value, reduce="mean", better=None)`: add a number to this step's
+      logged metrics (`MetricRecorder`): a device tensor stays on the device until a logged step
+      reads every recorded value at once; `metric_directions`: which way each logged metric
+      improves (`"higher"` or `"lower"`);
     - `request_stop(reason)`: end the run after this step, without saving it; call it on every
       rank alike (decide from numbers all ranks share).
     """
@@ -446,7 +458,39 @@ class TrainingRun(Protocol):
     @property
     def random(self) -> Any: ...
 
+    def record_metric(
+        self, name: str, value: Any, /, *, reduce: Reduce = "mean", better: Better = None
+    ) -> None: ...
+
+    @property
+    def metric_directions(self) -> Mapping[str, str]: ...
+
     def request_stop(self, reason: str, /) -> None: ...
+
+
+# how a recorded metric combines the values of the ranks that read different data (the data
+# ranks) when it is logged: their mean, sum or largest; None: every rank holds the run's value
+Reduce = Literal["mean", "sum", "max"] | None
+REDUCTIONS: tuple[Reduce, ...] = ("mean", "sum", "max", None)
+# which way a metric improves, for the analysis commands (None: by its name's rule,
+# `metric_names.better_of`)
+Better = Literal["higher", "lower"] | None
+
+
+class MetricRecorder(Protocol):
+    """`record_metric(name, value, reduce=..., better=...)`: one call, from the step, an
+    objective or a callback, records a number for the step's logged metrics.
+
+    `value` is a device tensor (one element) or a number. Tensors are not read when recorded:
+    reading one waits for every kernel queued before it (a host sync), so a logged step reads
+    all of them at once, after one collective per reduction over the data ranks; a step that is
+    not logged reads nothing and its values are dropped. The latest value of a name in a step
+    is the one logged. `better`: which way the metric improves, written to `summary.json` for
+    the analysis commands (`compare`, `report`) to rank runs by."""
+
+    def __call__(
+        self, name: str, value: Any, /, *, reduce: Reduce = "mean", better: Better = None
+    ) -> None: ...
 
 
 class Callback:
@@ -460,7 +504,11 @@ class Callback:
     - `on_run_start(run)`: the loop is about to start, at `run.step` (0, or the resumed step).
     - `before_step(run, step)` / `after_step(run, step, metrics)`: around optimizer step `step`
       (1-based). `metrics` is the step's record: keys added here are logged with it when the step
-      is logged (every `training.log_every` steps, eval steps and the last one).
+      is logged (every `training.log_every` steps, eval steps and the last one). Its values are
+      numbers or one-element device tensors (`loss`, `grad_norm`, what was recorded with
+      `run.record_metric`); reading a tensor as a number (`float(x)`) waits for the device, a
+      stall of the step's kernel queue: leave them to the logged step, which reads them all at
+      once, or record new values with `run.record_metric` instead.
     - `before_eval(run, step)` / `after_eval(run, step, metrics)`: around the held-out evaluation;
       `metrics` holds `eval_loss`, `eval_ppl` and may gain more.
     - `on_log(run, step, metrics, rank_metrics)`: a logged step, before the loggers get `metrics`
@@ -483,7 +531,7 @@ class Callback:
 
     def before_step(self, run: TrainingRun, step: int) -> None: ...
 
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None: ...
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None: ...
 
     def before_eval(self, run: TrainingRun, step: int) -> None: ...
 
@@ -531,7 +579,8 @@ class ObjectiveContext:
     `plugins`: the run's plugin manager (to build a teacher model from its checkpoint);
     `averaged_ranks`: how many ranks' gradients the layout averages (those reading different
     tokens: data and context shards), which the layout makes up for by scaling the loss by it: a
-    term whose gradient must not grow with them divides by it."""
+    term whose gradient must not grow with them divides by it; `record_metric`: the run's
+    `MetricRecorder`, for the objective's own numbers (e.g. its loss terms)."""
 
     parts: Sequence[Any]
     device: Any
@@ -541,6 +590,7 @@ class ObjectiveContext:
     config: Mapping[str, Any] = attrs.Factory(dict)
     pipeline_stages: int = 1
     averaged_ranks: int = 1
+    record_metric: MetricRecorder | None = None
 
 
 class Objective(Protocol):
@@ -550,13 +600,12 @@ class Objective(Protocol):
 
     def __call__(self, logits: Any, targets: Any, /) -> Any: ...
 
-    def prepare(self, inputs: Any, targets: Any, count: float, /) -> Any:
+    def prepare(self, inputs: Any, targets: Any, count: Any, /) -> Any:
         """The targets parallel splits along dim 0 and hands back to the loss (the targets
-        themselves for cross-entropy); `count`: the step's global number of counted targets."""
-        ...
-
-    def metrics(self) -> dict[str, float]:
-        """Extra numbers for the step's logged metrics (may be empty); called once per step."""
+        themselves for cross-entropy); `count`: the step's global number of counted targets, a
+        float32 tensor on the device (use it in tensor arithmetic: reading it as a number would
+        stall the device every step). An objective's own numbers go to
+        `ObjectiveContext.record_metric`."""
         ...
 
 

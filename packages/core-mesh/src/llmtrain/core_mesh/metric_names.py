@@ -12,14 +12,21 @@ first section, and every other metric llmtrain logs has its own section after it
     progress/  tokens, loss_tokens
     tasks/     <task>/<metric> (the `downstream` callback's `downstream/<task>/<metric>`)
 
-A name that already has a `/` (a callback's `moe/...`) keeps its section; any other name goes to
-`other/<name>`. metrics.jsonl keeps the names the run logs (`loss`, `eval_loss`, ...): these are
-the dashboards' names only.
+A name that already has a `/` (a callback's `moe/...`, a metric recorded with
+`record_metric("optim/...", ...)`) keeps its section, so a new metric needs no entry here; any
+other name goes to `other/<name>`. metrics.jsonl keeps the names the run logs (`loss`,
+`eval_loss`, ...): these are the dashboards' names only.
+
+Which way a metric improves is said where it is recorded (`record_metric(..., better=...)`) and
+written to `summary.json`; `better_of` is the rule for metrics recorded without it (and runs
+written before directions were recorded): accuracies, F1, throughput and MFU improve upwards,
+every other metric (losses, perplexity, bits per byte) downwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Literal
 
 LOSS_SECTION = "loss"
 
@@ -72,3 +79,13 @@ def dashboard_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     named = {dashboard_name(name): value for name, value in metrics.items()}
     first = LOSS_SECTION + "/"
     return {k: named[k] for k in sorted(named, key=lambda k: (not k.startswith(first), k))}
+
+
+# a metric improves upwards when its last part starts with one of these (acc, acc_norm, f1, ...)
+HIGHER_IS_BETTER = ("acc", "f1", "exact_match", "mcc", "mfu", "tokens_per_s")
+
+
+def better_of(metric: str) -> Literal["higher", "lower"]:
+    """`downstream/hellaswag/acc_norm`: higher; `eval_loss`, `downstream/wiki/bits_per_byte`:
+    lower (the rule for metrics recorded without a direction)."""
+    return "higher" if metric.rsplit("/", 1)[-1].startswith(HIGHER_IS_BETTER) else "lower"

@@ -20,9 +20,11 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter], max_norm: float | None, pp_group: Any = None
-) -> float:
+) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most `max_norm` (None: only measure); return
-    the norm before clipping. `pp_group`: the pipeline group, whose stages hold disjoint params."""
+    the norm before clipping, a float32 tensor on the gradients' device: not read here, so the
+    step queues on without waiting for it. `pp_group`: the pipeline group, whose stages hold
+    disjoint params."""
     # (the parameters, their gradients) per group
     groups: dict[Any, tuple[list[torch.nn.Parameter], list[torch.Tensor]]] = {}
     for p in parameters:
@@ -44,4 +46,4 @@ def clip_grad_norm_(
     if max_norm is not None:
         for params, _ in groups.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm.item()
+    return norm

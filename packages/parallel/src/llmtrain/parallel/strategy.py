@@ -41,6 +41,15 @@ from llmtrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_pla
 
 # loss_fn(logits, targets) -> the summed loss over those targets (a scalar tensor)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# what a step's loss is multiplied by: a number, or a float64 tensor on the device (the trainer's
+# 1 / count, never read on the host)
+Scale = float | torch.Tensor
+
+
+def as_factor(scale: Scale) -> Scale:
+    """The factor a float32 loss is multiplied by: a float64 tensor becomes float32 here, as a
+    Python number is when it multiplies a float32 tensor, so both give the same bits."""
+    return scale.float() if isinstance(scale, torch.Tensor) else scale
 
 
 @runtime_checkable
@@ -77,10 +86,11 @@ class Parallelized:
     autocast_dtype: torch.dtype | None = None
     # the model's forward takes `head_fn` and its output is whole on this rank (no TP, no PP)
     head_fn_ok: bool = False
-    _pp_loss: tuple[LossFn, float] | None = None
+    # the pipeline's loss and its factor; None as the factor: the loss's value, zero gradient
+    _pp_loss: tuple[LossFn, Scale | None] | None = None
     _cp_seq_len: int = 0
     _dims: dict[str, DeviceMesh] = attrs.field(factory=dict)
-    _step_hooks: list[AfterOptimizerStep] | None = None
+    _step_hooks: list[nn.Module] | None = None
 
     # --- the layout ---
     def dim(self, name: str) -> DeviceMesh:
@@ -125,7 +135,7 @@ class Parallelized:
         targets: torch.Tensor,
         loss_fn: LossFn,
         *,
-        scale: float = 1.0,
+        scale: Scale = 1.0,
         doc_starts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward over this rank's batch (B, T) in `microbatches` pieces; returns
@@ -172,13 +182,16 @@ class Parallelized:
             dist.all_reduce(value, group=self.dim("dp").get_group())
         return value
 
-    def clip_grad_norm_(self, max_norm: float | None) -> float:
+    def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         """Clip to a global L2 norm across all ranks and stages (None: only measure it)."""
         pp_group = self.dim("pp").get_group() if self.size("pp") > 1 else None
         return clip_grad_norm_(self.parameters(), max_norm, pp_group)
 
-    def after_optimizer_step(self) -> None:
-        if self.options.float8:
+    def after_optimizer_step(self, applied: torch.Tensor | None = None) -> None:
+        """Float8 scales from the new weights, and the modules' own updates
+        (`AfterOptimizerStep`); where `applied` is False (a skipped step, decided on the device)
+        those modules' buffers keep their values: they are saved before and chosen after."""
+        if self.options.float8:  # recomputed from the weights: the same for unchanged ones
             precompute_float8_scales(self.parts)
         if self._step_hooks is None:
             self._step_hooks = [
@@ -188,7 +201,11 @@ class Parallelized:
                 if isinstance(m, AfterOptimizerStep)
             ]
         for module in self._step_hooks:
+            before = None if applied is None else keep_buffers(module)
+            assert isinstance(module, AfterOptimizerStep)
             module.after_optimizer_step(self._sum_over_token_ranks)
+            if before is not None and applied is not None:
+                restore_unless(applied, before)
 
     def _sum_over_token_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """A per-rank count summed over every rank that saw different tokens (data and context
@@ -300,10 +317,11 @@ class Parallelized:
         tokens: torch.Tensor,
         targets: torch.Tensor,
         loss_fn: LossFn,
-        scale: float,
+        scale: Scale,
         kwargs: dict[str, torch.Tensor],
     ) -> torch.Tensor:
         n = self.microbatches
+        factor = as_factor(scale * self._grad_average)
         if tokens.size(0) % n:
             raise ValueError(
                 f"a batch of {tokens.size(0)} sequences does not split into {n} micro-batches"
@@ -320,25 +338,25 @@ class Parallelized:
                 set_gradient_sync(self.parts[0], i == n - 1)
             loss = self._loss(tok, tgt, loss_fn, dict(zip(kwargs, extra, strict=True)))
             # torch's Tensor.backward has no annotations
-            (loss * (scale * self._grad_average)).backward()  # type: ignore[no-untyped-call]
+            (loss * factor).backward()  # type: ignore[no-untyped-call]
             total = total + loss.detach().float()
         return total
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._pp_loss is None:
             raise RuntimeError("the pipeline schedule computed a loss outside a step")
-        loss_fn, scale = self._pp_loss
+        loss_fn, factor = self._pp_loss
         loss = loss_fn(output, target)
-        if scale == 0.0:
+        if factor is None:
             return loss * 0.0 + loss.detach()  # the loss's value, a zero gradient
-        return loss * scale
+        return loss * factor
 
     def _pipeline_step(
         self,
         tokens: torch.Tensor,
         targets: torch.Tensor,
         loss_fn: LossFn,
-        scale: float,
+        scale: Scale,
         kwargs: dict[str, torch.Tensor],
         *,
         train: bool,
@@ -347,25 +365,24 @@ class Parallelized:
         # the last stage computes the loss: the schedule fills `losses` there, nowhere else
         target: torch.Tensor | None = targets if self.has_last_stage else None
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        factor: Scale = 1.0
         if train:
-            scale = scale * self._grad_average
-            self._pp_loss = (loss_fn, scale)
+            factor = as_factor(scale * self._grad_average)
+            self._pp_loss = (loss_fn, factor)
             self.schedule.step(*args, target=target, losses=losses, **kwargs)
         elif self.options.pipeline.schedule in V_SCHEDULES:
             # torch's eval() of the V schedules still runs their backward actions; run a
             # training step whose gradient is zero instead (costs a backward; gradients keep
             # their values, parameters without one get zeros)
-            scale = 1.0
-            self._pp_loss = (loss_fn, 0.0)
+            self._pp_loss = (loss_fn, None)
             with torch.enable_grad():
                 self.schedule.step(*args, target=target, losses=losses, **kwargs)
         else:
-            scale = 1.0
             self._pp_loss = (loss_fn, 1.0)
             self.schedule.eval(*args, target=target, losses=losses, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses or ():
-            total = total + loss.detach().float() / scale
+            total = total + loss.detach().float() / factor
         return total
 
     def _reduce_shared(self, total: torch.Tensor) -> torch.Tensor:
@@ -506,3 +523,15 @@ class DefaultStrategy:
             apply_fsdp(part, modules, device_mesh[dims], options, pipelined=size["pp"] > 1)
         elif size["dp_replicate"] > 1:
             apply_ddp(part, modules, device_mesh["dp_replicate"], options)
+
+
+def keep_buffers(module: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(buffer, a copy of its value) for each buffer of `module` itself."""
+    return [(b, b.detach().clone()) for b in module.buffers(recurse=False)]
+
+
+@torch.no_grad()
+def restore_unless(applied: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each buffer takes back its kept value where `applied` is False, on the device."""
+    for buffer, value in kept:
+        torch.where(applied, buffer, value, out=buffer)

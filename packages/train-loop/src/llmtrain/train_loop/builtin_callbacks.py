@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -98,6 +99,8 @@ class Summary(Callback):
             "params": run.description.n_params,
             "non_embedding_params": run.description.n_non_embedding_params,
             "flops_per_token": run.description.flops_per_token(run.config.data.seq_len),
+            # which way each logged metric improves, for `compare` and `report` to rank by
+            "better": dict(sorted(run.metric_directions.items())),
         }
         data = (json.dumps(summary, indent=1) + "\n").encode()
         tmp = run.run_dir / "summary.json.tmp"
@@ -157,7 +160,7 @@ class WatchdogCallback(ClosedAtTheEnd):
     def before_step(self, run: TrainingRun, step: int) -> None:
         self._started().start("step", step)
 
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None:
         self._started().end()
 
     def before_eval(self, run: TrainingRun, step: int) -> None:
@@ -199,7 +202,7 @@ class ProfilerCallback(ClosedAtTheEnd):
     def before_step(self, run: TrainingRun, step: int) -> None:
         self._started().before_step(step, run.total_steps)
 
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None:
         self._started().after_step()
 
     def close(self) -> None:
@@ -220,7 +223,7 @@ class Throughput(Callback):
     def on_run_start(self, run: TrainingRun) -> None:
         self._new_window(run, time.perf_counter())
 
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None:
         self.steps += 1
 
     def on_log(

@@ -62,7 +62,7 @@ class DownstreamEvaluation(Callback):
         for task in self.tasks:
             task.items()  # read and check the files now, not at the first evaluation
 
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None:
         due = step % self.options.every == 0 or (self.options.at_end and step == run.total_steps)
         if due:
             metrics.update(self.evaluate(run))

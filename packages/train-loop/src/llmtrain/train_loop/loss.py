@@ -30,16 +30,24 @@ class AuxiliaryTerms:
     layout scales the summed loss by `averaged_ranks / count` (FSDP and DDP then average over
     those ranks), so each forward's `aux` gets gradient 1 before the average, as the models' own
     injection gives it (the same numbers at any layout as before the seam), and the logged loss
-    stays the cross-entropy. `count`: the step's global number of counted targets, set by
-    `prepare`; `averaged_ranks`: `ObjectiveContext.averaged_ranks`."""
+    stays the cross-entropy. `count`: the step's global number of counted targets (a device
+    tensor, never read on the host), set by `prepare`; `averaged_ranks`:
+    `ObjectiveContext.averaged_ranks`."""
 
     parts: Sequence[AuxiliaryLosses]
     averaged_ranks: int = 1
-    count: float = 1.0
+    count: torch.Tensor | float = 1.0
 
     def term(self) -> torch.Tensor:
         aux = sum((part.aux_loss() for part in self.parts), torch.zeros(()))
-        return (aux - aux.detach()) * (self.count / self.averaged_ranks)
+        # the quotient in float64, rounded to float32 once: the bits a Python number gave
+        count = self.count
+        factor = (
+            (count.double() / self.averaged_ranks).float()
+            if isinstance(count, torch.Tensor)
+            else count / self.averaged_ranks
+        )
+        return (aux - aux.detach()) * factor
 
 
 @attrs.frozen
@@ -76,14 +84,13 @@ class CrossEntropySum:
         return loss if self.aux is None else loss + self.aux.term()
 
     # the `objective` seam (core-mesh interfaces.Objective): cross-entropy reads the targets as
-    # they are and logs nothing beyond the loss
-    def prepare(self, inputs: torch.Tensor, targets: torch.Tensor, count: float, /) -> torch.Tensor:
+    # they are and records nothing beyond the loss
+    def prepare(
+        self, inputs: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, /
+    ) -> torch.Tensor:
         if self.aux is not None:
             self.aux.count = count
         return targets
-
-    def metrics(self) -> dict[str, float]:
-        return {}
 
 
 def cross_entropy_sum(z_loss: float = 0.0, *, compile_chunks: bool = False) -> CrossEntropySum:

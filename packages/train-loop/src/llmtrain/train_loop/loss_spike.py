@@ -1,7 +1,8 @@
 """The loss-spike monitor (callback kind `loss_spike`): a step whose loss exceeds `factor` x the
 median of the recent losses is a spike. It is logged on every rank with what was in the batch
 (the global sequence range of the data order, each data rank's own loss, each rank's sample
-indices), marked in the step's metrics, and optionally stops the run.
+indices), marked in the step's metrics, and optionally stops the run. Judging every step reads
+every step's loss on the host: a sync per step that runs without this callback do not make.
 
 The judged loss is the run's (the same number on every rank), so every rank decides alike and
 may gather at a spike. The window of recent losses and the spike count travel in checkpoints: a
@@ -66,9 +67,12 @@ class LossSpikeMonitor(Callback):
         self.spikes = int(state["spikes"])
 
     # --- events ---
-    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
-        loss = metrics.get("loss")
-        if loss is None or not math.isfinite(loss):
+    def after_step(self, run: TrainingRun, step: int, metrics: dict[str, Any]) -> None:
+        if "loss" not in metrics:
+            return
+        # judged at every step, so read at every step: the one host sync this monitor costs
+        loss = float(metrics["loss"])
+        if not math.isfinite(loss):
             return  # nothing counted, or non-finite: training.non_finite deals with those
         median = self.judge(loss)
         if median is None:

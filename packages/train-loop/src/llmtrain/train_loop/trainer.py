@@ -15,7 +15,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,11 +38,13 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.core_mesh.interfaces import (
+    Better,
     MetricsSink,
     Objective,
     ObjectiveContext,
     ParallelModel,
     ParallelStrategy,
+    Reduce,
     RunInfo,
     Tokenizer,
 )
@@ -70,6 +72,7 @@ from llmtrain.train_loop import callbacks, observe, warm_start
 from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
 from llmtrain.train_loop.downstream_eval import METRIC_PREFIX as DOWNSTREAM_PREFIX
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
+from llmtrain.train_loop.metrics import MetricRecorder, StepMetrics, combine_over
 from llmtrain.train_loop.prefetch import Prefetcher
 from llmtrain.train_loop.run_config import (
     RunConfig,
@@ -84,8 +87,14 @@ from llmtrain.train_loop.schedules import (
     decay_start,
     schedule_change,
 )
+from llmtrain.train_loop.step_gate import step_where
+from llmtrain.train_loop.step_health import StepHealth
 
 log = structlog.get_logger("llmtrain.train")
+
+
+# the prefix the step-health counts are read under, beside the step's metrics
+HEALTH = "step_health/"
 
 
 class NonFiniteError(UserError):
@@ -232,6 +241,10 @@ class Trainer:
         self.model.materialize(_init_weights)
         if c.training.init == "full":
             self.model.load_full_state_dict(self._initial_weights())
+        # the step's numbers stay on the device until a logged step reads them
+        data_group = self.model.dim("dp").get_group() if self.model.data_world > 1 else None
+        self.recorder = MetricRecorder(combine_over(data_group), self.model.data_world)
+        self.health = StepHealth(self.device)
         # the chunked form of the loss compiles its softmax on CUDA when the run compiles
         compiles = getattr(plugins.options_of("parallel", c.parallel), "compile", False)
         self.objective = self._objective(bool(compiles))
@@ -475,6 +488,7 @@ class Trainer:
             pipeline_stages=c.mesh.pp,
             plugins=plugins,
             averaged_ranks=self.model.size("dp_cp"),
+            record_metric=self.recorder.record,
         )
         return plugins.build(OBJECTIVE, choice, context)
 
@@ -522,7 +536,7 @@ class Trainer:
                 metrics = self._next_step(data)
                 self.counters["elapsed_s"] = elapsed + time.perf_counter() - started
                 self._log_and_save(metrics)
-                if preemption.should_stop():
+                if self._votes_now(metrics) and preemption.should_stop():
                     self._save_last()
                     log.warning(
                         "run.preempted",
@@ -541,7 +555,26 @@ class Trainer:
                 preemption.restore()
             self.checkpoints.close()
 
-    def _next_step(self, data: Prefetcher) -> dict[str, float]:
+    def _votes_now(self, metrics: StepMetrics) -> bool:
+        """Whether this step asks the ranks if any was signalled to stop: every step with one
+        process (a flag, nothing to read); with several, a collective whose result the host
+        reads, so only at steps that read the device anyway (logged and saved ones)."""
+        return self.world.world_size == 1 or self._logs_now(metrics) or self._saves_now()
+
+    def _logs_now(self, metrics: StepMetrics) -> bool:
+        """Every `log_every` steps, the last step, and steps that evaluated."""
+        return (
+            self.step % self.config.training.log_every == 0
+            or self.step == self.total_steps
+            or "eval_loss" in metrics
+            or any(name.startswith(DOWNSTREAM_PREFIX) for name in metrics)
+        )
+
+    def _saves_now(self) -> bool:
+        every = self.config.training.checkpoint_every
+        return every is not None and every > 0 and self.step % every == 0
+
+    def _next_step(self, data: Prefetcher) -> StepMetrics:
         """One step with its batch, its callbacks and, when due, the evaluation."""
         self.callbacks.emit("before_step", self, self.step + 1)
         waited = time.perf_counter()
@@ -558,20 +591,20 @@ class Trainer:
             self.callbacks.emit("after_eval", self, self.step, metrics)
         return metrics
 
-    def _log_and_save(self, metrics: dict[str, float]) -> None:
-        training = self.config.training
-        if (
-            self.step % training.log_every == 0
-            or self.step == self.total_steps
-            or "eval_loss" in metrics
-            or any(name.startswith(DOWNSTREAM_PREFIX) for name in metrics)
-        ):
-            self._log(metrics)
-        if training.checkpoint_every and self.step % training.checkpoint_every == 0:
+    def _log_and_save(self, metrics: StepMetrics) -> None:
+        """A logged step reads its metrics (and a saved one the skipped steps, which the
+        checkpoint counts); other steps read nothing from the device."""
+        logs, saves = self._logs_now(metrics), self._saves_now()
+        if logs or saves:
+            values = self._read(metrics)
+            if logs:
+                self._log(values)
+        if saves:
             self.save()
 
     def _save_last(self) -> None:
         if self.saved_step != self.step:
+            self._read({})  # the skipped steps the checkpoint counts
             self.save(blocking=True)
         self.checkpoints.wait()
 
@@ -584,20 +617,71 @@ class Trainer:
         tokenizer: Tokenizer = tokenizer_from_raw(packed["spec"], self.plugins)
         return tokenizer
 
+    def record_metric(
+        self, name: str, value: Any, /, *, reduce: Reduce = "mean", better: Better = None
+    ) -> None:
+        """Add a number (a device tensor, read only if the step is logged) to this step's
+        metrics: core-mesh's `MetricRecorder`."""
+        self.recorder.record(name, value, reduce=reduce, better=better)
+
+    @property
+    def metric_directions(self) -> dict[str, str]:
+        """Which way each logged metric improves ("higher" or "lower")."""
+        return dict(self.recorder.directions)
+
     def request_stop(self, reason: str) -> None:
         """End the run after this step without saving it (a callback's call: the steps since
         the last checkpoint are not kept). `summary.json` says `stopped`."""
         self.stop_reason = reason
 
-    def train_step(self, batch: dict[str, np.ndarray]) -> dict[str, float]:
-        """One optimizer step over this rank's share of the global batch."""
+    def train_step(self, batch: dict[str, np.ndarray]) -> StepMetrics:
+        """One optimizer step over this rank's share of the global batch. Nothing in it reads
+        the device: the loss, the gradient norm and whether the step was applied stay there
+        until a logged or saved step reads them (`_read`)."""
         c = self.config
+        metrics = self.recorder.new_step()
         inputs, targets, doc_starts = self._to_device(batch)
         # the first collective of the step: ranks that got here early wait for the slowest
+        # (where collectives block the host, as gloo's do; NCCL's are queued)
         waited = time.perf_counter()
         local_count = (targets != IGNORE).sum().float()
-        count = self.model.sum_over_data(local_count.clone()).item()
+        count = self.model.sum_over_data(local_count.clone())
         self.sync_wait_s += time.perf_counter() - waited
+        lr = self._set_lr()
+        # 1 / count in float64, as the Python number it was: the layout rounds it to float32
+        # where it multiplies the loss, so the gradients have the same bits. A step whose loss
+        # mask counted nothing divides by 1 (its loss is 0) and is not applied.
+        scale = 1.0 / count.double().clamp(min=1.0)
+        local = self.model.forward_backward(
+            inputs,
+            self.objective.prepare(inputs, targets, count),
+            self.objective,
+            scale=scale,
+            doc_starts=doc_starts,
+        )
+        self.last_local_loss = (local.detach(), local_count)
+        loss = self.model.sum_over_data(local) / count
+        grad_norm = self.model.clip_grad_norm_(c.training.max_grad_norm)
+        self.step += 1
+        applied = self.health.check(self.step, loss, grad_norm, count)
+        step_where(self._all_optimizers(), applied)
+        self.model.after_optimizer_step(applied)
+        for opt in self._all_optimizers():
+            opt.zero_grad(set_to_none=True)
+        self._advance()
+        own = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        if self.train_data.loss_mask:
+            own["loss_tokens"] = count
+        # the trainer's own numbers first, then what the objective recorded (the logged order)
+        recorded = dict(metrics)
+        metrics.clear()
+        metrics.update(own)
+        metrics.update((k, v) for k, v in recorded.items() if k not in own)
+        return metrics
+
+    def _set_lr(self) -> float:
+        """Set this step's scheduled lr on every group; returns the one logged: the configured
+        lr times the schedule, whatever a group's µP multiplier."""
         lr_factor = self.lr_factor(self.step)
         for opt in self._all_optimizers():
             for group in opt.param_groups:
@@ -605,35 +689,7 @@ class Trainer:
                 # a µP group (optim.multiplier_groups) keeps its multiplier on top
                 multiplier = group.get("lr_multiplier")
                 group["lr"] = scheduled if multiplier is None else scheduled * multiplier
-        # logged: the configured lr times the schedule, whatever a group's µP multiplier
-        lr = self.optimizers[0][0].param_groups[0]["base_lr"] * lr_factor
-        if count == 0:
-            return self._nothing_counted(lr)
-        local = self.model.forward_backward(
-            inputs,
-            self.objective.prepare(inputs, targets, count),
-            self.objective,
-            scale=1.0 / count,
-            doc_starts=doc_starts,
-        )
-        self.last_local_loss = (local.detach(), local_count)
-        loss = (self.model.sum_over_data(local) / count).item()
-        grad_norm = self.model.clip_grad_norm_(c.training.max_grad_norm)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
-            for opt in self._all_optimizers():
-                opt.step()
-            self.model.after_optimizer_step()
-        for opt in self._all_optimizers():
-            opt.zero_grad(set_to_none=True)
-        self.step += 1
-        if not finite:
-            self._non_finite(loss, grad_norm)
-        self._advance()
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, **self.objective.metrics()}
-        if self.train_data.loss_mask:
-            metrics["loss_tokens"] = count
-        return metrics
+        return float(self.optimizers[0][0].param_groups[0]["base_lr"] * lr_factor)
 
     def _advance(self) -> None:
         self.counters["step"] = self.step
@@ -654,33 +710,46 @@ class Trainer:
         doc_starts = torch.from_numpy(doc).to(self.device) if doc is not None else None
         return inputs, targets, doc_starts
 
-    def _nothing_counted(self, lr: float) -> dict[str, float]:
-        """A global batch whose loss mask counts no token: nothing to learn, no update (an
-        optimizer step on zero gradients would still move the weights through its momentum)."""
-        self.step += 1
-        log.warning(
-            "step.no_counted_tokens",
-            step=self.step,
-            message="the loss mask counts no token of this step's global batch; the step "
-            "made no update",
-        )
-        self._advance()
-        return {"grad_norm": 0.0, "lr": lr, "loss_tokens": 0}
+    def _read(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """The step's metrics as numbers, and the steps not applied since the last read (judged
+        by `training.non_finite`): one host sync for both."""
+        health = {HEALTH + k: v for k, v in self.health.tensors().items()}
+        values = self.recorder.read({**metrics, **health})
+        self.health.reset()
+        counts = {k.removeprefix(HEALTH): values.pop(k) for k in health}
+        if counts["empty"]:
+            log.warning(
+                "step.no_counted_tokens",
+                step=int(counts["first_empty"]),
+                steps=int(counts["empty"]),
+                message="the loss mask counts no token of the global batch of "
+                f"{int(counts['empty'])} step(s) since the last logged step, the first step "
+                f"{int(counts['first_empty'])}; they made no update",
+            )
+        if values.get("loss_tokens") == 0:  # this step counted nothing: it has no loss
+            values.pop("loss", None)
+            values["grad_norm"] = 0.0
+        if counts["non_finite"]:
+            self._non_finite(counts)
+        return values
 
-    def _non_finite(self, loss: float, grad_norm: float) -> None:
+    def _non_finite(self, counts: Mapping[str, float]) -> None:
+        """`training.non_finite` on the steps since the last read that were not finite."""
         policy = self.config.training.non_finite
-        what = f"loss {loss}, gradient norm {grad_norm}"
-        skipped = int(self.counters["skipped"]) + 1
+        first, n = int(counts["first_non_finite"]), int(counts["non_finite"])
+        what = f"loss {counts['first_loss']}, gradient norm {counts['first_grad_norm']}"
+        skipped = int(self.counters["skipped"]) + n
         self.counters["skipped"] = skipped
         if policy.action == "skip" and skipped <= policy.max_skips:
-            log.warning("step.skipped", step=self.step, reason=what, skipped=skipped)
+            log.warning("step.skipped", step=first, steps=n, reason=what, skipped=skipped)
             return
         self.checkpoints.wait()
         last = self.checkpoints.latest_step()
         kept = f"the last good checkpoint is step {last}" if last else "no checkpoint was saved"
         limit = f" after {policy.max_skips} skipped steps" if policy.action == "skip" else ""
+        found = f" (found at step {self.step})" if first != self.step else ""
         raise NonFiniteError(
-            f"step {self.step}: {what} is not finite{limit}; the step was not applied and "
+            f"step {first}: {what} is not finite{limit}{found}; the step was not applied and "
             f"{kept}. Lower optimizer.lr, check the data, or set "
             "training.non_finite.action: skip"
         )
@@ -715,12 +784,17 @@ class Trainer:
         self.callbacks.emit("after_save", self, self.step)
         self.saved_step = self.step
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    def _log(self, metrics: dict[str, Any]) -> None:
         """A logged step: callbacks add to the record, then this rank's JSON log line (its own
         values where they differ) and the loggers (rank 0) get it."""
         metrics["tokens"] = self.counters["tokens"]
         rank_metrics: dict[str, float] = {}
         self.callbacks.emit("on_log", self, self.step, metrics, rank_metrics)
+        # what callbacks recorded in on_log (another read, only when they did)
+        late = self.recorder.new_step()
+        if late:
+            metrics.update(self.recorder.read(late))
+        self.recorder.seen(metrics)
         line = {**metrics, **rank_metrics}
         log.debug("step", step=self.step, **{k: round(v, 6) for k, v in line.items()})
         for sink in self.sinks:

@@ -1,0 +1,59 @@
+"""A training step reads nothing from the device: llmtrain's code calls no `item`, `tolist`,
+`__float__`, `__bool__`, `cpu`, ... on a tensor inside a step, nor after a step that is neither
+logged nor saved. Counted by a TorchFunctionMode over real runs (host_sync_worker.py), in one
+process and in two FSDP ranks; torch's own calls (its CPU optimizers read their step counters
+with `item()`) are not ours and not counted."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from support import torchrun
+from train_support import pack_corpus, run, run_config, write_config
+
+WORKER = Path(__file__).with_name("host_sync_worker.py")
+STEPS, LOG_EVERY, SAVE_EVERY, EVAL_EVERY = 12, 4, 6, 12
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("syncs")
+    config = run_config(pack_corpus(tmp / "data"), tmp / "runs")
+    config["data"]["eval"]["every"] = EVAL_EVERY
+    config["training"].update(steps=STEPS, log_every=LOG_EVERY, checkpoint_every=SAVE_EVERY)
+    return config
+
+
+def check(record: dict) -> None:
+    logged = {s for s in range(1, STEPS + 1) if s % LOG_EVERY == 0 or s == STEPS}
+    saved = {s for s in range(1, STEPS + 1) if s % SAVE_EVERY == 0}
+    assert record["logged"] == sorted(logged)
+    assert record["inside"] == {}, "host reads inside a step"
+    after = {int(step): calls for step, calls in record["after"].items()}
+    quiet = {step: calls for step, calls in after.items() if step not in logged | saved}
+    assert quiet == {}, "host reads after a step that is neither logged nor saved"
+    # a logged step reads its metrics once: one tolist, whatever the number of metrics
+    for step in logged:
+        reads = [c for c in after.get(step, []) if "metrics.py" in c]
+        assert len(reads) == 1, (step, after.get(step))
+
+
+def test_one_process_reads_the_device_only_at_logged_and_saved_steps(config, tmp_path):
+    config = {**config, "name": "one", "run_dir": str(tmp_path / "runs")}
+    path = write_config(tmp_path / "run.yaml", config)
+    out = tmp_path / "reads.json"
+    run([sys.executable, str(WORKER), str(path), str(out)], timeout=600)
+    check(json.loads(out.read_text()))
+
+
+def test_fsdp_ranks_read_the_device_only_at_logged_and_saved_steps(config, tmp_path):
+    config = {**config, "name": "fsdp", "run_dir": str(tmp_path / "runs")}
+    config["mesh"] = {"dp_shard": 2}
+    path = write_config(tmp_path / "run.yaml", config)
+    out = tmp_path / "reads.json"
+    torchrun(WORKER, path, out, nproc=2, timeout=600)
+    for rank in (0, 1):
+        check(json.loads(Path(f"{out}.rank{rank}").read_text()))
