@@ -1,7 +1,8 @@
 """Trains a run config (argv[1]) in this process, or as one rank of torchrun, counting the
 calls llmtrain's own code makes that read a tensor on the host (`HOST_READS`), by the step they
 happen in; writes them to argv[2] (with `.rank<N>` appended under torchrun) as JSON:
-{"logged": [...], "inside": {step: [callers]}, "after": {step: [callers]}}.
+{"logged": [...], "inside": {step: [callers]}, "after": {step: [callers]}}. Each step also
+records `probe/steps` (the step number, summed over the data ranks) with `record_metric`.
 
 `inside` holds the calls between a step's `before_step` and `after_step` (the step itself);
 `after` the calls between `after_step` and the next step (the logging, saving and stop votes).
@@ -76,6 +77,8 @@ class Counter(TorchFunctionMode, Callback):
 
     def after_step(self, run, step, metrics):
         self.phase = ("after", step)
+        # a metric of this rank, summed over the data ranks when a logged step reads it
+        run.record_metric("probe/steps", torch.tensor(float(step)), reduce="sum", better="higher")
 
     def on_log(self, run, step, metrics, rank_metrics):
         self.logged.append(step)

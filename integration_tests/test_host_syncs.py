@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from support import torchrun
-from train_support import pack_corpus, run, run_config, write_config
+from train_support import by_step, pack_corpus, read_metrics, run, run_config, write_config
 
 WORKER = Path(__file__).with_name("host_sync_worker.py")
 STEPS, LOG_EVERY, SAVE_EVERY, EVAL_EVERY = 12, 4, 6, 12
@@ -47,6 +47,7 @@ def test_one_process_reads_the_device_only_at_logged_and_saved_steps(config, tmp
     out = tmp_path / "reads.json"
     run([sys.executable, str(WORKER), str(path), str(out)], timeout=600)
     check(json.loads(out.read_text()))
+    recorded(tmp_path / "runs" / "one", data_ranks=1)
 
 
 def test_fsdp_ranks_read_the_device_only_at_logged_and_saved_steps(config, tmp_path):
@@ -57,3 +58,18 @@ def test_fsdp_ranks_read_the_device_only_at_logged_and_saved_steps(config, tmp_p
     torchrun(WORKER, path, out, nproc=2, timeout=600)
     for rank in (0, 1):
         check(json.loads(Path(f"{out}.rank{rank}").read_text()))
+    recorded(tmp_path / "runs" / "fsdp", data_ranks=2)
+
+
+def recorded(run_dir: Path, data_ranks: int) -> None:
+    """The worker's `record_metric("probe/steps", step, reduce="sum", better="higher")`: in the
+    logged lines, summed over the data ranks, and its direction in summary.json beside the
+    built-in metrics'."""
+    metrics = by_step(read_metrics(run_dir))
+    assert {s: m["probe/steps"] for s, m in metrics.items()} == {
+        s: float(s * data_ranks) for s in (4, 8, 12)
+    }
+    better = json.loads((run_dir / "summary.json").read_text())["better"]
+    assert better["probe/steps"] == "higher"
+    assert better["loss"] == better["eval_loss"] == "lower"
+    assert better["tokens_per_s"] == "higher"

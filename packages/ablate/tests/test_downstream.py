@@ -123,11 +123,25 @@ def final_and_best(values: list[float], higher: bool) -> tuple[float, float]:
 
 
 def test_which_way_is_best():
-    assert runs.higher_is_better("downstream/hellaswag/acc")
+    assert runs.higher_is_better("downstream/hellaswag/acc")  # the name's rule
     assert runs.higher_is_better("downstream/hellaswag/acc_norm")
     assert not runs.higher_is_better("downstream/lambada/perplexity")
     assert not runs.higher_is_better("downstream/wiki/bits_per_byte")
     assert not runs.higher_is_better("eval_loss")
+
+
+def test_the_direction_a_run_recorded_wins_over_the_name(tmp_path):
+    def run(better: dict | None) -> runs.Run:
+        summary = None if better is None else {"status": "finished", "better": better}
+        return runs.Run(tmp_path, {}, [], summary)
+
+    # a metric the name rule reads as a loss, recorded as improving upwards
+    assert runs.higher_is_better("probe/score", [run({"probe/score": "higher"})])
+    assert not runs.higher_is_better("probe/score", [run(None), run({"other": "higher"})])
+    # an accuracy-named metric recorded as improving downwards
+    assert not runs.higher_is_better("x/acc_gap", [run({"x/acc_gap": "lower"})])
+    # runs written before directions were recorded: the rule
+    assert runs.higher_is_better("x/acc_gap", [run(None)])
 
 
 def test_downstream_metrics_found_and_their_steps(sweep):

@@ -34,6 +34,7 @@ class Comparison:
     differences: dict[int, Difference | None]
     # per row index: (the row's values, the baseline's values, paired), as tested
     values: dict[int, tuple[list[float], list[float], bool]] = attrs.Factory(dict)
+    higher_is_better: bool = False  # the result's direction
 
     def cell(self, index: int, fmt: Callable[[float], str]) -> str:
         if index == self.baseline:
@@ -117,7 +118,9 @@ def compare_rows(rows: Sequence[Row], baseline: int, result: Result, alpha: floa
     adjusted = holm([d.p for d in tested.values()])
     for (i, d), p in zip(tested.items(), adjusted, strict=True):
         differences[i] = attrs.evolve(d, p_adjusted=p)
-    return Comparison(baseline, result.name, alpha, differences, tested_values)
+    return Comparison(
+        baseline, result.name, alpha, differences, tested_values, result.higher_is_better
+    )
 
 
 def _values(runs: Sequence[Run], result: Result) -> list[float]:

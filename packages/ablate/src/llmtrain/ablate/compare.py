@@ -82,7 +82,7 @@ def _best(run: Run, metric: str) -> Point | None:
     points = [p for p in _points(run, metric) if not math.isnan(p[0])]
     if not points:
         return None
-    pick = max if higher_is_better(metric) else min
+    pick = max if higher_is_better(metric, [run]) else min
     return pick(points, key=lambda p: p[0])
 
 
@@ -114,11 +114,11 @@ def has_interval(metric: str) -> bool:
     return not metric.rsplit("/", 1)[-1].startswith(NO_INTERVAL)
 
 
-def metric_results(metric: str) -> list[Result]:
+def metric_results(metric: str, runs: Sequence[Run] = ()) -> list[Result]:
     """`final_<metric>` (its last logged value) and `best_<metric>` (the highest for
-    accuracies, the lowest for losses, perplexities, bits per byte), each with the
-    `<metric>_stderr` logged at the same step."""
-    higher = higher_is_better(metric)
+    accuracies, the lowest for losses, perplexities, bits per byte: as `runs` recorded it),
+    each with the `<metric>_stderr` logged at the same step."""
+    higher = higher_is_better(metric, runs)
     interval = has_interval(metric)
     results = []
     for prefix, choose in (("final", _final), ("best", _best)):
@@ -167,24 +167,27 @@ RESULTS = [
         "tokens_per_s",
         lambda r: _steady(r, "tokens_per_s"),
         lambda v: f"{v:,.0f}",
+        higher_is_better=True,
         interval=False,
     ),
     Result(
         "mfu",
         lambda r: _steady(r, "mfu"),
         lambda v: f"{100 * v:.1f}%",
+        higher_is_better=True,
         interval=False,
     ),
     Result("wall_time_s", _wall, lambda v: f"{v:,.1f}", interval=False),
 ]
 
 
-def results_for(metrics: Sequence[str] = ()) -> list[Result]:
-    """RESULTS, then a final and a best column for each of `metrics` not among them."""
+def results_for(metrics: Sequence[str] = (), runs: Sequence[Run] = ()) -> list[Result]:
+    """RESULTS, then a final and a best column for each of `metrics` not among them (which
+    way each improves: as `runs` recorded it)."""
     results = list(RESULTS)
     for metric in metrics:
         known = {r.name for r in results}
-        results += [r for r in metric_results(metric) if r.name not in known]
+        results += [r for r in metric_results(metric, runs) if r.name not in known]
     return results
 
 
@@ -227,7 +230,7 @@ def table(
 ) -> tuple[list[str], list[Row]]:
     """(the varied keys, one row per setting: seeds together unless `per_run`). Each of
     `metrics` adds `final_<metric>` and `best_<metric>` columns (`metric_results`)."""
-    results = results_for(metrics)
+    results = results_for(metrics, runs)
     keys = varied_keys(runs)
     if per_run:
         groups = [({k: run.settings.get(k) for k in keys}, [run]) for run in runs]

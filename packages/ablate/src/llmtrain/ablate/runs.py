@@ -19,6 +19,7 @@ import attrs
 import yaml
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.metric_names import better_of
 
 # keys that name where a run lives, not what it does
 PLACE_KEYS = ("name", "run_dir", "checkpoint.dir")
@@ -31,9 +32,6 @@ EVAL_TASKS = "eval_tasks.json"
 # how eval-tasks scored a task, recorded beside its scores (not metrics)
 EVAL_TASKS_SETTINGS = ("shots", "seed", "limit", "max_len")
 STDERR = "_stderr"  # `<metric>_stderr`: the standard error of `<metric>`, logged beside it
-# a metric is best high when its last part starts with one of these (acc, acc_norm, f1, ...);
-# every other metric (losses, perplexity, bits_per_byte) is best low
-HIGHER_IS_BETTER = ("acc", "f1", "exact_match", "mcc", "mfu", "tokens_per_s")
 # logged beside a task's metrics, not results: items whose context was cut, time taken
 BOOKKEEPING = ("truncated", "items", "seconds")
 
@@ -199,9 +197,17 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
     return runs
 
 
-def higher_is_better(metric: str) -> bool:
-    """`downstream/hellaswag/acc_norm`: True; `eval_loss`, `downstream/wiki/bits_per_byte`: False."""
-    return metric.rsplit("/", 1)[-1].startswith(HIGHER_IS_BETTER)
+def higher_is_better(metric: str, runs: Iterable[Run] = ()) -> bool:
+    """Whether `metric` improves upwards: as the first of `runs` that recorded its direction
+    says (summary.json's `better`, written by the run from where the metric was recorded),
+    else by core-mesh's rule for the name (`better_of`: accuracies, F1, throughput, MFU up;
+    losses, perplexity, bits per byte down)."""
+    for run in runs:
+        recorded = (run.summary or {}).get("better")
+        said = recorded.get(metric) if isinstance(recorded, dict) else None
+        if said in ("higher", "lower"):
+            return bool(said == "higher")
+    return better_of(metric) == "higher"
 
 
 def is_number(value: object) -> TypeGuard[float]:  # int or float, not bool

@@ -54,6 +54,7 @@ class Curve:
     settings: dict[str, Any]  # the group key and the keys stepped with it (empty: no group)
     metric: str
     points: tuple[Point, ...]  # by x
+    higher_is_better: bool = False  # as the curve's runs recorded it
 
     @property
     def best(self) -> Point | None:
@@ -62,7 +63,7 @@ class Curve:
         finite = [p for p in self.points if p.value is not None and math.isfinite(p.value)]
         if not finite:
             return None
-        sign = -1.0 if higher_is_better(self.metric) else 1.0
+        sign = -1.0 if self.higher_is_better else 1.0
         return min(finite, key=lambda p: sign * (p.value or 0.0))
 
 
@@ -107,7 +108,7 @@ def _final(run: Run, metric: str) -> float | None:
     """The run's final value of `metric` (compare's `final_<metric>`), only for a finished run."""
     if not run.finished:
         return None
-    return metric_results(metric)[0].read(run)
+    return metric_results(metric, [run])[0].read(run)
 
 
 def _stepped_with(runs: Sequence[Run], key: str, candidates: Sequence[str]) -> list[str]:
@@ -159,7 +160,8 @@ def panels(
                     at = float(members[0].settings[x])
                     points.append(Point(at, mean, values, len(members)))
                 points.sort(key=lambda p: p.x)
-                curves.append(Curve(curve_settings, metric, tuple(points)))
+                higher = higher_is_better(metric, curve_runs)
+                curves.append(Curve(curve_settings, metric, tuple(points), higher))
             curves.sort(key=lambda c: [_order(v) for v in c.settings.values()])
             out.append(Panel(panel_settings, metric, tuple(curves)))
     return out

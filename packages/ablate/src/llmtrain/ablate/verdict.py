@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from llmtrain.ablate.runs import higher_is_better, label, short_keys
+from llmtrain.ablate.runs import label, short_keys
 
 if TYPE_CHECKING:
     from llmtrain.ablate.baseline import Comparison
@@ -98,7 +98,7 @@ def verdicts(
     baseline's values as tested, and whether they were paired."""
     short = short_keys(keys)
     name = comparison.result
-    higher = higher_is_better(name)
+    higher = comparison.higher_is_better
     base_row = rows[comparison.baseline]
     base_label = _label(base_row, keys, short)
     tested = sum(d is not None for d in comparison.differences.values())

@@ -74,10 +74,14 @@ class MetricRecorder:
         for name in names:
             self.directions.setdefault(name, better_of(name))
 
-    def read(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    def read(
+        self, metrics: Mapping[str, Any], extra: Mapping[str, torch.Tensor] | None = None
+    ) -> dict[str, Any]:
         """Every value of `metrics` as a number: its tensors reduced as recorded (a tensor
-        `metrics` got another way is the run's value), then read with one host sync."""
+        `metrics` got another way is the run's value), then read with one host sync, in which
+        `extra` (the run's values, not reduced) is read too."""
         reductions = getattr(metrics, "reductions", {})
+        metrics = {**metrics, **(extra or {})}
         numbers: dict[str, Any] = {}
         groups: dict[Reduce, list[tuple[str, torch.Tensor]]] = {}
         for name, value in metrics.items():

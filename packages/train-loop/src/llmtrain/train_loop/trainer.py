@@ -714,7 +714,7 @@ class Trainer:
         """The step's metrics as numbers, and the steps not applied since the last read (judged
         by `training.non_finite`): one host sync for both."""
         health = {HEALTH + k: v for k, v in self.health.tensors().items()}
-        values = self.recorder.read({**metrics, **health})
+        values = self.recorder.read(metrics, health)
         self.health.reset()
         counts = {k.removeprefix(HEALTH): values.pop(k) for k in health}
         if counts["empty"]:
