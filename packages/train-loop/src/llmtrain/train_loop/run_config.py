@@ -12,7 +12,7 @@ import math
 import os
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import attrs
 
@@ -367,6 +367,51 @@ def warmup_outlasts(schedule: Any, total_steps: int) -> str | None:
             "steps): the lr never reaches its peak"
         )
     return None
+
+
+def without_deprecated(config: RunConfig, plugins: Any) -> tuple[RunConfig, list[str]]:
+    """The config in today's spelling, and a message for each deprecated setting it had.
+
+    `training.z_loss: W` is `training.objective: {kind: cross_entropy, z_loss: W}`: moved into
+    the cross_entropy objective where that one has no z-loss of its own (another objective
+    keeps it for the held-out evaluation's loss)."""
+    training = config.training
+    if not training.z_loss:
+        return config, []
+    message = (
+        "training.z_loss is deprecated; write training.objective: "
+        f"{{kind: cross_entropy, z_loss: {training.z_loss}}}"
+    )
+    choice = training.objective
+    options = plugins.options_of("objective", choice)
+    if choice.kind != "cross_entropy" or options.z_loss:
+        return config, [message]
+    moved = attrs.evolve(choice, options=attrs.evolve(options, z_loss=training.z_loss))
+    return attrs.evolve(config, training=attrs.evolve(training, objective=moved)), [message]
+
+
+@runtime_checkable
+class CompileOption(Protocol):
+    """Parallel options that can compile the model (the `default` strategy's `compile`)."""
+
+    compile: bool
+
+
+@runtime_checkable
+class ZLossOption(Protocol):
+    """Objective options with a z-loss weight (`cross_entropy`'s, `distill`'s)."""
+
+    z_loss: float
+
+
+def option_compile(options: object) -> bool:
+    """Whether a `parallel:` entry's options compile the model (False where they cannot)."""
+    return isinstance(options, CompileOption) and bool(options.compile)
+
+
+def option_z_loss(options: object) -> float | None:
+    """The z-loss weight of an objective's options; None where the objective has none."""
+    return float(options.z_loss) if isinstance(options, ZLossOption) else None
 
 
 def resolved(config: RunConfig, plugins: Any) -> RunConfig:

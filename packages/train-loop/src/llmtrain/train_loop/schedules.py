@@ -3,7 +3,7 @@ and returns the multiplier of the optimizer's base lr at each step (0-based).
 
 A checkpoint records the schedule its run trained with (`lr_scheduler` and the steps it spans);
 `schedule_change` says what a resume with another schedule (more steps, other options) would do
-to the lr, and the Trainer refuses, keeps or recomputes it as `training.on_extend` says."""
+to the lr, and `on_extend` refuses, keeps or recomputes it as `training.on_extend` says."""
 
 from __future__ import annotations
 
@@ -142,3 +142,71 @@ def schedule_change(
     return ScheduleChange(
         step=step, trained=base_lr * trained(step), configured=base_lr * configured(step)
     )
+
+
+@attrs.frozen
+class Extension:
+    """What a resume does with a schedule that changed (`on_extend`): go on with the trained one
+    (`keep_trained`) or the configured one, said as the log `event` with its `message`."""
+
+    keep_trained: bool
+    event: str
+    message: str
+
+
+def on_extend(
+    mode: str,
+    change: ScheduleChange,
+    trained: dict[str, Any],
+    configured: dict[str, Any],
+    keys: list[str],
+    decays_from: int | None,
+) -> Extension:
+    """`training.on_extend` on a resume whose schedule changed (`trained` and `configured`, as
+    checkpoints record them; `keys`: the settings that changed it): go on with the configured
+    schedule where the lr stays where it is; otherwise refuse (a one-line `UserError`), keep the
+    trained one or recompute, as `mode` says. Loud either way: never a silent jump."""
+    from llmtrain.core_mesh.errors import UserError
+
+    options = "lr_scheduler" in keys
+    was, now = described(trained, options), described(configured, options)
+    at = f"step {change.step + 1}"
+    if mode == "keep":
+        return Extension(
+            True,
+            "lr.schedule_kept",
+            f"training.on_extend=keep: going on with the trained schedule, {was} (lr "
+            f"{change.trained:.2e} at {at}), not {now}",
+        )
+    if not change.jumps:
+        decays = f"; it decays from step {decays_from + 1}" if decays_from is not None else ""
+        return Extension(
+            False,
+            "lr.schedule_extended",
+            f"{', '.join(keys)}: the lr schedule becomes {now} (trained: {was}); "
+            f"the lr at {at} stays {change.configured:.2e}{decays}",
+        )
+    if mode == "recompute":
+        return Extension(
+            False,
+            "lr.schedule_recomputed",
+            f"training.on_extend=recompute: the lr jumps at {at} from "
+            f"{change.trained:.2e} to {change.configured:.2e} ({now}, trained: {was})",
+        )
+    raise UserError(
+        f"{', '.join(keys)}: checkpoint step {change.step} was trained on {was}; {now} moves "
+        f"the lr at {at} from {change.trained:.2e} to {change.configured:.2e}. Set "
+        f"training.on_extend=keep to go on with the trained schedule "
+        f"({change.trained:.2e} at {at}) or training.on_extend=recompute to take the "
+        "jump; a wsd schedule extends without one from a checkpoint before its decay"
+    )
+
+
+def described(record: dict[str, Any], options: bool) -> str:
+    """'a cosine lr schedule over 600 steps' (with its options, when `options`)."""
+    choice = record["lr_scheduler"] or {"kind": "constant"}
+    text = choice["kind"]
+    if options:
+        shown = ", ".join(f"{k}={v}" for k, v in choice.items() if k != "kind")
+        text += f" ({shown})" if shown else ""
+    return f"a {text} lr schedule over {record['total_steps']} steps"

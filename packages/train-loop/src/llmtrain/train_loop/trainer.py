@@ -19,7 +19,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
-import attrs
 import numpy as np
 import structlog
 import torch
@@ -77,14 +76,18 @@ from llmtrain.train_loop.prefetch import Prefetcher
 from llmtrain.train_loop.run_config import (
     RunConfig,
     checked_model_options,
+    option_compile,
+    option_z_loss,
     resolved,
     warmup_outlasts,
+    without_deprecated,
 )
 from llmtrain.train_loop.saved_model import model_info
 from llmtrain.train_loop.schedules import (
     WarmupOptions,
     constant,
     decay_start,
+    on_extend,
     schedule_change,
 )
 from llmtrain.train_loop.step_gate import step_where
@@ -114,15 +117,33 @@ class Trainer:
         # listening already (`llmtrain run` starts it first thing), so a signal during the
         # setup below stops the run before its first step instead of killing it
         self.preemption = preemption
-        c = self.config = resolved(config, plugins)
+        current, self.deprecations = without_deprecated(config, plugins)
+        c = self.config = resolved(current, plugins)
         self.plugins = plugins
         self.run_dir = Path(c.run_dir) / c.name
-
-        # world and layout, all checked before any process group exists
+        # world, layout and data, all checked before any process group exists
         self.world = World.from_env()
         device_type = default_device_type() if c.device == "auto" else c.device
         if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
+        spec = self._check_layout(device_type)
+        self._open_data()
+        tokens_per_step = self.global_batch * c.data.seq_len
+        self.total_steps = c.training.total_steps(tokens_per_step)
+        # process group, logs, seeds; from here on a failure also stops the process group
+        if device_type == "cuda":
+            observe.flight_recorder_env(c.debug, self.run_dir / "logs")
+            expandable_cuda_segments()
+        self.device = init_distributed(self.world, device_type)
+        try:
+            self._build(spec, console, resume)
+        except BaseException:
+            shutdown_distributed(barrier=False)
+            raise
+
+    def _check_layout(self, device_type: str) -> MeshSpec:
+        """The model (described on the meta device), the batch sizes and the mesh they run on."""
+        c, plugins = self.config, self.plugins
         self.model_options = checked_model_options(plugins, c.model)
         with torch.device("meta"):
             meta_model = plugins.build(MODEL, c.model)
@@ -140,7 +161,7 @@ class Trainer:
         except ConfigValueError as exc:
             raise UserError(f"data.{exc.field}: {exc}") from None
         self.doc_masking = self.model_options.doc_masking
-        spec = self.strategy.check(
+        return self.strategy.check(
             c.mesh,
             self.world.world_size,
             self.description,
@@ -150,7 +171,9 @@ class Trainer:
             document_masking=self.doc_masking,
         )
 
-        # data: every dataset opens (and its tokenizer matches the model) before heavy work
+    def _open_data(self) -> None:
+        """Every dataset opens (and its tokenizer matches the model's) before heavy work."""
+        c = self.config
         self.train_data = self._open(
             [d.path for d in c.data.train], [d.weight for d in c.data.train]
         )
@@ -164,34 +187,38 @@ class Trainer:
                     f"data.eval.path: {c.data.eval.path} was packed with another tokenizer "
                     f"({packed}) than the training data ({trained}); pack it with the same one"
                 )
-        tokens_per_step = self.global_batch * c.data.seq_len
-        self.total_steps = c.training.total_steps(tokens_per_step)
-        epochs = self.total_steps * self.global_batch / len(self.train_data)
 
-        # process group, logs, seeds; from here on a failure also stops the process group
-        if device_type == "cuda":
-            observe.flight_recorder_env(c.debug, self.run_dir / "logs")
-            expandable_cuda_segments()
-        self.device = init_distributed(self.world, device_type)
-        try:
-            self._build(spec, epochs, tokens_per_step, console, resume)
-        except BaseException:
-            shutdown_distributed(barrier=False)
-            raise
-
-    def _build(
-        self,
-        spec: MeshSpec,
-        epochs: float,
-        tokens_per_step: int,
-        console: TextIO | None,
-        resume: bool | None,
-    ) -> None:
+    def _build(self, spec: MeshSpec, console: TextIO | None, resume: bool | None) -> None:
         """The recipe after the process group: logs, seeds, model, optimizers, callbacks, resume,
         loggers."""
-        c, plugins = self.config, self.plugins
+        c = self.config
+        self._start_logs(spec, console)
+        self._deterministic_before = observe.seed_everything(c.seed, c.debug)
+        # Python-level randomness for callbacks and plugins, carried by checkpoints; the global
+        # `random` is left to libraries, which draw from it whenever they retry a request
+        self.random = random.Random(c.seed)  # noqa: S311 - training randomness, not security
+        observe.start_memory_history(self.device, c.debug)
+        self._build_model(spec)
+        self._build_optimizers()
+        self._build_state()
+        self._resume(self.config.checkpoint.resume == "auto" if resume is None else resume)
+        # init.from when there was nothing to resume (weights only); the provenance either way
+        init = warm_start.start(
+            self.config.init, self.model, self.checkpoints, self.info, self.plugins
+        )
+        if init is not None:
+            self.info["init"] = init
+        self.step = int(self.counters["step"])
+        self.saved_step = self.step if self.step else None
+        self._start_loggers()
+
+    def _start_logs(self, spec: MeshSpec, console: TextIO | None) -> None:
+        """This rank's logs, and what the run is about to do (with its warnings)."""
+        c = self.config
+        tokens_per_step = self.global_batch * c.data.seq_len
+        epochs = self.total_steps * self.global_batch / len(self.train_data)
         # the config's credentials: masked wherever the run writes text (logs, summary.json)
-        self.secrets = secret_values(unstructure(c, converter=make_converter(plugins)))
+        self.secrets = secret_values(unstructure(c, converter=make_converter(self.plugins)))
         configure_logging(
             rank=self.world.rank,
             world_size=self.world.world_size,
@@ -218,22 +245,20 @@ class Trainer:
                 f"({len(self.train_data)} windows); samples repeat in a new order each epoch",
             )
         # chat data: the loss counts only masked-in targets; generate --chat reads the template
-        sources = self.train_data.sources
-        chat = next((s.dataset.chat for s in sources if s.dataset.chat is not None), None)
-        if chat is not None and not self.doc_masking and self.world.is_main:
+        if self._chat() is not None and not self.doc_masking and self.world.is_main:
             log.warning(
                 "data.chat_without_doc_masking",
                 message="the training data is chat conversations, packed several to a "
                 "window, and model.doc_masking is off: each conversation attends to the ones "
                 "before it in its window; set model.doc_masking: true to keep them apart",
             )
-        self._deterministic_before = observe.seed_everything(c.seed, c.debug)
-        # Python-level randomness for callbacks and plugins, carried by checkpoints; the global
-        # `random` is left to libraries, which draw from it whenever they retry a request
-        self.random = random.Random(c.seed)  # noqa: S311 - training randomness, not security
-        observe.start_memory_history(self.device, c.debug)
+        for message in self.deprecations if self.world.is_main else ():
+            log.warning("config.deprecated", message=message)
 
-        # the model: parallelize on the meta device, then allocate and initialise
+    def _build_model(self, spec: MeshSpec) -> None:
+        """The model: parallelized on the meta device, then allocated and initialised; the
+        metrics recorder; the objective, and the loss of held-out evaluation."""
+        c = self.config
         mesh = build_device_mesh(spec, self.device.type)
         self.model: ParallelModel = self.strategy.parallelize(
             self.description, mesh, self.device, microbatches=self.accum
@@ -246,15 +271,18 @@ class Trainer:
         self.recorder = MetricRecorder(combine_over(data_group), self.model.data_world)
         self.health = StepHealth(self.device)
         # the chunked form of the loss compiles its softmax on CUDA when the run compiles
-        compiles = getattr(plugins.options_of("parallel", c.parallel), "compile", False)
-        self.objective = self._objective(bool(compiles))
+        compiles = option_compile(self.plugins.options_of("parallel", c.parallel))
+        self.objective = self._objective(compiles)
         # held-out eval stays plain cross-entropy whatever the objective, so eval_loss compares
-        z_loss = getattr(plugins.options_of("objective", c.training.objective), "z_loss", None)
+        z_loss = option_z_loss(self.plugins.options_of("objective", c.training.objective))
         self.loss_fn = cross_entropy_sum(
-            c.training.z_loss if z_loss is None else z_loss, compile_chunks=bool(compiles)
+            c.training.z_loss if z_loss is None else z_loss, compile_chunks=compiles
         )
 
-        # optimizers (one list per model part) and the lr schedule, a pure function of the step
+    def _build_optimizers(self) -> None:
+        """Optimizers (one list per model part) and the lr schedule, a pure function of the
+        step."""
+        c, plugins = self.config, self.plugins
         self.optimizers = [plugins.build(OPTIMIZER, c.optimizer, part) for part in self.model.parts]
         for opt in self._all_optimizers():
             for group in opt.param_groups:
@@ -277,7 +305,10 @@ class Trainer:
             else constant(WarmupOptions(), self.total_steps)
         )
 
-        # this rank's data order; callbacks (their state rides with checkpoints); resume
+    def _build_state(self) -> None:
+        """This rank's data order, the counters, checkpoints and what they carry, callbacks
+        (their state rides with checkpoints)."""
+        c = self.config
         self.plan = BatchPlan(self.global_batch, self.model.data_world, self.model.data_rank)
         self.counters = Values(step=0, tokens=0, skipped=0, consumed=0, elapsed_s=0.0)
         self.checkpoints = Checkpointer(
@@ -293,13 +324,13 @@ class Trainer:
             "counters": self.counters,
         }
         self.info = {
-            "model": model_info(plugins, c.model),
+            "model": model_info(self.plugins, c.model),
             "data": {
                 "fingerprint": self.train_data.sources[0].dataset.fingerprint,
                 "tokenizer": self.train_data.sources[0].dataset.meta["tokenizer"],
                 "global_batch": self.global_batch,
                 "seq_len": c.data.seq_len,
-                "chat": chat,
+                "chat": self._chat(),
             },
             "lr_schedule": self.lr_schedule,
         }
@@ -307,18 +338,13 @@ class Trainer:
         self.last_local_loss: tuple[torch.Tensor, torch.Tensor] | None = None
         self.stop_reason: str | None = None
         self.callbacks = callbacks.Callbacks(
-            [*builtin_callbacks(self), *callbacks.configured(c.callbacks, plugins)]
+            [*builtin_callbacks(self), *callbacks.configured(c.callbacks, self.plugins)]
         )
-        self._resume(c.checkpoint.resume == "auto" if resume is None else resume)
-        # init.from when there was nothing to resume (weights only); the provenance either way
-        init = warm_start.start(c.init, self.model, self.checkpoints, self.info, plugins)
-        if init is not None:
-            self.info["init"] = init
-        self.step = int(self.counters["step"])
-        self.saved_step = self.step if self.step else None
 
-        # loggers (rank 0) and the resolved config beside them, both without credentials: run
-        # directories are shared and loggers upload what they are given
+    def _start_loggers(self) -> None:
+        """Loggers (rank 0) and the resolved config beside them, both without credentials: run
+        directories are shared and loggers upload what they are given."""
+        c, plugins = self.config, self.plugins
         config = redact(unstructure(c, converter=make_converter(plugins)))
         self.run_info = RunInfo(
             name=c.name,
@@ -336,6 +362,11 @@ class Trainer:
             self.sinks = [plugins.build(LOGGER, choice, self.run_info) for choice in c.loggers]
 
     # --- setup helpers ---
+    def _chat(self) -> dict[str, Any] | None:
+        """The chat template of the training data, if it is chat conversations."""
+        sources = self.train_data.sources
+        return next((s.dataset.chat for s in sources if s.dataset.chat is not None), None)
+
     def _open(
         self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None
     ) -> WindowDataset:
@@ -425,60 +456,25 @@ class Trainer:
             keys.append("training.steps" if c.training.steps is not None else "training.tokens")
         if trained["lr_scheduler"] != self.lr_schedule["lr_scheduler"]:
             keys.append("lr_scheduler")
-        options = "lr_scheduler" in keys
-        was = _described(trained, options)
-        now = _described(self.lr_schedule, options)
-        at = f"step {step + 1}"
-        mode = c.training.on_extend
-        say = log.warning if self.world.is_main else (lambda *a, **k: None)
-        if mode == "keep":
+        options_now = c.lr_scheduler and self.plugins.options_of("lr_scheduler", c.lr_scheduler)
+        decision = on_extend(
+            c.training.on_extend,
+            change,
+            trained,
+            self.lr_schedule,
+            keys,
+            decay_start(options_now, self.total_steps),
+        )
+        if decision.keep_trained:
             self.lr_factor, self.lr_schedule = trained_factor, trained
             self.info["lr_schedule"] = trained
-            say(
-                "lr.schedule_kept",
-                message=f"training.on_extend=keep: going on with the trained schedule, {was} (lr "
-                f"{change.trained:.2e} at {at}), not {now}",
-            )
-        elif not change.jumps:
-            options_now = c.lr_scheduler and self.plugins.options_of("lr_scheduler", c.lr_scheduler)
-            stable = decay_start(options_now, self.total_steps)
-            decays = f"; it decays from step {stable + 1}" if stable is not None else ""
-            say(
-                "lr.schedule_extended",
-                message=f"{', '.join(keys)}: the lr schedule becomes {now} (trained: {was}); "
-                f"the lr at {at} stays {change.configured:.2e}{decays}",
-            )
-        elif mode == "recompute":
-            say(
-                "lr.schedule_recomputed",
-                message=f"training.on_extend=recompute: the lr jumps at {at} from "
-                f"{change.trained:.2e} to {change.configured:.2e} ({now}, trained: {was})",
-            )
-        else:
-            raise UserError(
-                f"{', '.join(keys)}: checkpoint step {step} was trained on {was}; {now} moves "
-                f"the lr at {at} from {change.trained:.2e} to {change.configured:.2e}. Set "
-                f"training.on_extend=keep to go on with the trained schedule "
-                f"({change.trained:.2e} at {at}) or training.on_extend=recompute to take the "
-                "jump; a wsd schedule extends without one from a checkpoint before its decay"
-            )
+        if self.world.is_main:
+            log.warning(decision.event, message=decision.message)
 
     def _objective(self, compiles: bool) -> Objective:
         """The run's `training.objective`, built for the model parts this rank holds."""
         c, plugins = self.config, self.plugins
         choice = c.training.objective
-        if c.training.z_loss:
-            say = log.warning if self.world.is_main else (lambda *a, **k: None)
-            say(
-                "config.deprecated",
-                message="training.z_loss is deprecated; write training.objective: "
-                f"{{kind: cross_entropy, z_loss: {c.training.z_loss}}}",
-            )
-            options = plugins.options_of("objective", choice)
-            if choice.kind == "cross_entropy" and not options.z_loss:
-                choice = attrs.evolve(
-                    choice, options=attrs.evolve(options, z_loss=c.training.z_loss)
-                )
         context = ObjectiveContext(
             parts=list(self.model.parts),
             device=self.device,
@@ -808,16 +804,6 @@ class Trainer:
                 log.warning("logger.close_failed", logger=type(sink).__name__, error=repr(exc))
         observe.restore_determinism(self._deterministic_before)
         shutdown_distributed()
-
-
-def _described(record: dict[str, Any], options: bool) -> str:
-    """'a cosine lr schedule over 600 steps' (with its options, when `options`)."""
-    choice = record["lr_scheduler"] or {"kind": "constant"}
-    text = choice["kind"]
-    if options:
-        shown = ", ".join(f"{k}={v}" for k, v in choice.items() if k != "kind")
-        text += f" ({shown})" if shown else ""
-    return f"a {text} lr schedule over {record['total_steps']} steps"
 
 
 def expandable_cuda_segments() -> None:
