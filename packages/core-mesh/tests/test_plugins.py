@@ -162,6 +162,7 @@ def test_entry_points_load_the_builtin_plugin():
         "callback",
         "task",
         "objective",
+        "data_format",
     }
 
 

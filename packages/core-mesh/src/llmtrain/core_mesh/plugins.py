@@ -105,6 +105,9 @@ WEIGHTS: Kind[WeightFormat] = Kind(
 CALLBACK: Kind[Callback] = Kind("callback", "llmtrain_callbacks")
 TASK: Kind[Task] = Kind("task", "llmtrain_tasks", lambda: Task)
 OBJECTIVE: Kind[Objective] = Kind("objective", "llmtrain_objectives", lambda: Objective)
+# an input format is data-pack's type (`llmtrain.data_pack.formats.InputFormat`), which core-mesh
+# does not import: data-pack checks what a format plugin built, naming the plugin
+DATA_FORMAT: Kind[Any] = Kind("data_format", "llmtrain_data_formats")
 
 # kind -> the hook that registers entries of that kind (configs and the CLI name kinds by string)
 KINDS: dict[str, str] = {
@@ -119,13 +122,14 @@ KINDS: dict[str, str] = {
     "callback": "llmtrain_callbacks",
     "task": "llmtrain_tasks",
     "objective": "llmtrain_objectives",
+    "data_format": "llmtrain_data_formats",
 }
 # the kinds with a typed key; a kind added to KINDS without one builds as Any
 _TYPED: dict[str, Kind[Any]] = {
     kind.name: kind
     for kind in (
         *(MODEL, OPTIMIZER, LR_SCHEDULER, LOGGER, TOKENIZER, PARALLEL),
-        *(COMMAND, WEIGHTS, CALLBACK, TASK, OBJECTIVE),
+        *(COMMAND, WEIGHTS, CALLBACK, TASK, OBJECTIVE, DATA_FORMAT),
     )
 }
 
@@ -209,6 +213,12 @@ class Hookspecs:
         """Register training objectives (`training.objective: {kind: NAME, ...}`); target:
         `target(options, context: ObjectiveContext)` returns a
         `llmtrain.core_mesh.interfaces.Objective`."""
+
+    @hookspec
+    def llmtrain_data_formats(self, register: Register) -> None:
+        """Register input formats of `llmtrain data pack` and `train-tokenizer` (JSONL,
+        Parquet, CSV, ...: `--input-format NAME`, or chosen by a file's suffix); target:
+        `target(options)` returns a `llmtrain.data_pack.formats.InputFormat`."""
 
 
 @attrs.frozen
