@@ -825,14 +825,38 @@ def test_sigterm_requests_a_stop_and_restore_puts_the_old_handler_back():
     assert signal.getsignal(signal.SIGTERM) == before
 
 
-def test_a_signal_that_arrives_during_the_stop_vote_is_not_lost(monkeypatch):
-    """should_stop() all-reduces the flag across ranks; SLURM's signal can land while that
-    collective runs (here: a world of one, and the signal sent as the all-reduce starts)."""
+def test_a_world_of_one_reads_its_flag_without_a_collective(monkeypatch):
+    """One rank has nobody to ask: should_stop() is the flag, with no all-reduce (whose result
+    the host would have to read from the device every step)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     preemption = Preemption(signals=(signal.SIGUSR1,))
     try:
+
+        def no_collective(*args, **kwargs):
+            raise AssertionError("a world of one voted")
+
+        monkeypatch.setattr(dist, "all_reduce", no_collective)
+        assert not preemption.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert wait_for(lambda: preemption.requested)
+        assert preemption.should_stop()
+    finally:
+        preemption.restore()
+        dist.destroy_process_group()
+
+
+def test_a_signal_that_arrives_during_the_stop_vote_is_not_lost(monkeypatch):
+    """should_stop() all-reduces the flag across ranks; SLURM's signal can land while that
+    collective runs (here: a world of one that says it has two ranks, so the vote runs, and the
+    signal sent as the all-reduce starts)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    preemption = Preemption(signals=(signal.SIGUSR1,))
+    try:
+        monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 2)
         all_reduce = dist.all_reduce
 
         def signalled_during(tensor, *args, **kwargs):
