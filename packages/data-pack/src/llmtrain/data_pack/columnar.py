@@ -18,7 +18,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from llmtrain.data_pack.sources import InputError, Source, Task
+from llmtrain.data_pack.sources import BadFile, Source, Task
 
 READ_ROWS = 2048
 _STRINGS = (pa.string(), pa.large_string())
@@ -26,11 +26,10 @@ _STRINGS = (pa.string(), pa.large_string())
 _END_OF_STREAM = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 
-class ColumnarError(InputError):
+class ColumnarError(BadFile):
     """A Parquet or Arrow file that cannot be read, or whose columns do not fit the pack."""
 
     rows = 0  # rows an undecodable part held (what --skip-bad counts as bad)
-    reason = ""  # the message without the file's name and the advice (for a skipped file)
 
 
 def _unreadable(url: str, what: str, exc: BaseException, advice: str) -> ColumnarError:
@@ -104,7 +103,7 @@ def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
 
 def schema_of(source: Source, storage_options: dict[str, Any] | None = None) -> pa.Schema:
     with _opened(source.url, storage_options) as f:
-        if source.format == "parquet":
+        if source.format.name == "parquet":
             return _parquet(f, source.url).schema_arrow
         return _arrow(f, source.url).schema
 
@@ -113,13 +112,12 @@ def plan_columnar(
     source: Source,
     number: int,
     split_bytes: int,
-    index: Iterator[int],
     storage_options: dict[str, Any] | None = None,
 ) -> Iterator[Task]:
     """A file's tasks: runs of row groups (Parquet) or record batches (local Arrow) of about
     `split_bytes`, each knowing the number of its first row."""
     with _opened(source.url, storage_options) as f:
-        if source.format == "parquet":
+        if source.format.name == "parquet":
             meta = _parquet(f, source.url).metadata
             sizes = [
                 (
@@ -133,7 +131,11 @@ def plan_columnar(
             ]
         elif _local(source.url) is None:  # a remote stream: one task reads it through
             yield Task(
-                next(index), number, source.url, "arrow", first_line=0, input_bytes=source.size
+                source=number,
+                url=source.url,
+                format=source.format,
+                first_line=0,
+                input_bytes=source.size,
             )
             return
         else:
@@ -153,22 +155,20 @@ def plan_columnar(
             stop += 1
         rows = sum(n for n, _ in sizes[group_start:stop])
         input_bytes = source.size * size // total
-        if source.format == "parquet":
+        if source.format.name == "parquet":
             yield Task(
-                next(index),
-                number,
-                source.url,
-                "parquet",
+                source=number,
+                url=source.url,
+                format=source.format,
                 row_groups=tuple(range(group_start, stop)),
                 first_line=row,
                 input_bytes=input_bytes,
             )
         else:
             yield Task(
-                next(index),
-                number,
-                source.url,
-                "arrow",
+                source=number,
+                url=source.url,
+                format=source.format,
                 batches=(group_start, stop),
                 first_line=row,
                 input_bytes=input_bytes,
@@ -186,7 +186,7 @@ def read_batches(
     goes on with the next row group, or stops for an Arrow stream, which has no way past it."""
     row = task.first_line or 0
     with _opened(task.url, storage_options) as f:
-        if task.format == "parquet":
+        if task.format.name == "parquet":
             pf = _parquet(f, task.url)
             for group in task.row_groups:
                 n = pf.metadata.row_group(group).num_rows

@@ -1,7 +1,8 @@
-"""From a task to its documents, whatever the input format: the text of each record that passes
-the `--where` filter, where it came from (file, line or row, id), and the counts of what was
-dropped, empty, blank or bad. Runs in the pack's worker processes, and in one process for
-training tokenizers and for the fast encoder's sample.
+"""From a task to its documents: what every input format's reader fills (`Documents`: the text
+of each record that passes the `--where` filter, where it came from (file, line or row, id), and
+the counts of what was dropped, empty, blank or bad) from what the pack asks of it (`Selection`),
+and the readers of the JSONL, text, Parquet and Arrow formats. Runs in the pack's worker
+processes, and in one process for training tokenizers and for the fast encoder's sample.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class Selection:
         if size <= limit:
             return None
         return f"a document of {size:,} bytes, above --max-doc-bytes {limit:,}"
+
+    @property
+    def filter(self) -> Where | None:
+        """The `--where` expressions compiled (once per process), or None without any."""
+        return _where(self.where) if self.where else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -105,30 +111,45 @@ def read_documents(
     *,
     limit_rows: int | None = None,
 ) -> Documents:
-    """The documents of one task (at most `limit_rows` records of a columnar one). With
-    `stop_on_bad`, reading stops at the first bad record (the caller reports it)."""
-    if task.format in ("parquet", "arrow"):
-        with storage_errors(task.url, error=InputError):
-            return _columnar(task, selection, storage_options, limit_rows)
-    if task.format == "text":
-        return _text_files(task, selection, storage_options)
+    """The documents of one task, as its format reads them (at most about `limit_rows` records
+    of a columnar one). With `stop_on_bad`, reading stops at the first bad record (the caller
+    reports it)."""
+    return task.format.read(task, selection, storage_options, limit_rows)
+
+
+def read_jsonl(
+    task: Task, selection: Selection, storage_options: dict[str, Any] | None
+) -> Documents:
+    """A JSONL task's records: the text at `selection.field` of each line's object."""
+    docs, lines = _lines(task, storage_options)
+    _jsonl(docs, task, lines, selection)
+    return docs
+
+
+def read_text_lines(
+    task: Task, selection: Selection, storage_options: dict[str, Any] | None
+) -> Documents:
+    """A plain text task of one document a line."""
+    docs, lines = _lines(task, storage_options)
+    _text_lines(docs, task, lines, selection)
+    return docs
+
+
+def _lines(task: Task, storage_options: dict[str, Any] | None) -> tuple[Documents, list[bytes]]:
+    """A line task's lines (without their newlines), and its Documents to fill, which count
+    them and their bytes."""
     data = read_range(task, storage_options)
     size = len(data)
     lines = data.split(b"\n")
     del data  # the lines hold the bytes now; one long line is then held once while parsed
     if lines and not lines[-1]:
         lines.pop()
-    docs = Documents(n_lines=len(lines), text_bytes=size)
-    if task.format == "text-lines":
-        _text_lines(docs, task, lines, selection)
-    else:
-        _jsonl(docs, task, lines, selection)
-    return docs
+    return Documents(n_lines=len(lines), text_bytes=size), lines
 
 
 def _jsonl(docs: Documents, task: Task, lines: list[bytes], selection: Selection) -> None:
     get = field_getter(selection.field)
-    where = _where(selection.where) if selection.where else None
+    where = selection.filter
     for number, line in enumerate(lines):
         if not line.strip():
             docs.blank += 1
@@ -174,7 +195,7 @@ def _text_lines(docs: Documents, task: Task, lines: list[bytes], selection: Sele
         docs.add(text, number, task.source, "")
 
 
-def _text_files(
+def read_text_files(
     task: Task, selection: Selection, storage_options: dict[str, Any] | None
 ) -> Documents:
     """Whole files, each one document. A file that is not UTF-8 stops the pack, naming it, or
@@ -210,6 +231,15 @@ def _text_files(
     return docs
 
 
+def read_columnar(
+    task: Task, selection: Selection, storage_options: dict[str, Any] | None, limit_rows: int | None
+) -> Documents:
+    """A Parquet or Arrow task's rows: the text column, the filter's and the id's, checked
+    against the file's schema before any row is read."""
+    with storage_errors(task.url, error=InputError):
+        return _columnar(task, selection, storage_options, limit_rows)
+
+
 def _columnar(
     task: Task, selection: Selection, storage_options: dict[str, Any] | None, limit_rows: int | None
 ) -> Documents:
@@ -221,7 +251,7 @@ def _columnar(
         schema_of,
     )
 
-    where = _where(selection.where) if selection.where else None
+    where = selection.filter
     source = Source(task.url, 0, None, task.format)
     schema = schema_of(source, storage_options)
     check_text_field(schema, selection.field, task.url)

@@ -34,6 +34,7 @@ from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.data_pack.chat import BlockPacker, ChatSettings, ChatTemplate
 from llmtrain.data_pack.documents import read_documents
 from llmtrain.data_pack.filters import Where
+from llmtrain.data_pack.formats import InputFormats
 from llmtrain.data_pack.pack_worker import (
     PackError,
     PackSettings,
@@ -44,7 +45,6 @@ from llmtrain.data_pack.pack_worker import (
 )
 from llmtrain.data_pack.progress import Progress, ProgressSettings
 from llmtrain.data_pack.sources import (
-    LINE_FORMATS,
     InputError,
     LineNumbers,
     Source,
@@ -351,17 +351,23 @@ def pack(
     text_per_line: bool = False,
     max_doc_bytes: int = 0,
 ) -> PackSummary:
-    """Pack JSONL, Parquet, Arrow or text files into a zarr token dataset; returns the counts.
-    See the module docstring. `where`: filter expressions every kept record meets. With `chat`,
-    the records are JSONL conversations (`field` is unused). `max_doc_bytes`: a longer document
-    (its text in UTF-8) is a bad record, refused or skipped as `on_bad_line` says; 0: no limit."""
+    """Pack files of any installed input format (JSONL, Parquet, Arrow, text, ...: the
+    `data_format` plugins of `plugins`) into a zarr token dataset; returns the counts. See the
+    module docstring. `input_format`: a format's name for every input, or "auto" (by suffix).
+    `where`: filter expressions every kept record meets. With `chat`, the records are JSONL
+    conversations (`field` is unused). `max_doc_bytes`: a longer document (its text in UTF-8)
+    is a bad record, refused or skipped as `on_bad_line` says; 0: no limit."""
     started = time.perf_counter()
     storage_options = dict(storage_options or {})
     if on_bad_line not in ("error", "skip"):
         raise UserError(f"on_bad_line {on_bad_line!r}: use error or skip")
     filters = Where.parse(where)  # a bad expression is an error before any work
-    sources = expand_inputs(inputs, storage_options, input_format, text_per_line=text_per_line)
-    _check_formats(sources, chat, filters)
+    plugins = plugins or PluginManager().load_entry_points()
+    formats = InputFormats.from_plugins(plugins)
+    sources = expand_inputs(
+        inputs, storage_options, input_format, text_per_line=text_per_line, formats=formats
+    )
+    _check_formats(sources, chat, filters, formats)
     total_bytes = sum(s.size for s in sources)
     workers = workers or default_workers()
     if split_bytes is None:  # enough tasks that the last ones do not run alone
@@ -445,11 +451,10 @@ def _check_sizes(
 
 
 def _built_tokenizer(
-    tokenizer: Mapping[str, Any], plugins: PluginManager | None
+    tokenizer: Mapping[str, Any], plugins: PluginManager
 ) -> tuple[dict[str, Any], Any]:
     """The tokenizer's spec as the dataset stores it (a local path made absolute, so the spec
     works from anywhere) and the tokenizer built from it."""
-    plugins = plugins or PluginManager().load_entry_points()
     raw = dict(tokenizer)
     if isinstance(raw.get("path"), str) and "://" not in raw["path"]:
         raw["path"] = os.path.abspath(raw["path"])
@@ -557,12 +562,12 @@ def _portable(tokenizer: Any, raw: dict[str, Any]) -> bytes | dict[str, Any]:
 
 
 def _workers_for(sources: Sequence[Source], split_bytes: int, workers: int) -> int:
-    """No more workers than tasks. Plain line files are cut by size, so their tasks are known;
-    a compressed or columnar file may hold more than its size says, and counts as enough work
-    for every worker."""
+    """No more workers than tasks. Plain files of a format cut by size have tasks known from
+    their sizes; any other file (compressed, columnar, ...) may hold more than its size says,
+    and counts as enough work for every worker."""
     tasks = 0
     for source in sources:
-        if source.compression is not None or source.format not in LINE_FORMATS:
+        if source.compression is not None or not source.format.cut_by_size:
             return workers
         tasks += -(-source.size // split_bytes) or 1
     return min(workers, tasks)
@@ -582,18 +587,22 @@ def _check_template(chat: ChatSettings, tok: Any) -> None:
         )
 
 
-def _check_formats(sources: Sequence[Source], chat: ChatSettings | None, filters: Where) -> None:
+def _check_formats(
+    sources: Sequence[Source], chat: ChatSettings | None, filters: Where, formats: InputFormats
+) -> None:
     """Refuse what an input's format cannot do, before any work."""
     for source in sources:
-        if chat is not None and source.format != "jsonl":
+        if chat is not None and source.format.name != "jsonl":
             raise UserError(
-                f"{source.url}: pack-chat reads JSONL conversations; this is {source.format} "
-                "(convert it, or pass --input-format jsonl if it is JSONL after all)"
+                f"{source.url}: pack-chat reads JSONL conversations; this is "
+                f"{source.format.name} (convert it, or pass --input-format jsonl if it is JSONL "
+                "after all)"
             )
-        if filters.expressions and source.format in ("text", "text-lines"):
+        if filters.expressions and not source.format.fields:
+            with_fields = ", ".join(name for name, fmt in formats.items() if fmt.fields)
             raise UserError(
-                f"{source.url}: plain text has no fields for --where to test; filter JSONL, "
-                "Parquet or Arrow inputs"
+                f"{source.url}: {source.format.name} has no fields for --where to test; filter "
+                f"inputs of a format with fields ({with_fields})"
             )
 
 

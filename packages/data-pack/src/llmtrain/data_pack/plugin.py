@@ -1,7 +1,8 @@
-"""data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers and
-the `llmtrain data ...` commands (pack, pack-chat, train-tokenizer, inspect, merge), whose main
-objects (the inputs, the dataset) are positional. Importing it is cheap:
-the commands import their machinery when they run."""
+"""data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers, the
+input formats (`jsonl`, `text`, `text-lines`, `parquet`, `arrow`) and the `llmtrain data ...`
+commands (pack, pack-chat, train-tokenizer, inspect, merge), whose main objects (the inputs, the
+dataset) are positional. Importing it is cheap: the commands import their machinery when they
+run, and the formats import pyarrow only when they read Parquet or Arrow."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from llmtrain.core_mesh.cli import Command, Context
 from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import Register, hookimpl
+from llmtrain.data_pack.builtin_formats import (
+    ArrowFormat,
+    JsonlFormat,
+    ParquetFormat,
+    TextFormat,
+    TextLinesFormat,
+)
 from llmtrain.data_pack.progress import LOG_EVERY_SECONDS, ProgressSettings
 from llmtrain.data_pack.tokenizer import (
     BytesOptions,
@@ -46,6 +54,29 @@ def llmtrain_tokenizers(register: Register) -> None:
         TiktokenTokenizer,
         options=TiktokenOptions,
         help="a .tiktoken ranks file with its split pattern",
+    )
+
+
+@hookimpl
+def llmtrain_data_formats(register: Register) -> None:
+    register(
+        "jsonl",
+        lambda _: JsonlFormat(),
+        help="JSON lines (.jsonl, .ndjson, .json; any unclaimed suffix), the text at --field",
+    )
+    register("text", lambda _: TextFormat(), help="plain UTF-8 text (.txt), a document a file")
+    register(
+        "text-lines",
+        lambda _: TextLinesFormat(),
+        help="plain UTF-8 text, a document a line (.txt with --text-per-line)",
+    )
+    register(
+        "parquet", lambda _: ParquetFormat(), help="Parquet files (.parquet), the --field column"
+    )
+    register(
+        "arrow",
+        lambda _: ArrowFormat(),
+        help="Arrow IPC files (.arrow) and datasets.save_to_disk directories",
     )
 
 
@@ -137,10 +168,10 @@ def _configure_pack(actions: argparse._SubParsersAction[argparse.ArgumentParser]
     """`llmtrain data pack`: corpora to a packed dataset."""
     p = actions.add_parser(
         "pack",
-        help="tokenize JSONL, Parquet, Arrow or text files into a packed zarr dataset",
-        description="tokenize corpora into a packed zarr dataset: JSONL (.jsonl, .jsonl.gz, "
-        ".jsonl.zst), Parquet (.parquet), Arrow (.arrow files or datasets.save_to_disk "
-        "directories) and plain text (.txt); local or URLs, globs and directories allowed",
+        help="tokenize corpora (JSONL, Parquet, ...) into a packed zarr dataset",
+        description="tokenize corpora into a packed zarr dataset, each file read by the input "
+        "format its suffix names (or --input-format); `llmtrain plugins` lists the formats "
+        "(kind data_format). Local paths or URLs; globs and directories allowed",
     )
     main_object(p, "inputs", nargs="+", metavar="INPUT", help="files, globs or directories")
     p.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
@@ -188,9 +219,10 @@ def _record_selection_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--input-format",
-        choices=["auto", "jsonl", "parquet", "arrow", "text"],
         default="auto",
-        help="how to read the inputs (default: by suffix; JSONL for unknown suffixes)",
+        metavar="FORMAT",
+        help="how to read every input: auto (by each file's suffix; JSONL for a suffix no "
+        "format claims) or a format's name; `llmtrain plugins` lists them (kind data_format)",
     )
     parser.add_argument(
         "--text-per-line",
@@ -281,7 +313,7 @@ def _configure_train_tokenizer(
 ) -> None:
     """`llmtrain data train-tokenizer`: a byte-level BPE tokenizer.json from corpora."""
     text = (
-        "train a byte-level BPE tokenizer on JSONL, Parquet, Arrow or text files and write "
+        "train a byte-level BPE tokenizer on a corpus in any input format pack reads and write "
         "tokenizer.json"
     )
     t = actions.add_parser("train-tokenizer", help=text, description=text)
@@ -290,7 +322,7 @@ def _configure_train_tokenizer(
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="JSONL, Parquet, Arrow or text files (by suffix), globs or directories",
+        help="files (read by the format their suffix names), globs or directories",
     )
     t.add_argument("-o", "--output", required=True, help="the tokenizer.json to write")
     t.add_argument("--vocab-size", type=int, required=True, help="the vocabulary size to reach")
@@ -362,7 +394,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
     if args.action in ("pack", "pack-chat"):
         return _pack(args, ctx, storage_options)
     if args.action == "train-tokenizer":
-        return _train(args, storage_options)
+        return _train(args, ctx, storage_options)
     if args.action == "inspect":
         from llmtrain.data_pack.report import inspect_dataset
 
@@ -480,7 +512,7 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict[str, Any
     return 0
 
 
-def _train(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
+def _train(args: argparse.Namespace, ctx: Context, storage_options: dict[str, Any]) -> int:
     from llmtrain.data_pack.train_tokenizer import train_tokenizer
 
     vocab = train_tokenizer(
@@ -494,6 +526,7 @@ def _train(args: argparse.Namespace, storage_options: dict[str, Any]) -> int:
         overwrite=args.overwrite,
         storage_options=storage_options,
         progress=_progress(args),
+        plugins=ctx.plugins,
     )
     print(f"{args.output}: byte-level BPE, {vocab} tokens")
     return 0
@@ -504,7 +537,7 @@ def llmtrain_commands(register: Register) -> None:
     register(
         "data",
         lambda _: Command(
-            help="pack JSONL, Parquet, Arrow or text (or chat conversations) into token "
+            help="pack corpora (JSONL, Parquet, ...; or chat conversations) into token "
             "datasets, train tokenizers, inspect and merge datasets",
             configure=_configure,
             run=_run,

@@ -1,26 +1,29 @@
-"""Inputs: finding the files, telling their formats apart, and cutting them into tasks.
+"""Inputs: finding the files, giving each its format, and cutting them into tasks.
 
-Formats: JSONL (`.jsonl`, `.ndjson`, optionally `.gz`/`.zst`; also any file of no other known
-suffix), plain text (`.txt`, one document per file or per line), Parquet (`.parquet`) and Arrow
-(`.arrow` files, and the directories `datasets.save_to_disk` writes). A directory input is an
-Arrow dataset when it holds a `state.json`, otherwise every input file below it.
+Which formats there are is the registry's (`formats.py`: plugins of kind `data_format`,
+data-pack's own among them). Here: globs, directories and URLs become `Source`s, each with the
+format that claims its suffix (or the one `--input-format` names; JSONL for a suffix no format
+claims). A directory input is a `datasets.save_to_disk` dataset when it
+holds a `state.json` (its Arrow files, in its own order), otherwise every input file below it.
 
-Plain line files are split into byte ranges that worker processes read themselves, so no
-indexing pass is needed: a range owns every line whose first byte lies inside it. Compressed files
-(`.gz`, `.zst`) cannot be split by bytes; they are streamed and cut into batches of whole lines.
-Parquet files are cut by row groups and Arrow files by record batches (`columnar.py`). Every kind
-becomes a sequence of `Task`s whose order depends only on the input, never on the number of
-workers, which is what makes the packed order deterministic.
+Each format cuts its files into `Task`s (`InputFormat.plan`); `plan_tasks` numbers them in input
+order and joins whole-file tasks up to the split size. The order depends only on the input, never
+on the number of workers, which is what makes the packed order deterministic. The line formats'
+shared pieces live here too: plain line files are split into byte ranges that worker processes
+read themselves, so no indexing pass is needed (a range owns every line whose first byte lies
+inside it); compressed files (`.gz`, `.zst`) cannot be split by bytes, so they are streamed and
+cut into batches of whole lines.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import posixpath
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import fsspec
@@ -31,17 +34,10 @@ from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.storage_errors import missing_bucket, storage_errors
 from llmtrain.data_pack.compressed import DamagedStream, Decompressed
 
+if TYPE_CHECKING:
+    from llmtrain.data_pack.formats import InputFormat, InputFormats
+
 COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
-FORMATS = ("auto", "jsonl", "text", "parquet", "arrow")
-SUFFIX_FORMATS = {
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "jsonl",
-    ".txt": "text",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-}
-LINE_FORMATS = ("jsonl", "text-lines")  # read by byte ranges or batches of lines
 ARROW_STATE = "state.json"  # what `datasets.save_to_disk` writes beside its .arrow files
 _INT64 = 2.0**63  # orjson reads integers from -2**63 to 2**64 - 1 exactly
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -51,13 +47,29 @@ class InputError(UserError):
     """An input file that cannot be found or read."""
 
 
-class UnreadableInput(InputError):
-    """An input file that cannot be read through (a compressed file cut short or corrupt): the
-    pack stops at it, or with --skip-bad keeps what came before the damage and counts the file
-    as bad. `reason` is the message without the file's name and the advice."""
+class BadFile(InputError):
+    """An input file the pack cannot use at all (a Parquet file that does not open, a compressed
+    file cut short): the pack stops at it, or with --skip-bad leaves it out and counts it as
+    bad. `reason` is the message without the file's
+    name and the advice."""
 
     url = ""
     reason = ""
+
+
+class UnreadableInput(BadFile):
+    """An input file that cannot be read through (a compressed file cut short or corrupt): the
+    pack stops at it, or with --skip-bad keeps what came before the damage and counts the file
+    as bad."""
+
+
+def _format_named(fmt: InputFormat | str) -> InputFormat:
+    """A source's format: given, or an installed one's name (a `Source` made by hand)."""
+    if not isinstance(fmt, str):
+        return fmt
+    from llmtrain.data_pack.formats import installed_formats
+
+    return installed_formats().named(fmt)
 
 
 @attrs.frozen
@@ -65,34 +77,34 @@ class Source:
     url: str
     size: int
     compression: str | None
-    format: str = "jsonl"  # jsonl, text (a document per file), text-lines, parquet or arrow
+    format: InputFormat = attrs.field(
+        factory=lambda: _format_named("jsonl"), converter=_format_named
+    )
     dataset: str | None = None  # an Arrow file's save_to_disk directory
 
     @property
     def unit(self) -> str:
         """What a document's number counts in this file: lines (from 1), rows (from 0), or
         nothing (the whole file is one document)."""
-        if self.format == "text":
-            return "file"
-        return "line" if self.format in LINE_FORMATS else "row"
+        return self.format.unit
 
     def to_meta(self) -> dict[str, Any]:
-        meta = {"url": self.url, "bytes": self.size, "format": self.format, "unit": self.unit}
+        meta = {"url": self.url, "bytes": self.size, "format": self.format.name, "unit": self.unit}
         if self.dataset is not None:
             meta["dataset"] = self.dataset
         return meta
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Task:
-    """One unit of work: bytes [start, end) of a plain line file, whole lines already read
-    (`payload`), row groups of a Parquet file, record batches of an Arrow file, or whole text
-    files (`members`: (source number, url) pairs)."""
+    """One unit of work, made by its format's `plan`: bytes [start, end) of a plain line file,
+    whole lines already read (`payload`), row groups of a Parquet file, record batches of an
+    Arrow file, or whole files (`members`: (source number, url) pairs)."""
 
-    index: int
-    source: int
+    source: int  # the number of its input file
     url: str
-    format: str = "jsonl"
+    format: InputFormat  # what reads it, in a worker process
+    index: int = -1  # its place in the pack, set by `plan_tasks`
     start: int = 0
     end: int = 0
     payload: bytes | None = None
@@ -102,7 +114,8 @@ class Task:
     input_bytes: int = 0  # input (compressed) bytes this task accounts for, for progress
     row_groups: tuple[int, ...] = ()  # parquet
     batches: tuple[int, int] = (0, 0)  # arrow: record batches [first, stop); (0, 0): all
-    members: tuple[tuple[int, str], ...] = ()  # text, one document per file
+    members: tuple[tuple[int, str], ...] = ()  # whole files, each one document
+    detail: Any = None  # what else its format needs to read it (e.g. a header); picklable
 
 
 def compression_of(url: str) -> str | None:
@@ -112,47 +125,31 @@ def compression_of(url: str) -> str | None:
     return None
 
 
-def format_of(url: str, requested: str = "auto") -> str:
-    """The input format: as requested, else by suffix (under any compression suffix); JSONL for
-    a suffix of no other format."""
-    if requested != "auto":
-        return requested
-    name = posixpath.basename(url)
-    for suffix in COMPRESSION:
-        name = name.removesuffix(suffix)
-    return SUFFIX_FORMATS.get(posixpath.splitext(name)[1].lower(), "jsonl")
-
-
-def _known_input(path: str) -> bool:
-    name = posixpath.basename(path)
-    if name.startswith((".", "_")):
-        return False
-    for suffix in COMPRESSION:
-        name = name.removesuffix(suffix)
-    return posixpath.splitext(name)[1].lower() in SUFFIX_FORMATS
-
-
 def expand_inputs(
     patterns: Sequence[str],
     storage_options: dict[str, Any] | None = None,
     input_format: str = "auto",
     *,
     text_per_line: bool = False,
+    formats: InputFormats | None = None,
 ) -> list[Source]:
     """Files matching each pattern (globs, directories, local or fsspec URLs), in a stable
-    sorted order, each with its format (plain text: a document per line if `text_per_line`,
-    else per file)."""
-    if input_format not in FORMATS:
-        raise InputError(f"input format {input_format!r}: use one of {', '.join(FORMATS)}")
+    sorted order, each with its format from `formats` (default: the installed ones): the one
+    `input_format` names, else by suffix; with `text_per_line`, a format's one-document-a-line
+    reading where it has one (plain text)."""
+    if formats is None:
+        from llmtrain.data_pack.formats import installed_formats
+
+        formats = installed_formats()
+    if input_format != "auto":
+        formats.named(input_format)  # an unknown name is an error before any listing
     sources: list[Source] = []
     seen: set[str] = set()
     for pattern in patterns:
         with storage_errors(pattern, error=InputError):
-            found = _expand(pattern, storage_options, input_format)
+            found = _expand(pattern, storage_options, _Choosing(formats, input_format))
         if text_per_line:
-            found = [
-                attrs.evolve(s, format="text-lines") if s.format == "text" else s for s in found
-            ]
+            found = [attrs.evolve(s, format=formats.one_per_line(s.format)) for s in found]
         for source in found:
             if source.url not in seen:
                 seen.add(source.url)
@@ -160,8 +157,21 @@ def expand_inputs(
     return sources
 
 
+@attrs.frozen
+class _Choosing:
+    """How files get their formats: the registry, and `--input-format`."""
+
+    formats: InputFormats
+    requested: str
+
+    def source(self, url: str, info: dict[str, Any]) -> Source:
+        fmt = self.formats.for_file(url, self.requested)
+        compression = compression_of(url) if fmt.compressible else None
+        return Source(url, int(info.get("size") or 0), compression, fmt)
+
+
 def _expand(
-    pattern: str, storage_options: dict[str, Any] | None, input_format: str
+    pattern: str, storage_options: dict[str, Any] | None, choosing: _Choosing
 ) -> list[Source]:
     """The input files one pattern names."""
     fs, path = url_to_fs(pattern, **(storage_options or {}))
@@ -184,25 +194,19 @@ def _expand(
         except FileNotFoundError:
             raise InputError(missing_bucket(fs, pattern) or f"{pattern}: no such file") from None
         if info.get("type") == "directory":
-            found.extend(_directory(fs, match, url, input_format))
+            found.extend(_directory(fs, match, url, choosing))
         else:
-            found.append(_source(url, info, input_format))
+            found.append(choosing.source(url, info))
     return found
 
 
-def _source(url: str, info: dict[str, Any], input_format: str) -> Source:
-    kind = format_of(url, input_format)
-    compression = compression_of(url) if kind in ("jsonl", "text") else None
-    return Source(url, int(info.get("size") or 0), compression, kind)
-
-
-def _directory(fs: Any, path: str, url: str, input_format: str) -> list[Source]:
+def _directory(fs: Any, path: str, url: str, choosing: _Choosing) -> list[Source]:
     """An Arrow dataset directory's files in its own order, or every input file below a
     directory (sorted)."""
     names = {posixpath.basename(p) for p in fs.ls(path, detail=False)}
     prefix = url.rstrip("/") + "/"
     if ARROW_STATE in names:
-        return _arrow_dataset(fs, path, url)
+        return _arrow_dataset(fs, path, url, choosing.formats)
     if "dataset_dict.json" in names:
         _refuse_dataset_dict(fs, path, url)
     if any(n.endswith(".arrow") for n in names):
@@ -223,15 +227,18 @@ def _directory(fs: Any, path: str, url: str, input_format: str) -> list[Source]:
             _refuse_dataset_dict(fs, folder, prefix + posixpath.dirname(relative))
         if any(folder == d or folder.startswith(d + "/") for d in datasets):
             if posixpath.basename(file) == ARROW_STATE and folder in datasets:
-                found.extend(_arrow_dataset(fs, folder, prefix + posixpath.dirname(relative)))
+                dataset_url = prefix + posixpath.dirname(relative)
+                found.extend(_arrow_dataset(fs, folder, dataset_url, choosing.formats))
             continue
         # hidden below the input, not above it (~/.cache/... is a fine place for data)
-        if _known_input(file) and not any(part.startswith(".") for part in relative.split("/")):
-            found.append(_source(prefix + relative if "://" in url else file, info, input_format))
+        if choosing.formats.claims(file) and not any(
+            part.startswith(".") for part in relative.split("/")
+        ):
+            found.append(choosing.source(prefix + relative if "://" in url else file, info))
     if not found:
+        suffixes = ", ".join(choosing.formats.suffixes())
         raise InputError(
-            f"{url}: a directory with no input files (.jsonl, .txt, .parquet, .arrow, "
-            "optionally .gz/.zst) below it"
+            f"{url}: a directory with no input files ({suffixes}, optionally .gz/.zst) below it"
         )
     return found
 
@@ -246,7 +253,9 @@ def _refuse_dataset_dict(fs: Any, path: str, url: str) -> None:
     )
 
 
-def _arrow_dataset(fs: Any, path: str, url: str) -> list[Source]:
+def _arrow_dataset(fs: Any, path: str, url: str, formats: InputFormats) -> list[Source]:
+    """The .arrow files a `datasets.save_to_disk` directory's state.json lists, in its order."""
+    arrow = formats.named("arrow")
     state_path = posixpath.join(path, ARROW_STATE)
     try:
         with fs.open(state_path, "rb") as f:
@@ -263,7 +272,7 @@ def _arrow_dataset(fs: Any, path: str, url: str) -> list[Source]:
             raise InputError(f"{url}/{ARROW_STATE} lists {name}, which is missing")
         size = int(fs.info(file).get("size") or 0)
         file_url = url.rstrip("/") + "/" + name
-        sources.append(Source(file_url, size, None, "arrow", url.rstrip("/")))
+        sources.append(Source(file_url, size, None, arrow, url.rstrip("/")))
     return sources
 
 
@@ -275,49 +284,53 @@ def plan_tasks(
     skip_bad: bool = False,
     bad_files: list[tuple[int, str]] | None = None,
 ) -> Iterator[Task]:
-    """Tasks in input order. Columnar files that cannot be opened stop the plan, or with
-    `skip_bad` are left out and listed in `bad_files` as (source number, reason)."""
-    from llmtrain.data_pack.columnar import ColumnarError, plan_columnar
+    """Every file's tasks (its format's `plan`), numbered in input order. Consecutive tasks of
+    whole files of one format are joined until they hold `chunk_bytes`. A file whose format
+    cannot use it (`BadFile`) stops the plan, or with `skip_bad` is left out and listed in
+    `bad_files` as (source number, reason)."""
+    numbers = itertools.count()
+    whole: list[Task] = []  # tasks of whole files, to be joined
 
-    index = itertools.count()
-    text_files: list[tuple[int, Source]] = []
+    def joined() -> Task:
+        first = whole[0]
+        members = tuple(m for task in whole for m in task.members)
+        input_bytes = sum(task.input_bytes for task in whole)
+        whole.clear()
+        return attrs.evolve(first, index=next(numbers), members=members, input_bytes=input_bytes)
+
     for number, source in enumerate(sources):
-        if source.format == "text":
-            text_files.append((number, source))
-            if sum(s.size for _, s in text_files) >= chunk_bytes:
-                yield _text_task(next(index), text_files)
-                text_files = []
-            continue
-        if text_files:
-            yield _text_task(next(index), text_files)
-            text_files = []
+        if whole and source.format != whole[0].format:
+            yield joined()
         try:
             with storage_errors(source.url, error=InputError):
-                if source.format in ("parquet", "arrow"):
-                    yield from plan_columnar(source, number, chunk_bytes, index, storage_options)
-                else:
-                    yield from _line_tasks(source, number, chunk_bytes, index, storage_options)
-        except (ColumnarError, UnreadableInput) as exc:
+                for task in source.format.plan(source, number, chunk_bytes, storage_options):
+                    if not task.members:
+                        yield attrs.evolve(task, index=next(numbers))
+                        continue
+                    whole.append(task)
+                    if sum(t.input_bytes for t in whole) >= chunk_bytes:
+                        yield joined()
+        except BadFile as exc:
             if not skip_bad or bad_files is None:
                 raise
             bad_files.append((number, exc.reason or str(exc)))
-    if text_files:
-        yield _text_task(next(index), text_files)
+    if whole:
+        yield joined()
 
 
-def _line_tasks(
+def line_tasks(
     source: Source,
     number: int,
     chunk_bytes: int,
-    index: Iterator[int],
     storage_options: dict[str, Any] | None,
 ) -> Iterator[Task]:
-    """Byte ranges of a plain line file; batches of whole lines of a compressed one."""
-    kind = source.format
+    """A line format's tasks: byte ranges of a plain file; batches of whole lines of a
+    compressed one."""
+    task = functools.partial(Task, source=number, url=source.url, format=source.format)
     if source.compression is None:
         for start in range(0, source.size, chunk_bytes):
             end = min(start + chunk_bytes, source.size)
-            yield Task(next(index), number, source.url, kind, start, end, input_bytes=end - start)
+            yield task(start=start, end=end, input_bytes=end - start)
         return
     line, counted = 1, 0
     with fsspec.open(source.url, "rb", **(storage_options or {})) as raw:
@@ -346,25 +359,18 @@ def _line_tasks(
                 del buffer[: cut + 1]
                 searched = 0
                 position = stream.position
-                yield Task(
-                    next(index),
-                    number,
-                    source.url,
-                    kind,
-                    payload=block,
-                    first_line=line,
-                    input_bytes=position - counted,
-                )
+                yield task(payload=block, first_line=line, input_bytes=position - counted)
                 counted = position
                 line += block.count(b"\n")
             if not piece:
                 break
     if damage is not None:
-        raise _damaged(source.url, damage, f"{line - 1:,} whole lines" if line > 1 else None)
+        raise damaged(source.url, damage, f"{line - 1:,} whole lines" if line > 1 else None)
 
 
-def _damaged(url: str, damage: DamagedStream, before: str | None) -> UnreadableInput:
-    """The error of a compressed input that does not decompress whole."""
+def damaged(url: str, damage: DamagedStream, before: str | None) -> UnreadableInput:
+    """The error of a compressed input that does not decompress whole; `before`: what of it
+    was read (kept with --skip-bad)."""
     reason = damage.problem if before is None else f"{damage.problem}, after {before}"
     error = UnreadableInput(
         f"{url}: {reason}; the file is incomplete or damaged: download or compress it again, or "
@@ -372,20 +378,6 @@ def _damaged(url: str, damage: DamagedStream, before: str | None) -> UnreadableI
     )
     error.url, error.reason = url, reason
     return error
-
-
-def _text_task(index: int, files: list[tuple[int, Source]]) -> Task:
-    """Whole text files, each one document, read together by one worker."""
-    number, first = files[0]
-    return Task(
-        index,
-        number,
-        first.url,
-        "text",
-        first_line=0,  # a whole file is one document: its number is 0
-        input_bytes=sum(s.size for _, s in files),
-        members=tuple((n, s.url) for n, s in files),
-    )
 
 
 def read_text_file(url: str, storage_options: dict[str, Any] | None = None) -> bytes:
@@ -401,7 +393,7 @@ def read_text_file(url: str, storage_options: dict[str, Any] | None = None) -> b
         try:
             return Decompressed(f, compression).read_all()
         except DamagedStream as exc:
-            raise _damaged(url, exc, None) from None
+            raise damaged(url, exc, None) from None
 
 
 def read_range(task: Task, storage_options: dict[str, Any] | None = None) -> bytes:

@@ -1,5 +1,5 @@
-"""`llmtrain data train-tokenizer`: a byte-level BPE trained on your own JSONL, for machines that
-cannot download one. The result is a tokenizer.json the `hf` tokenizer (and its fast path) reads.
+"""`llmtrain data train-tokenizer`: a byte-level BPE trained on your own corpus (any input format
+`pack` reads), for machines that cannot download one. The result is a tokenizer.json the `hf` tokenizer (and its fast path) reads.
 
 Two phases: reading the corpus (the tokenizers library splits it into words as it comes), with
 the progress of the bytes and documents read; then training on the word counts, where that
@@ -11,7 +11,7 @@ import json
 import os
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import fsspec
 import structlog
@@ -20,9 +20,13 @@ from fsspec.core import url_to_fs
 from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.core_mesh.storage_errors import missing_bucket, storage_errors
 from llmtrain.data_pack.documents import text_batches
+from llmtrain.data_pack.formats import InputFormats
 from llmtrain.data_pack.progress import Progress, ProgressSettings
 from llmtrain.data_pack.sources import Source, expand_inputs
 from llmtrain.data_pack.tokenizer import ENDOFTEXT, TokenizerError, tokenizer_json, train_bpe
+
+if TYPE_CHECKING:
+    from llmtrain.core_mesh.plugins import PluginManager
 
 log = structlog.get_logger("llmtrain.data_pack")
 
@@ -41,12 +45,15 @@ def train_tokenizer(
     overwrite: bool = False,
     storage_options: Mapping[str, Any] | None = None,
     progress: ProgressSettings = ProgressSettings(),
+    plugins: PluginManager | None = None,
 ) -> int:
-    """Train on the inputs' documents and write tokenizer.json; returns the vocab size reached."""
+    """Train on the inputs' documents and write tokenizer.json; returns the vocab size reached.
+    `plugins`: where the input formats come from (default: the installed plugins)."""
     storage_options = dict(storage_options or {})
     with storage_errors(output, doing="write"):
         _check_output(output, overwrite, storage_options)
-    sources = expand_inputs(inputs, storage_options)
+    formats = None if plugins is None else InputFormats.from_plugins(plugins)
+    sources = expand_inputs(inputs, storage_options, formats=formats)
     if any(_same_file(output, s.url) for s in sources):
         raise UserError(f"{output} is one of the inputs; write the tokenizer to another file")
     corpus = _Corpus(sources, field, storage_options)
