@@ -1,7 +1,7 @@
 """data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers, the
-input formats (`jsonl`, `text`, `text-lines`, `parquet`, `arrow`) and the `llmtrain data ...`
-commands (pack, pack-chat, train-tokenizer, inspect, merge), whose main objects (the inputs, the
-dataset) are positional. Importing it is cheap: the commands import their machinery when they
+input formats (`jsonl`, `text`, `text-lines`, `parquet`, `arrow`, `csv`, `tsv`) and the
+`llmtrain data ...` commands (pack, pack-chat, train-tokenizer, inspect, merge), whose main
+objects (the inputs, the dataset) are positional. Importing it is cheap: the commands import their machinery when they
 run, and the formats import pyarrow only when they read Parquet or Arrow."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from llmtrain.data_pack.builtin_formats import (
     TextFormat,
     TextLinesFormat,
 )
+from llmtrain.data_pack.csv_format import CsvFormat
 from llmtrain.data_pack.progress import LOG_EVERY_SECONDS, ProgressSettings
 from llmtrain.data_pack.tokenizer import (
     BytesOptions,
@@ -77,6 +78,16 @@ def llmtrain_data_formats(register: Register) -> None:
         "arrow",
         lambda _: ArrowFormat(),
         help="Arrow IPC files (.arrow) and datasets.save_to_disk directories",
+    )
+    register(
+        "csv",
+        lambda _: CsvFormat("csv", ",", (".csv",)),
+        help="comma-separated values with a header row (.csv), the text in the --field column",
+    )
+    register(
+        "tsv",
+        lambda _: CsvFormat("tsv", "\t", (".tsv",)),
+        help="tab-separated values with a header row (.tsv), the text in the --field column",
     )
 
 
