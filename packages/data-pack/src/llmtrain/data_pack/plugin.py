@@ -1,8 +1,9 @@
 """data-pack's plugin (entry point `data_pack`): the `bytes`, `hf` and `tiktoken` tokenizers, the
 input formats (`jsonl`, `text`, `text-lines`, `parquet`, `arrow`, `csv`, `tsv`) and the
 `llmtrain data ...` commands (pack, pack-chat, train-tokenizer, inspect, merge), whose main
-objects (the inputs, the dataset) are positional. Importing it is cheap: the commands import their machinery when they
-run, and the formats import pyarrow only when they read Parquet or Arrow."""
+objects (the inputs, the dataset) are positional. Importing it is cheap: the commands import
+their machinery when they run, and the formats import pyarrow only when they read Parquet or
+Arrow."""
 
 from __future__ import annotations
 

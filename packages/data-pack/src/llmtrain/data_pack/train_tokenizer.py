@@ -1,5 +1,6 @@
 """`llmtrain data train-tokenizer`: a byte-level BPE trained on your own corpus (any input format
-`pack` reads), for machines that cannot download one. The result is a tokenizer.json the `hf` tokenizer (and its fast path) reads.
+`pack` reads), for machines that cannot download one. The result is a tokenizer.json the `hf`
+tokenizer (and its fast path) reads.
 
 Two phases: reading the corpus (the tokenizers library splits it into words as it comes), with
 the progress of the bytes and documents read; then training on the word counts, where that
