@@ -17,9 +17,10 @@ import yaml
 KIT = Path(__file__).resolve().parents[1] / "tools" / "gpu"
 RUNNER = KIT / "runner.py"
 STEPS = [
-    "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "float8-run",
-    "moe-run", "moe-olmoe", "dense-olmoe-active", "moe-ep2", "deterministic", "torchtitan-b4", "llama-b4", "llama-b4-docmask",
-    "llama-b4-float8", "torchtitan-b8", "llama-b8", "bare-loop", "profile-b4",
+    "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "gpt2-syncs",
+    "float8-run", "moe-run", "moe-olmoe", "dense-olmoe-active", "moe-ep2", "deterministic",
+    "torchtitan-b4", "llama-b4", "llama-b4-docmask", "llama-b4-float8", "llama-b4-syncs",
+    "torchtitan-b8", "llama-b8", "bare-loop", "profile-b4",
 ]  # fmt: skip
 TORCHTITAN = ("torchtitan-b4", "torchtitan-b8")
 
@@ -64,7 +65,7 @@ def test_dry_run_passes_every_step(tmp_path):
     assert all(status[n][0] == "passed" for n in STEPS if n not in TORCHTITAN), status
     runs = {s["name"]: s["figures"] for s in report["steps"]}
     assert runs["gpt2-run"]["tokens_per_s"] > 0 and runs["bare-loop"]["tokens_per_s"] > 0
-    for name in ("llama-b4", "llama-b4-docmask", "llama-b8"):
+    for name in ("llama-b4", "llama-b4-docmask", "llama-b4-syncs", "llama-b8", "gpt2-syncs"):
         assert runs[name]["steady_tokens_per_s"] > 0, name
     # the MoE pair on CPU (olmoe-tiny and its dense twin, an MFU against a nominal peak): the
     # ratio of their MFUs, with the FLOPs each counts (the tiny MoE's routers are 1.8% of them)
@@ -92,6 +93,13 @@ def test_dry_run_passes_every_step(tmp_path):
     table = {r["step"]: r for r in report["side_by_side"]["torchtitan"]["rows"]}
     assert table["llama-b4"]["status"] == "measured"
     assert table["llama-b4-docmask"]["ratio"] > 0
+    # the host reads as before (debug.host_syncs), against the same run without them; gpt2's
+    # rows have no MFU counted with llama's FLOPs per token
+    assert (
+        table["llama-b4-syncs"]["reference"] == "llama-b4" and table["llama-b4-syncs"]["ratio"] > 0
+    )
+    assert table["gpt2-syncs"]["reference"] == "gpt2-run" and table["gpt2-syncs"]["ratio"] > 0
+    assert "mfu_counted" not in table["gpt2-run"] and "mfu_counted" not in table["gpt2-syncs"]
     assert table["torchtitan-b4"]["status"].startswith("not run: torchtitan-b4 skipped")
     goals = {g["goal"]: g["status"] for g in report["side_by_side"]["torchtitan"]["goals"]}
     assert goals["b4: llmtrain tokens/s >= 1.0x TorchTitan's"] == "not run"
@@ -157,7 +165,7 @@ def test_the_side_by_side_steps_as_the_gpu_gets_them(tmp_path, monkeypatch):
             f"--training.local_batch_size {batch} --training.seq_len 2048 --training.steps 40"
         )
     configs = {}
-    for name in ("llama-b4", "llama-b8", "llama-b4-docmask", "llama-b4-float8"):
+    for name in ("llama-b4", "llama-b8", "llama-b4-docmask", "llama-b4-float8", "llama-b4-syncs"):
         (command,) = plan[name].commands
         assert "PYTORCH_ALLOC_CONF=expandable_segments:True" in command
         configs[name] = yaml.safe_load(Path(command[-1]).read_text())
@@ -167,6 +175,17 @@ def test_the_side_by_side_steps_as_the_gpu_gets_them(tmp_path, monkeypatch):
     assert configs["llama-b4-docmask"]["model"]["doc_masking"] is True
     assert configs["llama-b4-float8"]["parallel"]["float8"] is True
     assert "doc_masking" not in configs["llama-b4"]["model"]
+    # llama-b4 as it was, with the host reads a step made before issue 47 put back
+    assert configs["llama-b4-syncs"]["debug"] == {"host_syncs": True}
+    assert {k: v for k, v in configs["llama-b4-syncs"].items() if k not in ("name", "debug")} == {
+        k: v for k, v in configs["llama-b4"].items() if k != "name"
+    }
+    gpt2, gpt2_syncs = (
+        yaml.safe_load(Path(plan[n].commands[0][-1]).read_text())
+        for n in ("gpt2-run", "gpt2-syncs")
+    )
+    assert gpt2_syncs["debug"] == {"host_syncs": True} and "debug" not in gpt2
+    assert gpt2_syncs["model"] == gpt2["model"] == {"kind": "gpt2-124m", "max_seq_len": 1024}
     # the profile step: TorchTitan b4 with its profiler on, then our b4 with ours, at step 20
     titan_run, titan_profile, ours_run, ours_profile = map(
         " ".join, plan["profile-b4"].commands[1:]

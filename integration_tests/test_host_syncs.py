@@ -50,6 +50,22 @@ def test_one_process_reads_the_device_only_at_logged_and_saved_steps(config, tmp
     recorded(tmp_path / "runs" / "one", data_ranks=1)
 
 
+def test_debug_host_syncs_reads_inside_every_step_as_before(config, tmp_path):
+    """`debug.host_syncs` puts back the reads a step made before (what the GPU kit's *-syncs
+    steps measure), and the counter sees them: the count before the forward and the finite
+    check before the optimizer step, at every step."""
+    config = {**config, "name": "syncs", "run_dir": str(tmp_path / "runs")}
+    config["debug"] = {"host_syncs": True}
+    path = write_config(tmp_path / "run.yaml", config)
+    out = tmp_path / "reads.json"
+    run([sys.executable, str(WORKER), str(path), str(out)], timeout=600)
+    inside = json.loads(out.read_text())["inside"]
+    assert sorted(map(int, inside)) == list(range(1, STEPS + 1))
+    for calls in inside.values():
+        assert [c.split()[0] for c in calls] == ["__float__", "__bool__"], calls
+        assert all("trainer.py" in c and "train_step" in c for c in calls), calls
+
+
 def test_fsdp_ranks_read_the_device_only_at_logged_and_saved_steps(config, tmp_path):
     config = {**config, "name": "fsdp", "run_dir": str(tmp_path / "runs")}
     config["mesh"] = {"dp_shard": 2}

@@ -194,6 +194,8 @@ def plan(ctx: Context, install: list[str], bundle: str) -> list[Step]:
         bench_model(ctx),
         bench_parallel(ctx),
         gpt2_run(ctx),
+        # the cost of the host reads a step made before (debug.host_syncs), small model first
+        gpt2_run(ctx, syncs=True),
         float8_run(ctx),
         moe_run(ctx),
         # MoE at a realistic shape against a dense model of the same active FLOPs per token
@@ -207,6 +209,7 @@ def plan(ctx: Context, install: list[str], bundle: str) -> list[Step]:
         llama_side(ctx, 4),
         llama_side(ctx, 4, "docmask"),
         llama_side(ctx, 4, "float8"),
+        llama_side(ctx, 4, "syncs"),
         torchtitan(ctx, 8),
         llama_side(ctx, 8),
         bare_loop(ctx),
@@ -327,14 +330,23 @@ def bench_parallel(ctx: Context) -> Step:
     )
 
 
-def gpt2_run(ctx: Context) -> Step:
-    commands = llmtrain_run(ctx, "gpt2-bf16", {"kind": "gpt2-124m"}, (60, 1024, 16), TINY, **bf16())
+def gpt2_run(ctx: Context, syncs: bool = False) -> Step:
+    """gpt2-124m, where a step's launch overhead weighs most; `syncs`: with `debug.host_syncs`,
+    the host reads each step made before it kept its numbers on the device (side-by-side row)."""
+    name = "gpt2-syncs" if syncs else "gpt2-bf16"
+    extra = {"debug": {"host_syncs": True}} if syncs else {}
+    commands = llmtrain_run(
+        ctx, name, {"kind": "gpt2-124m"}, (60, 1024, 16), TINY, **bf16(), **extra
+    )
     return Step(
-        "gpt2-run",
-        "`llmtrain run` gpt2-124m, bf16 + compile: tokens/s and MFU from metrics.jsonl",
-        commands,
+        name if syncs else "gpt2-run",
+        "`llmtrain run` gpt2-124m, bf16 + compile"
+        + (", debug.host_syncs (a step's reads as before)" if syncs else "")
+        + ": tokens/s and MFU from metrics.jsonl",
+        [with_env(our_env(ctx), c) for c in commands],
         300,
-        run_figures(ctx, "gpt2-bf16"),
+        run_figures(ctx, name),
+        keep=[ctx.runs / (f"cpu-{name}" if ctx.dry else name) / "metrics.jsonl"],
     )
 
 
@@ -533,20 +545,27 @@ def our_env(ctx: Context) -> dict:
 
 def llama_side(ctx: Context, batch: int, variant: str = "") -> Step:
     """Our llama-1b (tied, bf16 + per-block compile) on the side-by-side's shape at `batch`;
-    `variant` "docmask" adds model.doc_masking, "float8" parallel.float8."""
+    `variant` "docmask" adds model.doc_masking, "float8" parallel.float8, "syncs"
+    debug.host_syncs (the host reads each step made before it kept its numbers on the device)."""
     name = f"llama-b{batch}" + (f"-{variant}" if variant else "")
     model, cpu_model, parallel = {"kind": "llama-1b"}, TINY, bf16()
     if variant == "docmask":
         model, cpu_model = {**model, "doc_masking": True}, {**TINY, "doc_masking": True}
     elif variant == "float8":
         parallel = bf16(float8=True)
+    extra = {"debug": {"host_syncs": True}} if variant == "syncs" else {}
     shape = (SIDE_STEPS, sbs.SEQ_LEN, batch)
-    commands = llmtrain_run(ctx, name, model, shape, cpu_model, **parallel)
+    commands = llmtrain_run(ctx, name, model, shape, cpu_model, **parallel, **extra)
     if ctx.dry and variant == "float8":  # float8 cannot start on CPU: validate, load the module
         probe = "from llmtrain.parallel.float8 import float8_problem; print(float8_problem('cuda'))"
         commands = [commands[0], [ctx.python, "-c", probe]]
     run = f"cpu-{name}" if ctx.dry else name
-    described = {"": "", "docmask": ", model.doc_masking", "float8": ", parallel.float8"}[variant]
+    described = {
+        "": "",
+        "docmask": ", model.doc_masking",
+        "float8": ", parallel.float8",
+        "syncs": ", debug.host_syncs",
+    }[variant]
     return Step(
         name,
         f"`llmtrain run` llama-1b, batch {batch}{described}, seq 2048, bf16 + compile, "

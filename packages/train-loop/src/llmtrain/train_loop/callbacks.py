@@ -93,11 +93,13 @@ class Callbacks:
             if not callable(getattr(named.callback, "state_dict", None)):
                 continue
             try:
-                states[named.key] = json.loads(json.dumps(named.callback.state_dict()))
+                state = named.callback.state_dict()
+                states[named.key] = json.loads(json.dumps(state, default=_read_number))
             except Exception as exc:
                 raise CallbackError(
                     f"callback {named.key!r} of {named.origin}: state_dict() must return plain "
-                    f"data (numbers, strings, lists, dicts): {type(exc).__name__}: {exc}"
+                    f"data (numbers, strings, lists, dicts; a one-element tensor is read as its "
+                    f"number): {type(exc).__name__}: {exc}"
                 ) from exc
         return states
 
@@ -116,6 +118,15 @@ class Callbacks:
                     f"callback {named.key!r} of {named.origin} could not load its state from "
                     f"{where}: {type(exc).__name__}: {exc}"
                 ) from exc
+
+
+def _read_number(value: Any) -> Any:
+    """A one-element tensor in a callback's state (a value kept on the device, e.g. from the
+    step's metrics) as its number: read at a save, which waits for the device anyway."""
+    numel = getattr(value, "numel", None)
+    if callable(numel) and numel() == 1:
+        return value.item()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def configured(choices: Iterable[Any], plugins: PluginManager) -> list[Named]:

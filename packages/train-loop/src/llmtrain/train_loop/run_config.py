@@ -306,6 +306,11 @@ class DebugConfig:
     memory_history: bool = False
     # NCCL: keep a ring of recent collectives and dump it on a timeout (off: no trace on hangs)
     flight_recorder: bool = True
+    # read the step's numbers on the host every step, where the step read them before it kept
+    # them on the device (the count before the forward, the finite check before the optimizer
+    # step, the ranks' stop vote after it): what those syncs cost, measured (the GPU kit's
+    # *-syncs steps); the numbers are the same either way
+    host_syncs: bool = False
 
 
 @attrs.frozen(kw_only=True)

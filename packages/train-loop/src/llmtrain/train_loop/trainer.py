@@ -555,7 +555,12 @@ class Trainer:
         """Whether this step asks the ranks if any was signalled to stop: every step with one
         process (a flag, nothing to read); with several, a collective whose result the host
         reads, so only at steps that read the device anyway (logged and saved ones)."""
-        return self.world.world_size == 1 or self._logs_now(metrics) or self._saves_now()
+        return (
+            self.world.world_size == 1
+            or self.config.debug.host_syncs  # as before: a vote after every step
+            or self._logs_now(metrics)
+            or self._saves_now()
+        )
 
     def _logs_now(self, metrics: StepMetrics) -> bool:
         """Every `log_every` steps, the last step, and steps that evaluated."""
@@ -642,6 +647,8 @@ class Trainer:
         waited = time.perf_counter()
         local_count = (targets != IGNORE).sum().float()
         count = self.model.sum_over_data(local_count.clone())
+        if c.debug.host_syncs:  # as the step did before: the count read before the forward
+            float(count)
         self.sync_wait_s += time.perf_counter() - waited
         lr = self._set_lr()
         # 1 / count in float64, as the Python number it was: the layout rounds it to float32
@@ -660,14 +667,18 @@ class Trainer:
         grad_norm = self.model.clip_grad_norm_(c.training.max_grad_norm)
         self.step += 1
         applied = self.health.check(self.step, loss, grad_norm, count)
+        if c.debug.host_syncs:  # as before: the finite check the optimizer step waited for
+            bool(applied)
         step_where(self._all_optimizers(), applied)
         self.model.after_optimizer_step(applied)
         for opt in self._all_optimizers():
             opt.zero_grad(set_to_none=True)
         self._advance()
-        own = {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+        # float64, as the Python numbers callbacks got before: their arithmetic on them gives
+        # the same bits (the values are the float32 ones, exactly)
+        own: dict[str, Any] = {"loss": loss.double(), "grad_norm": grad_norm.double(), "lr": lr}
         if self.train_data.loss_mask:
-            own["loss_tokens"] = count
+            own["loss_tokens"] = count.double()
         # the trainer's own numbers first, then what the objective recorded (the logged order)
         recorded = dict(metrics)
         metrics.clear()
