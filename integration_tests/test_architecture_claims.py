@@ -53,13 +53,11 @@ PROVIDERS: dict[str, list[tuple[str, str]]] = {
     "AuxiliaryLosses": [("llmtrain-moe", "MoETransformer")],
     "ExpertParallel": [("llmtrain-moe", "Experts")],
     "AfterOptimizerStep": [("llmtrain-moe", "MoE")],
+    "TrainingRun": [("train-loop", "RunView")],
 }
 
 # Protocols whose implementations are checked in their own package's tests instead
 UNCHECKED_OK = {
-    # the Trainer's attributes are set in __init__, which a class cannot show; mypy --strict
-    # checks it instead where the Trainer hands itself to `Callbacks.emit(event, run: TrainingRun)`
-    "TrainingRun",
     # a callable: train-loop's bound `MetricRecorder.record`; mypy --strict checks it where the
     # Trainer hands it to `ObjectiveContext(record_metric=...)`
     "MetricRecorder",

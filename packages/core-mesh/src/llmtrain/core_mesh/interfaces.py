@@ -496,8 +496,9 @@ class MetricRecorder(Protocol):
 class Callback:
     """Code that runs inside a training run at its events (plugin kind `callback`): subclass it
     and override the events you need; the others cost nothing (the trainer calls only what a
-    class overrides). `run` is the trainer, as `TrainingRun` describes it. Every rank calls every
-    event, in the same order, so an event may run collectives when all ranks reach it.
+    class overrides). `run` is the run as `TrainingRun` describes it (train-loop hands over a
+    view of its trainer, nothing more). Every rank calls every event, in the same order, so an
+    event may run collectives when all ranks reach it.
 
     Events, in the order a run meets them:
     - `on_load(run, step)`: a checkpoint was resumed (this callback's state is already back).

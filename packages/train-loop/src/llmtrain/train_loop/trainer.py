@@ -39,6 +39,7 @@ from llmtrain.core_mesh.errors import UserError, naming_file
 from llmtrain.core_mesh.interfaces import (
     Better,
     MetricsSink,
+    ModelDescription,
     Objective,
     ObjectiveContext,
     ParallelModel,
@@ -92,6 +93,7 @@ from llmtrain.train_loop.schedules import (
 )
 from llmtrain.train_loop.step_gate import step_where
 from llmtrain.train_loop.step_health import StepHealth
+from llmtrain.train_loop.training_run import RunView
 
 log = structlog.get_logger("llmtrain.train")
 
@@ -147,7 +149,7 @@ class Trainer:
         self.model_options = checked_model_options(plugins, c.model)
         with torch.device("meta"):
             meta_model = plugins.build(MODEL, c.model)
-        self.description = meta_model.describe()
+        self.description: ModelDescription = meta_model.describe()
         max_len = self.model_options.max_seq_len
         if c.data.seq_len > max_len:
             raise UserError(
@@ -309,6 +311,7 @@ class Trainer:
         """This rank's data order, the counters, checkpoints and what they carry, callbacks
         (their state rides with checkpoints)."""
         c = self.config
+        self.view = RunView(self)  # what callbacks see of the run
         self.plan = BatchPlan(self.global_batch, self.model.data_world, self.model.data_rank)
         self.counters = Values(step=0, tokens=0, skipped=0, consumed=0, elapsed_s=0.0)
         self.checkpoints = Checkpointer(
@@ -338,7 +341,7 @@ class Trainer:
         self.last_local_loss: tuple[torch.Tensor, torch.Tensor] | None = None
         self.stop_reason: str | None = None
         self.callbacks = callbacks.Callbacks(
-            [*builtin_callbacks(self), *callbacks.configured(c.callbacks, self.plugins)]
+            [*builtin_callbacks(self.view), *callbacks.configured(c.callbacks, self.plugins)]
         )
 
     def _start_loggers(self) -> None:
@@ -425,7 +428,7 @@ class Trainer:
         saved = self.checkpoints.info(step).get("info", {}).get("callbacks", {})
         self.callbacks.load_state(saved, self.checkpoints.step_url(step))
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
-        self.callbacks.emit("on_load", self, step)
+        self.callbacks.emit("on_load", self.view, step)
 
     def _resume_schedule(self, step: int, trained: dict[str, Any]) -> None:
         """A resume at `step` whose configured lr schedule is not the one the checkpoint was
@@ -500,17 +503,17 @@ class Trainer:
         """Run to the target; returns the last step. Saves on preemption (SIGTERM/SIGUSR1).
         Callbacks hear every event; the summary one writes `summary.json` on rank 0."""
         try:
-            self.callbacks.emit("on_run_start", self)
+            self.callbacks.emit("on_run_start", self.view)
             status = self._train()
         except torch.OutOfMemoryError as exc:
-            self.callbacks.emit_failure(self, exc)
+            self.callbacks.emit_failure(self.view, exc)
             raise observe.out_of_memory_error(
                 exc, self.device, self.run_dir, self.step + 1, self.world.rank, self.config.debug
             ) from None
         except BaseException as exc:
-            self.callbacks.emit_failure(self, exc)
+            self.callbacks.emit_failure(self.view, exc)
             raise
-        self.callbacks.emit("on_run_end", self, status)
+        self.callbacks.emit("on_run_end", self.view, status)
         return self.step
 
     def _train(self) -> str:
@@ -577,19 +580,19 @@ class Trainer:
 
     def _next_step(self, data: Prefetcher) -> StepMetrics:
         """One step with its batch, its callbacks and, when due, the evaluation."""
-        self.callbacks.emit("before_step", self, self.step + 1)
+        self.callbacks.emit("before_step", self.view, self.step + 1)
         waited = time.perf_counter()
         data_step, batch = data.next()
         self.data_wait_s += time.perf_counter() - waited
         assert data_step == self.step, (data_step, self.step)
         metrics = self.train_step(batch)
-        self.callbacks.emit("after_step", self, self.step, metrics)
+        self.callbacks.emit("after_step", self.view, self.step, metrics)
         evaluation = self.config.data.eval
         last = evaluation is not None and evaluation.at_end and self.step == self.total_steps
         if evaluation and (self.step % evaluation.every == 0 or last):
-            self.callbacks.emit("before_eval", self, self.step)
+            self.callbacks.emit("before_eval", self.view, self.step)
             metrics.update(self.evaluate())
-            self.callbacks.emit("after_eval", self, self.step, metrics)
+            self.callbacks.emit("after_eval", self.view, self.step, metrics)
         return metrics
 
     def _log_and_save(self, metrics: StepMetrics) -> None:
@@ -785,10 +788,10 @@ class Trainer:
     def save(self, *, blocking: bool | None = None) -> None:
         """Save this step (in the background when checkpoint.async_save; `blocking` overrides),
         with the callbacks' state."""
-        self.callbacks.emit("before_save", self, self.step)
+        self.callbacks.emit("before_save", self.view, self.step)
         info = {**self.info, "callbacks": self.callbacks.state()}
         self.checkpoints.save(self.step, self.state, info=info, blocking=blocking)
-        self.callbacks.emit("after_save", self, self.step)
+        self.callbacks.emit("after_save", self.view, self.step)
         self.saved_step = self.step
 
     def _log(self, metrics: dict[str, Any]) -> None:
@@ -796,7 +799,7 @@ class Trainer:
         values where they differ) and the loggers (rank 0) get it."""
         metrics["tokens"] = self.counters["tokens"]
         rank_metrics: dict[str, float] = {}
-        self.callbacks.emit("on_log", self, self.step, metrics, rank_metrics)
+        self.callbacks.emit("on_log", self.view, self.step, metrics, rank_metrics)
         # what callbacks recorded in on_log (another read, only when they did)
         late = self.recorder.new_step()
         if late:
