@@ -3,8 +3,10 @@ at that step, before and after a resume at another world size, and each is the r
 
 A 2-process gloo run (torchrun) trains on a mixture of a JSONL and a Parquet dataset packed in
 small chunks, then resumes in one process with the same global batch. A callback plugin, found
-through a real entry point (a module and its dist-info on PYTHONPATH), records every batch each
-rank passed to `train_step` with the step number the run logs it under."""
+through a real entry point (a module and its dist-info on PYTHONPATH), records every rank's batch
+of each step, with the step number the run logs it under, as the Trainer's prefetcher reads it
+(the run's plan read from its training windows; the Trainer asserts each batch it trains on is
+the prefetcher's batch of that step)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,9 @@ RECORDER = '''
 """Writes each batch a rank trains on, with the step it is logged as, to consumed/rank<k>.jsonl."""
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import attrs
+import numpy as np
 from llmtrain.core_mesh.interfaces import Callback
 from llmtrain.core_mesh.plugins import hookimpl
 
@@ -38,24 +40,20 @@ class RecordBatches(Callback):
     def __init__(self, options):
         pass
 
-    def on_run_start(self, run):
+    def before_step(self, run, step):
+        # the rank's batch of this step as the Trainer's prefetcher reads it: the run's plan,
+        # read from the run's training windows
+        batch = run.train_data.read(np.concatenate(run.plan.step(step - 1)))
         path = Path(run.run_dir) / "consumed" / f"rank{run.world.rank}.jsonl"
         path.parent.mkdir(exist_ok=True)
-        train_step = run.train_step
-
-        def recording(batch):
-            metrics = train_step(batch)
-            line = {
-                "step": run.step,
-                "world": run.world.world_size,
-                "samples": batch["samples"].tolist(),
-                "tokens": batch["tokens"].tolist(),
-            }
-            with path.open("a") as f:
-                f.write(json.dumps(line) + "\\n")
-            return metrics
-
-        run.train_step = recording
+        line = {
+            "step": step,
+            "world": run.world.world_size,
+            "samples": batch["samples"].tolist(),
+            "tokens": batch["tokens"].tolist(),
+        }
+        with path.open("a") as f:
+            f.write(json.dumps(line) + "\\n")
 
 
 @hookimpl
