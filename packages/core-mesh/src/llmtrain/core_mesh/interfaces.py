@@ -1,7 +1,8 @@
 """The vocabulary packages share: small frozen attrs classes and Protocols, nothing else.
 
-No package imports a sibling; they meet here. Nothing in this module needs torch or numpy:
-tensors, modules and arrays appear as `Any`.
+No package imports a sibling; they meet here. Nothing in this module needs torch or numpy at
+run time: tensors, modules, devices and meshes are named as torch's types for the type checker
+only (`TYPE_CHECKING`), so core-mesh installs and imports without torch.
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_chec
 import attrs
 
 if TYPE_CHECKING:
+    import random
     from pathlib import Path
+
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
 
     from llmtrain.core_mesh.mesh import MeshSpec
     from llmtrain.core_mesh.plugins import PluginManager
@@ -117,8 +122,8 @@ class ModelDescription:
     sequence, and replaces causal attention; a model that supports it accepts `positions`.
     """
 
-    module: Any
-    blocks: Sequence[Any]
+    module: torch.nn.Module
+    blocks: Sequence[torch.nn.Module]
     tp_plan: Mapping[str, str]
     n_params: int
     n_non_embedding_params: int
@@ -126,6 +131,7 @@ class ModelDescription:
     n_heads: int
     n_kv_heads: int
     tied_embeddings: bool = False
+    # (its own model class, the stage's layers, has the embedding, has the head)
     trim_to_stage: Callable[[Any, Sequence[int], bool, bool], None] | None = None
     takes_head_fn: bool = False
 
@@ -236,11 +242,11 @@ class LanguageModel(Protocol):
     @property
     def options(self) -> ModelOptions: ...
 
-    def __call__(self, tokens: Any, /, **inputs: Any) -> Any: ...
+    def __call__(self, tokens: torch.Tensor, /, **inputs: object) -> torch.Tensor: ...
 
-    def forward(self, tokens: Any, /) -> Any: ...
+    def forward(self, tokens: torch.Tensor, /) -> torch.Tensor: ...
 
-    def new_cache(self, batch: int, max_len: int, /) -> Any | None: ...
+    def new_cache(self, batch: int, max_len: int, /) -> object | None: ...
 
 
 @runtime_checkable
@@ -255,13 +261,13 @@ class ParallelModel(Protocol):
     """
 
     @property
-    def parts(self) -> Sequence[Any]:
+    def parts(self) -> Sequence[torch.nn.Module]:
         """The modules this rank holds (one per pipeline stage here; the whole model without
         pipelining): what optimizers and checkpoints take."""
         ...
 
     @property
-    def device(self) -> Any: ...
+    def device(self) -> torch.device: ...
 
     @property
     def spec(self) -> MeshSpec: ...
@@ -276,62 +282,62 @@ class ParallelModel(Protocol):
         """The degree of one mesh dimension (pp, dp_replicate, dp_shard, cp, tp, dp, ...)."""
         ...
 
-    def dim(self, name: str, /) -> Any:
+    def dim(self, name: str, /) -> DeviceMesh:
         """The 1-D device mesh of one dimension (`.size()`, `.get_group()` for collectives over
         it, as a callback summing over `cp` or `pp` needs)."""
         ...
 
-    def parameters(self) -> Iterator[Any]: ...
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
     def train(self, mode: bool = ..., /) -> None: ...
 
     def forward_backward(
         self,
-        tokens: Any,
-        targets: Any,
-        loss_fn: Callable[[Any, Any], Any],
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         /,
         *,
-        scale: Any = ...,
-        doc_starts: Any = ...,
-    ) -> Any:
+        scale: float | torch.Tensor = ...,
+        doc_starts: torch.Tensor | None = ...,
+    ) -> torch.Tensor:
         """`scale`: a number, or a float64 tensor on the device (1 / the step's count, which
         the trainer does not read on the host)."""
         ...
 
     def evaluate(
         self,
-        tokens: Any,
-        targets: Any,
-        loss_fn: Callable[[Any, Any], Any],
+        tokens: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         /,
         *,
-        doc_starts: Any = ...,
-        inputs: Any = ...,
-    ) -> Any:
+        doc_starts: torch.Tensor | None = ...,
+        inputs: Mapping[str, torch.Tensor] | None = ...,
+    ) -> torch.Tensor:
         """`inputs`: further keyword inputs of the model's forward (a mapping; e.g. the packed
         rows of downstream scoring: positions, attention_mask, logits_at), for layouts that
         split neither the model nor the sequence (no pp, cp or tp)."""
         ...
 
-    def sum_over_data(self, value: Any, /) -> Any: ...
+    def sum_over_data(self, value: torch.Tensor, /) -> torch.Tensor: ...
 
-    def clip_grad_norm_(self, max_norm: float | None, /) -> Any:
+    def clip_grad_norm_(self, max_norm: float | None, /) -> torch.Tensor:
         """Clip the gradients to a global L2 norm (None: only measure it); returns the norm, a
         float32 tensor on the device (not read, so the step waits for nothing)."""
         ...
 
-    def after_optimizer_step(self, applied: Any = None, /) -> None:
+    def after_optimizer_step(self, applied: torch.Tensor | None = None, /) -> None:
         """The modules' state updates after an optimizer step (`AfterOptimizerStep`);
         `applied`: a boolean device tensor, False where the step was skipped: their state then
         stays as it was, without the host reading the flag."""
         ...
 
-    def materialize(self, init: Callable[[Any], None], /) -> None:
+    def materialize(self, init: Callable[[torch.nn.Module], None], /) -> None:
         """Allocate parts built on the meta device on this rank's device; `init(part)` fills them."""
         ...
 
-    def load_full_state_dict(self, state: Mapping[str, Any], /) -> None:
+    def load_full_state_dict(self, state: Mapping[str, torch.Tensor], /) -> None:
         """Load unsharded weights (every rank passes the same); each part takes its own keys."""
         ...
 
@@ -366,7 +372,13 @@ class ParallelStrategy(Protocol):
     ) -> MeshSpec: ...
 
     def parallelize(
-        self, description: ModelDescription, device_mesh: Any, device: Any, /, *, microbatches: int
+        self,
+        description: ModelDescription,
+        device_mesh: DeviceMesh,
+        device: torch.device,
+        /,
+        *,
+        microbatches: int,
     ) -> ParallelModel: ...
 
 
@@ -414,7 +426,7 @@ class TrainingRun(Protocol):
     def world(self) -> World: ...
 
     @property
-    def device(self) -> Any: ...
+    def device(self) -> torch.device: ...
 
     @property
     def model(self) -> ParallelModel: ...
@@ -447,7 +459,7 @@ class TrainingRun(Protocol):
     def sync_wait_s(self) -> float: ...
 
     @property
-    def last_local_loss(self) -> tuple[Any, Any] | None: ...
+    def last_local_loss(self) -> tuple[torch.Tensor, torch.Tensor] | None: ...
 
     @property
     def plugins(self) -> PluginManager: ...
@@ -456,10 +468,16 @@ class TrainingRun(Protocol):
     def tokenizer(self) -> Tokenizer: ...
 
     @property
-    def random(self) -> Any: ...
+    def random(self) -> random.Random: ...
 
     def record_metric(
-        self, name: str, value: Any, /, *, reduce: Reduce = "mean", better: Better = None
+        self,
+        name: str,
+        value: float | torch.Tensor,
+        /,
+        *,
+        reduce: Reduce = "mean",
+        better: Better = None,
     ) -> None: ...
 
     @property
@@ -489,7 +507,13 @@ class MetricRecorder(Protocol):
     the analysis commands (`compare`, `report`) to rank runs by."""
 
     def __call__(
-        self, name: str, value: Any, /, *, reduce: Reduce = "mean", better: Better = None
+        self,
+        name: str,
+        value: float | torch.Tensor,
+        /,
+        *,
+        reduce: Reduce = "mean",
+        better: Better = None,
     ) -> None: ...
 
 
@@ -583,8 +607,8 @@ class ObjectiveContext:
     term whose gradient must not grow with them divides by it; `record_metric`: the run's
     `MetricRecorder`, for the objective's own numbers (e.g. its loss terms)."""
 
-    parts: Sequence[Any]
-    device: Any
+    parts: Sequence[torch.nn.Module]
+    device: torch.device
     plugins: PluginManager | None = None
     compile: bool = False
     storage_options: Mapping[str, str] = attrs.Factory(dict)
@@ -599,9 +623,11 @@ class Objective(Protocol):
     over the global count). It may also have `from_hidden(hidden, weight, targets, /)`, the same
     sum from the final hidden states and the output matrix (parallel's `HiddenStateLoss`)."""
 
-    def __call__(self, logits: Any, targets: Any, /) -> Any: ...
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor, /) -> torch.Tensor: ...
 
-    def prepare(self, inputs: Any, targets: Any, count: Any, /) -> Any:
+    def prepare(
+        self, inputs: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, /
+    ) -> torch.Tensor:
         """The targets parallel splits along dim 0 and hands back to the loss (the targets
         themselves for cross-entropy); `count`: the step's global number of counted targets, a
         float32 tensor on the device (use it in tensor arithmetic: reading it as a number would
@@ -618,7 +644,7 @@ class AuxiliaryLosses(Protocol):
 
     def inject_aux_loss(self, enabled: bool, /) -> None: ...
 
-    def aux_loss(self) -> Any: ...
+    def aux_loss(self) -> torch.Tensor: ...
 
 
 @runtime_checkable
@@ -631,7 +657,7 @@ class ExpertParallel(Protocol):
 
     n_experts: int
 
-    def shard_experts(self, ep_mesh: Any, /) -> None: ...
+    def shard_experts(self, ep_mesh: DeviceMesh, /) -> None: ...
 
 
 @runtime_checkable
@@ -640,4 +666,6 @@ class AfterOptimizerStep(Protocol):
     per-expert routing bias). `sum_over_ranks(tensor)` returns the tensor summed over every rank
     that saw different tokens of the step, so every rank updates its state alike."""
 
-    def after_optimizer_step(self, sum_over_ranks: Callable[[Any], Any], /) -> None: ...
+    def after_optimizer_step(
+        self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor], /
+    ) -> None: ...
