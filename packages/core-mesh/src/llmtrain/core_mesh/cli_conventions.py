@@ -86,7 +86,7 @@ class DeprecatedAlias(argparse.Action):
         self,
         parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
+        values: str | Sequence[object] | None,
         option_string: str | None = None,
     ) -> None:
         new = "/".join(self.target.option_strings)
@@ -136,7 +136,7 @@ class DeprecatedMainOption(argparse.Action):
         self,
         parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
+        values: str | Sequence[object] | None,
         option_string: str | None = None,
     ) -> None:
         warn_deprecated(self.message(parser.prog, option_string or self.option_strings[0]))
@@ -221,8 +221,8 @@ class ConventionParser(argparse.ArgumentParser):
     def parse_known_args(self, *, namespace: _N) -> tuple[_N, list[str]]: ...
 
     def parse_known_args(
-        self, args: Iterable[str] | None = None, namespace: Any = None
-    ) -> tuple[Any, list[str]]:
+        self, args: Iterable[str] | None = None, namespace: object = None
+    ) -> tuple[object, list[str]]:
         args = list(sys.argv[1:] if args is None else args)
         dest = getattr(self, PASSTHROUGH, None)
         passed: list[str] = []
@@ -287,12 +287,14 @@ class ConventionParser(argparse.ArgumentParser):
             i += 1
         return moved + rest
 
-    def _check_value(self, action: argparse.Action, value: Any) -> None:
+    def _check_value(self, action: argparse.Action, value: object) -> None:
         if (
             isinstance(action, argparse._SubParsersAction)
             and action.choices is not None
             and value not in action.choices
         ):
             what = "command" if self.prog == "llmtrain" else "subcommand"
-            raise UserError(f"{self.prog}: {unknown_subcommand(value, action.choices, what=what)}")
+            raise UserError(
+                f"{self.prog}: {unknown_subcommand(str(value), action.choices, what=what)}"
+            )
         super()._check_value(action, value)

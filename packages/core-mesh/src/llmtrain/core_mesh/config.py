@@ -28,7 +28,7 @@ import re
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePath
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeAlias, TypeVar
 
 import attrs
 import cattrs
@@ -48,6 +48,8 @@ from llmtrain.core_mesh.plugins import PluginManager
 
 T = TypeVar("T")
 PathParts = tuple[str | int, ...]
+# what a hook factory of the strict converter returns: (parsed YAML, the target type) -> value
+StructureFn: TypeAlias = Callable[[object, type], object]
 
 # attrs field metadata: the key the field has in YAML when it differs from the attribute name
 # (a Python keyword such as `from`)
@@ -57,19 +59,21 @@ YAML_KEY = "llmtrain.yaml_key"
 RUN_PATH = "llmtrain.run_path"
 
 
-def yaml_key(field: attrs.Attribute[Any]) -> str:
+def yaml_key(field: attrs.Attribute[T]) -> str:
     """The key of an attrs field in YAML: its `YAML_KEY` metadata, else its name."""
     return field.metadata.get(YAML_KEY) or field.name
 
 
 def _renames(cls: type) -> dict[str, Any]:
-    """cattrs overrides for the fields of `cls` whose YAML key is not their attribute name."""
+    """cattrs overrides for the fields of `cls` whose YAML key is not their attribute name.
+    (Values typed Any: they are passed as keyword arguments to cattrs' `make_dict_*_fn`, whose
+    other keyword parameters mypy would check them against.)"""
     return {
         a.name: override(rename=yaml_key(a)) for a in attrs.fields(cls) if yaml_key(a) != a.name
     }
 
 
-def _key_of(cls: Any, name: str) -> str:
+def _key_of(cls: object, name: str) -> str:
     """The YAML key of the attribute `name` of `cls` (cattrs reports attribute names)."""
     if isinstance(cls, type) and attrs.has(cls):
         for a in attrs.fields(cls):
@@ -138,13 +142,13 @@ def format_path(path: PathParts) -> str:
 # -- YAML with line numbers --------------------------------------------------------------------
 
 
-class _Lined(dict[Any, Any]):
+class _Lined(dict[object, object]):
     """A mapping that remembers the line of each key (1-based)."""
 
-    lines: dict[Any, int]
+    lines: dict[object, int]
 
 
-class _LinedList(list[Any]):
+class _LinedList(list[object]):
     lines: list[int]
 
 
@@ -192,7 +196,7 @@ _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _constru
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
 
-def parse_yaml(text: str, source: str = "<string>") -> Any:
+def parse_yaml(text: str, source: str = "<string>") -> object:
     """Parse YAML (safe subset) keeping line numbers; syntax errors become a ConfigError."""
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader derives from SafeLoader
@@ -207,23 +211,24 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         raise ConfigError([Problem((), f"invalid YAML: {problem}", where)], source) from None
 
 
-def line_of(raw: Any, path: PathParts) -> int | None:
+def line_of(raw: object, path: PathParts) -> int | None:
     """The line (1-based) of the key at `path` in YAML parsed by `parse_yaml` (of the deepest
     key on the path that is there), or None."""
     return _line_of(raw, path)
 
 
-def _line_of(raw: Any, path: PathParts) -> int | None:
+def _line_of(raw: object, path: PathParts) -> int | None:
     line = None
     node = raw
     for part in path:
         if isinstance(node, _Lined) and part in node.lines:
             line = node.lines[part]
+            node = node[part]
         elif isinstance(node, _LinedList) and isinstance(part, int) and part < len(node.lines):
             line = node.lines[part]
+            node = node[part]
         else:
             break
-        node = node[part]
     return line
 
 
@@ -235,7 +240,7 @@ def key_path(key: str) -> PathParts:
     return tuple(int(p) if p.isdigit() else p for p in key.strip().split("."))
 
 
-def parse_override(text: str) -> tuple[PathParts, Any]:
+def parse_override(text: str) -> tuple[PathParts, object]:
     """`a.b.0.c=value` -> (("a", "b", 0, "c"), parsed value)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -250,7 +255,7 @@ def parse_override(text: str) -> tuple[PathParts, Any]:
     return path, parsed
 
 
-def apply_overrides(raw: Any, overrides: Iterable[str]) -> tuple[Any, dict[PathParts, str]]:
+def apply_overrides(raw: object, overrides: Iterable[str]) -> tuple[object, dict[PathParts, str]]:
     """Apply dotted overrides to parsed YAML; returns the new data and, for each overridden
     path, where it was set (`override 'a.b=1'`), for `structure(overridden=...)`."""
     raw = {} if raw is None else raw
@@ -262,10 +267,11 @@ def apply_overrides(raw: Any, overrides: Iterable[str]) -> tuple[Any, dict[PathP
     return raw, applied
 
 
-def set_value(raw: Any, path: PathParts, value: Any, *, where: str) -> None:
+def set_value(raw: object, path: PathParts, value: object, *, where: str) -> None:
     """Set `value` at `path` in parsed YAML, making mappings on the way; `where` names the
     source of the change in errors (list indexes must exist)."""
-    node = raw
+    # Any: the last key is set on whatever the path leads to (a scalar raises TypeError there)
+    node: Any = raw
     for i, part in enumerate(path[:-1]):
         if isinstance(node, list) and isinstance(part, int) and part < len(node):
             node = node[part]
@@ -317,30 +323,30 @@ class Choice:
 # -- the strict converter ----------------------------------------------------------------------
 
 
-def _type_name(value: Any) -> str:
+def _type_name(value: object) -> str:
     if value is None:
         return "null"
     names: dict[type, str] = {dict: "mapping", _Lined: "mapping", list: "list", _LinedList: "list"}
     return names.get(type(value), type(value).__name__)
 
 
-def _shown(value: Any) -> str:
+def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _expect(kind: str, value: Any) -> TypeError:
+def _expect(kind: str, value: object) -> TypeError:
     return TypeError(f"expected {kind}, got {_type_name(value)} {_shown(value)}")
 
 
-def _strict_int(value: Any, _: type) -> int:
+def _strict_int(value: object, _: type) -> int:
     if type(value) is not int:
         raise _expect("int", value)
     return value
 
 
-def _strict_float(value: Any, _: type) -> float:
-    if type(value) not in (int, float):
+def _strict_float(value: object, _: type) -> float:
+    if type(value) is not int and type(value) is not float:
         raise _expect("float", value)
     if not math.isfinite(value):
         # no option means infinity or NaN (YAML's .inf / .nan); an unbounded option takes null
@@ -348,13 +354,13 @@ def _strict_float(value: Any, _: type) -> float:
     return float(value)
 
 
-def _strict_bool(value: Any, _: type) -> bool:
+def _strict_bool(value: object, _: type) -> bool:
     if type(value) is not bool:
         raise _expect("bool (true or false)", value)
     return value
 
 
-def _strict_str(value: Any, _: type) -> str:
+def _strict_str(value: object, _: type) -> str:
     if type(value) is not str:
         raise _expect("str", value)
     return value
@@ -390,24 +396,24 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
     return conv
 
 
-def _is_options(cls: Any) -> bool:
+def _is_options(cls: object) -> bool:
     """An attrs class structured field by field (a `Choice` is structured by its kind)."""
     return isinstance(cls, type) and attrs.has(cls) and not issubclass(cls, Choice)
 
 
-def _is_choice(cls: Any) -> bool:
+def _is_choice(cls: object) -> bool:
     return isinstance(cls, type) and issubclass(cls, Choice)
 
 
-def _attrs_hook(conv: cattrs.Converter, cls: type) -> Any:
+def _attrs_hook(conv: cattrs.Converter, cls: type) -> StructureFn:
     """Structure an attrs class with its validators run after every field has structured, so
     one error lists every field's problem (cattrs would stop at the first validator)."""
-    base: cattrs.SimpleStructureHook[Mapping[str, Any], Any] = make_dict_structure_fn(
+    base: cattrs.SimpleStructureHook[Mapping[str, object], object] = make_dict_structure_fn(
         cls, conv, **_renames(cls)
     )
     validated = [a for a in attrs.fields(cls) if a.validator is not None]
 
-    def structure(value: Any, _: type) -> Any:
+    def structure(value: object, _: type) -> object:
         if not isinstance(value, Mapping):
             raise _expect("a mapping", value)
         with attrs.validators.disabled():
@@ -432,7 +438,7 @@ def _attrs_hook(conv: cattrs.Converter, cls: type) -> Any:
 
 
 def _structure_problems(
-    conv: cattrs.Converter, cls: type, value: Mapping[str, Any], exc: BaseValidationError
+    conv: cattrs.Converter, cls: type, value: Mapping[str, object], exc: BaseValidationError
 ) -> list[Problem]:
     """cattrs' errors for `value`, plus the validator problems of the fields that did
     structure."""
@@ -453,11 +459,13 @@ def _structure_problems(
     return problems + own
 
 
-def _choice_hook(conv: cattrs.Converter, plugins: PluginManager | None, cls: type[Choice]) -> Any:
+def _choice_hook(
+    conv: cattrs.Converter, plugins: PluginManager | None, cls: type[Choice]
+) -> StructureFn:
     """Structure a `Choice`: its `kind` looked up in `plugins`, the other keys (over the
     entry's defaults) structured as that kind's options."""
 
-    def structure(value: Any, _: type) -> Choice:
+    def structure(value: object, _: type) -> Choice:
         if plugins is None:
             raise TypeError(f"no plugin registry to choose a {cls.plugin_kind} kind from")
         if not isinstance(value, Mapping):
@@ -487,7 +495,7 @@ def _choice_hook(conv: cattrs.Converter, plugins: PluginManager | None, cls: typ
     return structure
 
 
-def _kind_of(value: Mapping[str, Any], plugins: PluginManager, plugin_kind: str) -> str:
+def _kind_of(value: Mapping[str, object], plugins: PluginManager, plugin_kind: str) -> str:
     """A choice's `kind` key, a string; missing, the error lists the installed kinds."""
     kind = value.get("kind")
     if kind is None:
@@ -498,10 +506,10 @@ def _kind_of(value: Mapping[str, Any], plugins: PluginManager, plugin_kind: str)
     return kind
 
 
-def _literal_hook(cls: Any) -> Any:
+def _literal_hook(cls: object) -> StructureFn:
     allowed = typing.get_args(cls)
 
-    def structure(value: Any, _: type) -> Any:
+    def structure(value: object, _: type) -> object:
         if not any(type(value) is type(a) and value == a for a in allowed):
             choices = ", ".join(repr(a) for a in allowed)
             raise ValueError(f"expected one of {choices}, got {_shown(value)}")
@@ -510,12 +518,12 @@ def _literal_hook(cls: Any) -> Any:
     return structure
 
 
-def _list_hook(conv: cattrs.Converter, cls: Any) -> Any:
+def _list_hook(conv: cattrs.Converter, cls: type) -> StructureFn:
     from cattrs.cols import list_structure_factory
 
     items = list_structure_factory(cls, conv)
 
-    def structure(value: Any, _: type) -> Any:
+    def structure(value: object, _: type) -> object:
         # cattrs would take a string as its characters and a mapping as its keys
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
             raise _expect("a list", value)
@@ -524,11 +532,11 @@ def _list_hook(conv: cattrs.Converter, cls: Any) -> Any:
     return structure
 
 
-def _tuple_hook(conv: cattrs.Converter, cls: Any) -> Any:
+def _tuple_hook(conv: cattrs.Converter, cls: type) -> StructureFn:
     args = typing.get_args(cls)
     fixed = bool(args) and args[-1] is not Ellipsis
 
-    def structure(value: Any, _: type) -> Any:
+    def structure(value: object, _: type) -> object:
         # cattrs would take a string as its characters, and name a short list's length only as
         # "not enough values"
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
@@ -541,7 +549,7 @@ def _tuple_hook(conv: cattrs.Converter, cls: Any) -> Any:
     return structure
 
 
-def _origin_is(origin: object) -> Callable[[Any], bool]:
+def _origin_is(origin: object) -> Callable[[object], bool]:
     """A hook factory's predicate: the type's `typing.get_origin` is `origin`."""
 
     def predicate(t: object) -> bool:
@@ -551,7 +559,7 @@ def _origin_is(origin: object) -> Callable[[Any], bool]:
 
 
 def _field_problems(
-    conv: cattrs.Converter, cls: type, value: Mapping[str, Any], *, skip: set[str]
+    conv: cattrs.Converter, cls: type, value: Mapping[str, object], *, skip: set[str]
 ) -> list[Problem]:
     """Validator problems of the fields of `value` that structure on their own."""
     problems = []
@@ -627,7 +635,7 @@ def _problems_from(
 
 
 def structure(
-    raw: Any,
+    raw: object,
     schema: type[T],
     *,
     plugins: PluginManager | None = None,
@@ -653,7 +661,7 @@ def structure(
 
 
 def _locate(
-    problem: Problem, raw: Any, source: str | None, overridden: Mapping[PathParts, str]
+    problem: Problem, raw: object, source: str | None, overridden: Mapping[PathParts, str]
 ) -> Problem:
     for path, where in overridden.items():
         if problem.path[: len(path)] == path:
@@ -695,7 +703,7 @@ def load_config(
     *,
     plugins: PluginManager | None = None,
     overrides: Sequence[str] = (),
-    prepare: Callable[[Any], Any] | None = None,
+    prepare: Callable[[object], object] | None = None,
     check: Callable[[T], Iterable[Problem]] | None = None,
 ) -> T:
     """Read a YAML file, apply overrides, and structure it strictly into `schema`. `prepare`
@@ -744,22 +752,25 @@ def run_path(kind: Literal["file", "directory"] = "file") -> dict[str, str]:
     return {RUN_PATH: kind}
 
 
-def run_paths(options: Any) -> Iterator[tuple[str, str, str]]:
+def run_paths(options: object) -> Iterator[tuple[str, str, str]]:
     """(YAML key, kind, value) of each field of an options object marked `RUN_PATH` that has a
     value."""
-    if options is None or not attrs.has(type(options)):
+    cls = type(options)
+    if options is None or not attrs.has(cls):
         return
-    for field in attrs.fields(type(options)):
+    for field in attrs.fields(cls):
         kind = field.metadata.get(RUN_PATH)
         value = getattr(options, field.name)
         if kind and isinstance(value, str):
             yield yaml_key(field), kind, value
 
 
-def unstructure(config: Any, *, converter: cattrs.Converter | None = None) -> Any:
+def unstructure(config: object, *, converter: cattrs.Converter | None = None) -> Any:
+    """`config` as plain data (cattrs' `unstructure`, which is untyped: a mapping for an attrs
+    class)."""
     return (converter or make_converter()).unstructure(config)
 
 
-def dump_config(config: Any, *, converter: cattrs.Converter | None = None) -> str:
+def dump_config(config: object, *, converter: cattrs.Converter | None = None) -> str:
     """YAML that `load_config` reads back into an equal config."""
     return yaml.safe_dump(unstructure(config, converter=converter), sort_keys=False)

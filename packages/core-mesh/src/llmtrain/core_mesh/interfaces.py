@@ -157,7 +157,7 @@ class RunInfo:
     run_dir: str
     total_steps: int
     start_step: int
-    config: Mapping[str, Any]
+    config: Mapping[str, object]
 
 
 @runtime_checkable
@@ -176,15 +176,15 @@ class WeightFormat(Protocol):
       `model: {from: PATH}` takes its shape from it).
     """
 
-    def recognizes(self, path: str, storage_options: Mapping[str, Any], /) -> bool: ...
+    def recognizes(self, path: str, storage_options: Mapping[str, object], /) -> bool: ...
 
     def describe(self) -> str: ...
 
-    def model(self, path: str, storage_options: Mapping[str, Any], /) -> dict[str, Any]: ...
+    def model(self, path: str, storage_options: Mapping[str, object], /) -> dict[str, object]: ...
 
     def load(
-        self, path: str, storage_options: Mapping[str, Any], /
-    ) -> tuple[dict[str, Any], dict[str, Any]]: ...
+        self, path: str, storage_options: Mapping[str, object], /
+    ) -> tuple[dict[str, torch.Tensor], dict[str, object]]: ...
 
 
 @runtime_checkable
@@ -341,7 +341,7 @@ class ParallelModel(Protocol):
         """Load unsharded weights (every rank passes the same); each part takes its own keys."""
         ...
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, object]:
         """The unsharded weights of the parts this rank holds."""
         ...
 

@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import structlog
 from structlog.typing import EventDict, Processor
@@ -56,7 +56,7 @@ def configure_logging(
     if run_id is not None:
         static["run_id"] = run_id
 
-    def add_static(_: Any, __: str, event: EventDict) -> EventDict:
+    def add_static(_: object, __: str, event: EventDict) -> EventDict:
         for key, value in static.items():
             event.setdefault(key, value)
         return event
@@ -135,8 +135,8 @@ class _RankLogFile(logging.FileHandler):
     a traceback for every record: the run goes on, and its next write that matters (a metric,
     a checkpoint) ends it with one line naming the file."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, path: Path, *, encoding: str):
+        super().__init__(path, encoding=encoding)
         self.full = False
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -196,7 +196,7 @@ def _redactor(secrets: Iterable[str]) -> Processor:
     # the longest first, so a value that contains another is masked whole
     known = sorted({*secrets, *environment_secrets(os.environ)}, key=len, reverse=True)
 
-    def redact(_: Any, __: str, event: EventDict) -> dict[str, Any]:
+    def redact(_: object, __: str, event: EventDict) -> dict[str, object]:
         return redact_event(event, known)
 
     return redact
@@ -212,7 +212,7 @@ def _level(level: str | int) -> int:
 
 
 def _drop_keys(*keys: str) -> Processor:
-    def drop(_: Any, __: str, event: EventDict) -> EventDict:
+    def drop(_: object, __: str, event: EventDict) -> EventDict:
         for key in keys:
             event.pop(key, None)
         return event

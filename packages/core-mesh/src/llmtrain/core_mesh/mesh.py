@@ -14,7 +14,7 @@ tokens, holds n_experts / ep experts, and FSDP shards those over dp_shard_mod_ep
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -33,7 +33,7 @@ class MeshError(UserError):
     pass
 
 
-def _degree(instance: Any, attribute: attrs.Attribute[int], value: int) -> None:
+def _degree(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     allowed = -1 if attribute.name == "dp_shard" else 1
     if value < 1 and value != allowed:
         extra = " or -1 (infer from the world size)" if allowed == -1 else ""

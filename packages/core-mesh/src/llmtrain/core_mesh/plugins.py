@@ -152,7 +152,7 @@ class Register(Protocol):
         *,
         options: type | None = None,
         help: str = "",
-        defaults: Mapping[str, Any] | None = None,
+        defaults: Mapping[str, object] | None = None,
     ) -> None: ...
 
 
@@ -245,7 +245,7 @@ class Entry:
     options: type | None
     help: str
     origin: Origin
-    defaults: Mapping[str, Any] = attrs.field(factory=dict)
+    defaults: Mapping[str, object] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -398,7 +398,7 @@ class PluginManager:
 
     # -- registries --------------------------------------------------------------------------
 
-    def registry(self, kind: str | Kind[Any]) -> Registry:
+    def registry(self, kind: str | Kind[object]) -> Registry:
         return self._collect()[kind_of(kind if isinstance(kind, str) else kind.name).name]
 
     def entries(self) -> list[Entry]:
@@ -406,7 +406,7 @@ class PluginManager:
 
     # -- building ----------------------------------------------------------------------------
 
-    def options_of(self, kind: str | Kind[Any], choice: Choice | str) -> Any:
+    def options_of(self, kind: str | Kind[object], choice: Choice | str) -> Any:
         """The options of a `kind:` choice (a `Choice.of(kind)`, or an entry's name): its
         structured options; when it has none (a choice made in code,
         `Choice.of("parallel")(kind="default")`), the entry's defaults structured into its
@@ -424,12 +424,12 @@ class PluginManager:
         return structure(dict(entry.defaults), entry.options, plugins=self, source=where)
 
     @overload
-    def build(self, kind: Kind[T], choice: Choice | str, /, *args: Any) -> T: ...
+    def build(self, kind: Kind[T], choice: Choice | str, /, *args: object) -> T: ...
 
     @overload
-    def build(self, kind: str, choice: Choice | str, /, *args: Any) -> Any: ...
+    def build(self, kind: str, choice: Choice | str, /, *args: object) -> Any: ...
 
-    def build(self, kind: Kind[Any] | str, choice: Choice | str, /, *args: Any) -> Any:
+    def build(self, kind: Kind[object] | str, choice: Choice | str, /, *args: object) -> Any:
         """What the chosen entry builds: `entry.target(self.options_of(kind, choice), *args)`
         (a model from its options, an optimizer from its options and the model, ...). With a
         typed kind (`LOGGER`) it is typed as the kind's Protocol; a factory that returns
@@ -461,7 +461,7 @@ class PluginManager:
         self._registries = registries
         return registries
 
-    def _collect_one(self, kind: str, impl: Any, entries: dict[str, Entry]) -> None:
+    def _collect_one(self, kind: str, impl: pluggy.HookImpl, entries: dict[str, Entry]) -> None:
         origin = self._origins.get(impl.plugin_name, Origin(impl.plugin_name))
         found: list[Entry] = []
 
@@ -471,7 +471,7 @@ class PluginManager:
             *,
             options: type | None = None,
             help: str = "",
-            defaults: Mapping[str, Any] | None = None,
+            defaults: Mapping[str, object] | None = None,
         ) -> None:
             if not isinstance(name, str) or not name:
                 raise TypeError(f"a {kind} name must be a non-empty string, got {name!r}")
@@ -572,7 +572,9 @@ def _one_line(exc: BaseException) -> str:
 if TYPE_CHECKING:
     from typing import assert_type
 
-    def _typed_builds(plugins: PluginManager, run_info: Any) -> None:
+    from llmtrain.core_mesh.interfaces import RunInfo
+
+    def _typed_builds(plugins: PluginManager, run_info: RunInfo) -> None:
         """Checked by mypy (`nox -s typecheck`), never run: a build with a typed kind is typed as
         the kind's Protocol, one with a kind named by string as Any."""
         assert_type(plugins.build(LOGGER, "jsonl", run_info), MetricsSink)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from llmtrain.core_mesh.errors import UserError
 
 MARKER = "<redacted>"
 
 _T = TypeVar("_T")
+_K = TypeVar("_K")
 
 # a word that makes any name secret (`client_secret`, `db_password`, `X-Amz-Credential`)
 _SECRET_WORDS = frozenset(
@@ -168,14 +169,14 @@ def redact_text(text: str, known: Iterable[str] = (), *, assignments: bool = Tru
     return _HEADER.sub(_masked_value(_is_header_secret), text)
 
 
-def _hides_something(value: Any) -> bool:
+def _hides_something(value: object) -> bool:
     # None, true/false and "" say nothing about a credential, and keep `anon: true` readable
     return value is not None and not isinstance(value, bool) and value != ""
 
 
 def _redacted_mapping(
-    mapping: Mapping[Any, Any], scrub: Callable[[str], str], *, as_text: bool = False
-) -> dict[Any, Any]:
+    mapping: Mapping[_K, object], scrub: Callable[[str], str], *, as_text: bool = False
+) -> dict[_K, object]:
     """`_redacted` of a mapping: a dict with the values of secret-looking keys masked."""
     return {
         k: MARKER
@@ -185,7 +186,7 @@ def _redacted_mapping(
     }
 
 
-def _redacted(value: Any, scrub: Callable[[str], str], *, as_text: bool = False) -> Any:
+def _redacted(value: object, scrub: Callable[[str], str], *, as_text: bool = False) -> object:
     """`value` with secrets masked. `as_text`: any other object (an exception, bytes, an attrs
     instance) becomes its scrubbed `str`, which is what a log renderer would print of it."""
     if isinstance(value, Mapping):
@@ -202,20 +203,20 @@ def _redacted(value: Any, scrub: Callable[[str], str], *, as_text: bool = False)
     return value
 
 
-def redact(mapping: Mapping[str, Any]) -> dict[str, Any]:
+def redact(mapping: Mapping[str, object]) -> dict[str, object]:
     """A copy of `mapping` for writing out: values of secret-looking keys, at any depth, are
     `MARKER`; passwords in URLs, signed-URL credentials and AWS key ids in strings are masked.
     Other values are kept as they are, so a config without credentials dumps unchanged."""
     return _redacted_mapping(mapping, _redact_strong)
 
 
-def redact_event(event: Mapping[str, Any], known: Iterable[str] = ()) -> dict[str, Any]:
+def redact_event(event: Mapping[str, object], known: Iterable[str] = ()) -> dict[str, object]:
     """A log event with secret-looking fields masked and every string scrubbed as free text."""
     known = tuple(known)
     return _redacted_mapping(event, lambda text: redact_text(text, known), as_text=True)
 
 
-def secret_values(mapping: Mapping[str, Any], min_length: int = 8) -> set[str]:
+def secret_values(mapping: Mapping[_K, object], min_length: int = 8) -> set[str]:
     """The string values of secret-looking keys in `mapping`, at any depth, of at least
     `min_length` characters (shorter ones would mask ordinary words): what a log must never
     show, whatever form it is printed in."""
@@ -247,7 +248,7 @@ def _is_environment_secret(name: str) -> bool:
     return is_secret_key(name) or (bool(words) and words[-1] in _ENVIRONMENT_SECRET_ENDINGS)
 
 
-def redacted_paths(raw: Any, path: str = "") -> list[str]:
+def redacted_paths(raw: object, path: str = "") -> list[str]:
     """The dotted paths of a parsed config whose values hold `MARKER`."""
     if isinstance(raw, Mapping):
         items = [(f"{path}.{k}" if path else str(k), v) for k, v in raw.items()]

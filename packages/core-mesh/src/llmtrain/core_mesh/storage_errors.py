@@ -14,7 +14,7 @@ import os
 import re
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any
+from typing import Protocol
 
 from llmtrain.core_mesh.errors import UserError, no_space
 
@@ -168,7 +168,13 @@ def storage_errors(
         raise error(f"{url}: {problem}") from exc
 
 
-def missing_bucket(fs: Any, url: str) -> str | None:
+class Probed(Protocol):
+    """What `missing_bucket` asks of a file system (an fsspec one): whether a path exists."""
+
+    def exists(self, path: str, /) -> bool: ...
+
+
+def missing_bucket(fs: Probed, url: str) -> str | None:
     """For an object-storage URL whose object was not found: a message when its bucket is what
     is missing (asked only then: a bucket probe costs a request), else None."""
     bucket = bucket_of(url)

@@ -196,7 +196,7 @@ def plan(
         raise ConfigError([Problem((), "a run config is a mapping")], base)
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
     _check_not_swept(overrides, flags)
-    base_raw, base_overridden = apply_overrides(base_raw, overrides)
+    _, base_overridden = apply_overrides(base_raw, overrides)  # a mapping: set in place
     refuse_redacted(base_raw, base)
     all_settings = expand(axes)
     ids = run_ids(expand(axes, labelled=True))
