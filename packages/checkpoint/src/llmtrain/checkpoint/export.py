@@ -48,7 +48,7 @@ def load_model_weights(
     *,
     step: int | None = None,
     prefix: str | None = None,
-    storage_options: Mapping[str, Any] | None = None,
+    storage_options: Mapping[str, object] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
     """(weights by module name, the stored info, the step) from a committed checkpoint."""
     checkpoints = Checkpointer(url, storage_options=storage_options)
@@ -83,8 +83,8 @@ def export(
     prefix: str | None = None,
     dtype: str = "float32",
     overwrite: bool = False,
-    storage_options: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+    storage_options: Mapping[str, object] | None = None,
+) -> dict[str, object]:
     from safetensors.torch import save as save_safetensors
 
     if dtype not in DTYPES:

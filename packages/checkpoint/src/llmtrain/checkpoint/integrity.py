@@ -22,12 +22,13 @@ import errno
 import json
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import NotRequired, TypedDict, cast
 
 import attrs
 import xxhash
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.json_types import JSON, JSONObject
 
 COMMIT_FILE = "COMMITTED"
 INFO_FILE = "llmtrain.json"
@@ -109,7 +110,14 @@ def xxh3(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def file_entry(data: bytes) -> dict[str, Any]:
+class FileEntry(TypedDict):
+    """A manifest entry: the file's size, and the hash of a file read whole."""
+
+    size: int
+    xxh3: NotRequired[str]
+
+
+def file_entry(data: bytes) -> FileEntry:
     """A manifest entry of a file read whole: its size and hash."""
     return {"size": len(data), "xxh3": xxh3(data)}
 
@@ -122,7 +130,7 @@ def size_problem(got: int, recorded: int) -> str:
     return f"has {got} bytes, its commit recorded {recorded}"
 
 
-def check_bytes(data: bytes, entry: Mapping[str, Any] | None) -> None:
+def check_bytes(data: bytes, entry: FileEntry | None) -> None:
     """`data` has the size and hash the manifest recorded (nothing to check without one)."""
     if entry is None:
         return
@@ -136,16 +144,17 @@ def check_bytes(data: bytes, entry: Mapping[str, Any] | None) -> None:
         )
 
 
-def parse_json(data: bytes, what: str) -> Any:
+def parse_json(data: bytes, what: str) -> JSON:
     if not data:
         raise Damage("is empty")
     try:
-        return json.loads(data)
+        parsed: JSON = json.loads(data)
+        return parsed
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise Damage(f"is not {what} (not JSON: {reason(exc)})") from None
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     names = {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
 
@@ -153,11 +162,11 @@ def _kind(value: Any) -> str:
 # --- the commit record ----------------------------------------------------------------------------
 
 
-def _canonical(value: Any) -> bytes:
+def _canonical(value: object) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
-def seal(record: Mapping[str, Any], files: Mapping[str, Mapping[str, Any]]) -> bytes:
+def seal(record: Mapping[str, object], files: Mapping[str, FileEntry]) -> bytes:
     """The bytes of COMMITTED: the record, the manifest and the hash of both."""
     body = {**record, "files": dict(files)}
     return _canonical({**body, "xxh3": xxh3(_canonical(body))})
@@ -169,12 +178,13 @@ class Commit:
     hash; None for a commit written before manifests)."""
 
     step: int
-    record: dict[str, Any]
-    files: dict[str, dict[str, Any]] | None
+    record: JSONObject
+    files: dict[str, FileEntry] | None
 
     @property
     def world_size(self) -> int | None:
-        return self.record.get("world_size")
+        size = self.record.get("world_size")  # a count when there (`check_record`)
+        return size if isinstance(size, int) else None
 
 
 def read_commit(data: bytes, step: int, newest: int) -> Commit:
@@ -182,21 +192,20 @@ def read_commit(data: bytes, step: int, newest: int) -> Commit:
     value = parse_json(data, "a commit record")
     if not isinstance(value, dict):
         raise Damage(f"is not a commit record (a JSON {_kind(value)}, not an object)")
-    if type(value.get("format")) is int and value["format"] > newest:
-        raise NewerFormat(value["format"])
+    written = value.get("format")
+    if type(written) is int and written > newest:
+        raise NewerFormat(written)
     sealed = "xxh3" in value or "files" in value
     if sealed:
         claimed = value.pop("xxh3", None)
         if claimed != xxh3(_canonical(value)):
             raise Damage("does not match its own checksum")
-    files = value.pop("files", None)
+    files = value.pop("files", None)  # there only when sealed
     check_record(value, step, required=("step", "world_size") if sealed else ("step",))
-    if sealed:
-        _check_manifest(files)
-    return Commit(step, value, files)
+    return Commit(step, value, _manifest(files) if sealed else None)
 
 
-def check_record(value: dict[str, Any], step: int, *, required: tuple[str, ...]) -> None:
+def check_record(value: JSONObject, step: int, *, required: tuple[str, ...]) -> None:
     """The save's record in COMMITTED or llmtrain.json: the right step, counts that are counts."""
     for key, least in (("step", 0), ("world_size", 1), ("format", 1)):
         if key not in value:
@@ -212,14 +221,15 @@ def check_record(value: dict[str, Any], step: int, *, required: tuple[str, ...])
         raise Damage(f"records time {value['time']!r}, which is no time")
 
 
-def plain_path(name: Any) -> bool:
+def plain_path(name: object) -> bool:
     """A path inside the step directory: relative, no `..`, no empty parts."""
     if not isinstance(name, str) or not name or name.startswith("/") or "\\" in name:
         return False
     return all(part not in ("", ".", "..") for part in name.split("/"))
 
 
-def _check_manifest(files: Any) -> None:
+def _manifest(files: JSON) -> dict[str, FileEntry]:
+    """The manifest of a sealed commit, checked entry by entry."""
     if not isinstance(files, dict):
         raise Damage("holds no list of the step's files")
     for name in (METADATA_FILE, INFO_FILE):
@@ -228,14 +238,16 @@ def _check_manifest(files: Any) -> None:
     for name, entry in files.items():
         if not plain_path(name):
             raise Damage(f"lists {name!r}, which is not a file of the step")
-        if not isinstance(entry, dict) or type(entry.get("size")) is not int or entry["size"] < 0:
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or type(size) is not int or size < 0:
             raise Damage(f"records no size for {name}")
         digest = entry.get("xxh3")
         if digest is not None and not (isinstance(digest, str) and _HEX16.match(digest)):
             raise Damage(f"records no valid checksum for {name}")
+    return cast(dict[str, FileEntry], files)  # each entry checked above
 
 
-def read_info(data: bytes, commit: Commit) -> dict[str, Any]:
+def read_info(data: bytes, commit: Commit) -> JSONObject:
     """llmtrain.json: the save's record (the same as COMMITTED's) and the caller's `info`."""
     value = parse_json(data, "a step record")
     if not isinstance(value, dict):
@@ -249,7 +261,7 @@ def read_info(data: bytes, commit: Commit) -> dict[str, Any]:
     return value
 
 
-def ordered(files: Mapping[str, Any]) -> list[str]:
+def ordered(files: Mapping[str, object]) -> list[str]:
     """The manifest's names in the order a load reads them (the first damaged one is named)."""
     first = {INFO_FILE: 0, METADATA_FILE: 1}
     return sorted(files, key=lambda n: (first.get(n, 3 if n.startswith(f"{RNG_DIR}/") else 2), n))

@@ -27,7 +27,7 @@ import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
 
 import attrs
 import structlog
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -52,6 +52,7 @@ from llmtrain.checkpoint.integrity import (
     Commit,
     CorruptCheckpointError,
     Damage,
+    FileEntry,
     NewerFormat,
     check_bytes,
     damaged,
@@ -73,11 +74,20 @@ from llmtrain.checkpoint.stream_storage import (
     StreamWriter,
 )
 from llmtrain.core_mesh.errors import UserError, naming_file, no_space, no_space_message
+from llmtrain.core_mesh.json_types import JSONObject
 from llmtrain.core_mesh.storage_errors import storage_errors
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
 
 __all__ = ["COMMIT_FILE", "INFO_FILE", "RNG_DIR", "CheckpointError", "CorruptCheckpointError"]
 
 log = structlog.get_logger("llmtrain.checkpoint")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+# what a rank tells the others of a failed check: (rank, message, a UserError, file, problem)
+_Verdict = tuple[int, str, bool, str | None, str]
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -101,8 +111,10 @@ class KeepPolicy:
         return [s for s in steps if s not in keep]
 
 
-def _default_storage_options(url: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    """Retries with exponential backoff for object stores, unless the caller set their own."""
+def _default_storage_options(url: str, given: Mapping[str, object]) -> dict[str, Any]:
+    """Retries with exponential backoff for object stores, unless the caller set their own.
+    (Values typed Any: they are passed as keyword arguments, beside typed ones, to
+    `StreamWriter` and `StreamReader`.)"""
     options = dict(given)
     if url.startswith(("s3://", "s3a://")):
         options.setdefault(
@@ -116,7 +128,7 @@ def _default_storage_options(url: str, given: Mapping[str, Any]) -> dict[str, An
     return options
 
 
-def _stager() -> Any:
+def _stager() -> DefaultStager:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     cuda = torch.cuda.is_available()
@@ -130,12 +142,12 @@ def _stager() -> Any:
     )
 
 
-def rng_state(python: random.Random | None = None) -> dict[str, Any]:
+def rng_state(python: random.Random | None = None) -> dict[str, object]:
     """This process's random states as JSON-safe data (no pickle): torch's, and `python`'s if
     given. Never the global `random`: libraries draw from it at moments no run controls
     (botocore's retry jitter, aiohttp's connection shuffle), so its state would differ between
     two runs of the same steps as soon as one of them retried a request."""
-    state: dict[str, Any] = {"torch": _b64(torch.get_rng_state())}
+    state: dict[str, object] = {"torch": _b64(torch.get_rng_state())}
     if python is not None:
         state["python"] = _jsonable(python.getstate())
     # torch.cuda.is_initialized has no annotations in torch's own source
@@ -162,9 +174,10 @@ def _byte_tensor(text: str) -> torch.Tensor:
     ).clone()
 
 
-def check_rng_state(state: Any) -> None:
-    """Raise `Damage` unless `state` is what `rng_state` writes: each generator's state is tried
-    on a scratch generator of its kind, so a resume never fails half-way through restoring."""
+def check_rng_state(state: object) -> JSONObject:
+    """`state`, checked: raise `Damage` unless it is what `rng_state` writes. Each generator's
+    state is tried on a scratch generator of its kind, so a resume never fails half-way through
+    restoring."""
     if not isinstance(state, dict) or not isinstance(state.get("torch"), str):
         raise Damage('holds no random state (a JSON object with a "torch" state)')
     try:
@@ -182,9 +195,10 @@ def check_rng_state(state: Any) -> None:
             raise ValueError("not a list of states")
     except (ValueError, TypeError, binascii.Error) as exc:
         raise Damage(f"holds no valid CUDA random states ({reason(exc)})") from None
+    return state
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> object:
     return [_jsonable(v) for v in value] if isinstance(value, tuple | list) else value
 
 
@@ -192,14 +206,20 @@ def _tupled(value: Any) -> Any:
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
-def _on_storage(doing: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _on_storage(
+    doing: str,
+) -> Callable[
+    [Callable[Concatenate[Checkpointer, P], R]], Callable[Concatenate[Checkpointer, P], R]
+]:
     """A Checkpointer method whose storage cannot be used (an endpoint that does not answer, a
     bucket that does not exist, access denied, no credentials) raises one CheckpointError line
     naming the checkpoint's URL and what to do; `doing`: read or write."""
 
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(
+        method: Callable[Concatenate[Checkpointer, P], R],
+    ) -> Callable[Concatenate[Checkpointer, P], R]:
         @functools.wraps(method)
-        def run(self: Checkpointer, *args: Any, **kwargs: Any) -> Any:
+        def run(self: Checkpointer, /, *args: P.args, **kwargs: P.kwargs) -> R:
             with storage_errors(self.url, doing=doing, error=CheckpointError):
                 return method(self, *args, **kwargs)
 
@@ -217,7 +237,7 @@ class Checkpointer:
         *,
         keep: KeepPolicy | None = None,
         async_save: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
         retries: int = 3,
         backoff_s: float = 2.0,
         io_threads: int = DEFAULT_THREADS,
@@ -271,7 +291,8 @@ class Checkpointer:
     @_on_storage("read")
     def info(self, step: int) -> dict[str, Any]:
         """The step's record in llmtrain.json, with what the caller stored (`info=` of `save`)
-        under "info"; checked against the step's commit."""
+        under "info"; checked against the step's commit. (JSON, typed Any for the readers of
+        `info` that take its shape as the trainer wrote it.)"""
         return self._info(step, self._commit(step))
 
     def _read(self, step: int, name: str) -> bytes:
@@ -286,13 +307,13 @@ class Checkpointer:
         except NewerFormat as newer:
             raise self._newer(step, newer.written) from None
 
-    def _newer(self, step: int, written: Any) -> CheckpointError:
+    def _newer(self, step: int, written: object) -> CheckpointError:
         return CheckpointError(
             f"{self.step_url(step)} is in checkpoint format {written}, written by a newer "
             f"llmtrain; this one reads formats 1 to {FORMAT}: upgrade llmtrain-checkpoint"
         )
 
-    def _info(self, step: int, commit: Commit) -> dict[str, Any]:
+    def _info(self, step: int, commit: Commit) -> JSONObject:
         with reading(self.step_url(step), INFO_FILE):
             data = self._read(step, INFO_FILE)
             check_bytes(data, (commit.files or {}).get(INFO_FILE))
@@ -333,9 +354,9 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        state: Mapping[str, Any],
+        state: Mapping[str, object],
         *,
-        info: Mapping[str, Any] | None = None,
+        info: Mapping[str, object] | None = None,
         blocking: bool | None = None,
     ) -> None:
         """Save `state` (name -> Stateful or state dict) as step `step`; every rank calls it."""
@@ -363,11 +384,11 @@ class Checkpointer:
             self._with_retries(step, lambda: self._dcp_save(step, dict(state), writer))
             self._finish(step, None, dict(info or {}), started, writer, rng_files)
 
-    def _gathered(self, entry: dict[str, Any]) -> dict[str, Any]:
+    def _gathered(self, entry: dict[str, FileEntry]) -> dict[str, FileEntry]:
         """Every rank's manifest entries (each rank writes its own random states)."""
         if not self.distributed:
             return entry
-        everyone: list[Any] = [None] * self.world_size
+        everyone: list[dict[str, FileEntry]] = [{}] * self.world_size  # each replaced
         dist.all_gather_object(everyone, entry)
         return {name: e for part in everyone for name, e in part.items()}
 
@@ -391,9 +412,9 @@ class Checkpointer:
         commit = self._commit(step)
         return self._reader(step, commit, self._info(step, commit))
 
-    def _reader(self, step: int, commit: Commit, info: Mapping[str, Any]) -> StreamReader:
-        written = info.get("format", 1)
-        if written > FORMAT:
+    def _reader(self, step: int, commit: Commit, info: JSONObject) -> StreamReader:
+        written = info.get("format", 1)  # a count when there (`read_info`)
+        if isinstance(written, int) and written > FORMAT:
             raise self._newer(step, written)
         return StreamReader(
             self.step_url(step),
@@ -403,7 +424,7 @@ class Checkpointer:
         )
 
     @_on_storage("read")
-    def open_step(self, step: int, *, rng: bool = False) -> tuple[StreamReader, Any]:
+    def open_step(self, step: int, *, rng: bool = False) -> tuple[StreamReader, Metadata]:
         """(reader, metadata) of committed step `step`, once every file a load reads is checked:
         the commit, each listed file's size (the random states' only with `rng`), llmtrain.json
         and the metadata against their hashes, the data files against the items they hold. No
@@ -419,10 +440,10 @@ class Checkpointer:
         reader.check_sizes(metadata, listing)
         return reader, metadata
 
-    def _dcp_save(self, step: int, state: dict[str, Any], writer: StreamWriter) -> None:
+    def _dcp_save(self, step: int, state: dict[str, object], writer: StreamWriter) -> None:
         dcp_save(state, storage_writer=writer)
 
-    def _async(self, step: int, state: dict[str, Any], writer: StreamWriter) -> Future[Any]:
+    def _async(self, step: int, state: dict[str, object], writer: StreamWriter) -> Future[None]:
         response = dcp_async_save(
             state,
             storage_writer=writer,
@@ -476,11 +497,11 @@ class Checkpointer:
     def _finish(
         self,
         step: int,
-        upload: Future[Any] | None,
-        info: dict[str, Any],
+        upload: Future[None] | None,
+        info: dict[str, object],
         started: float,
         writer: StreamWriter,
-        rng_files: dict[str, Any],
+        rng_files: dict[str, FileEntry],
     ) -> None:
         if upload is not None:
             try:
@@ -519,7 +540,7 @@ class Checkpointer:
         with naming_file(path), self.fs.open(path, "wb") as f:
             f.write(data)
 
-    def _written_from_storage(self, step: int) -> dict[str, Any]:
+    def _written_from_storage(self, step: int) -> dict[str, FileEntry]:
         """The manifest entries of the metadata and data files as stored, for a save whose
         writer did not report them (DCP ran the coordinator's `finish` on another copy)."""
         files = {METADATA_FILE: file_entry(self._read(step, METADATA_FILE))}
@@ -577,9 +598,21 @@ class Checkpointer:
             )
         return step
 
+    @overload
+    def load(self, /, state: Mapping[str, Any], *, step: int, restore_rng: bool = True) -> int: ...
+
+    @overload
+    def load(
+        self, /, state: Mapping[str, Any], *, step: None = None, restore_rng: bool = True
+    ) -> int | None: ...
+
     @_on_storage("read")
     def load(
-        self, state: Mapping[str, Any], *, step: int | None = None, restore_rng: bool = True
+        self,
+        state: Mapping[str, Any],
+        *,
+        step: int | None = None,
+        restore_rng: bool = True,
     ) -> int | None:
         """Load the newest committed step (or `step`) into `state`, in place; None if none.
 
@@ -611,20 +644,29 @@ class Checkpointer:
         log.info("checkpoint.loaded", step=step, url=self.step_url(step))
         return step
 
-    def _prepare_load(self, step: int, restore_rng: bool) -> tuple[StreamReader, Any, Any]:
+    def _prepare_load(
+        self, step: int, restore_rng: bool
+    ) -> tuple[StreamReader, Metadata, JSONObject | None]:
         reader, metadata = self.open_step(step, rng=restore_rng)
         rng = self._read_rng(step) if restore_rng else None
         return reader, metadata, rng
 
-    def _agreed(self, check: Callable[[], Any]) -> Any:
+    def _agreed(self, check: Callable[[], R]) -> R:
         """`check()` on every rank; a failure on any rank is raised on all of them (a rank that
         went on alone would wait in DCP's collectives for the one that stopped)."""
         try:
-            result, error = check(), None
-        except Exception as exc:  # noqa: BLE001 - shared with the other ranks, then raised
-            result, error = None, exc
+            result = check()
+        except Exception as exc:
+            self._share_failure(exc)
+            raise
+        self._share_failure(None)
+        return result
+
+    def _share_failure(self, error: Exception | None) -> None:
+        """Tell the other ranks whether `check()` failed here (`error`); raise when it did not
+        but failed on another rank."""
         if self.distributed:
-            verdict = None
+            verdict: _Verdict | None = None
             if error is not None:
                 verdict = (
                     self.rank,
@@ -633,7 +675,7 @@ class Checkpointer:
                     getattr(error, "file", None),
                     getattr(error, "problem", ""),
                 )
-            verdicts: list[Any] = [None] * self.world_size
+            verdicts: list[_Verdict | None] = [None] * self.world_size
             dist.all_gather_object(verdicts, verdict)
             first = next((v for v in verdicts if v is not None), None)
             if error is None and first is not None:
@@ -643,11 +685,8 @@ class Checkpointer:
                 if file is None:
                     raise CheckpointError(message)
                 raise CorruptCheckpointError(message, file=file, problem=problem)
-        if error is not None:
-            raise error
-        return result
 
-    def _read_rng(self, step: int) -> dict[str, Any] | None:
+    def _read_rng(self, step: int) -> JSONObject | None:
         """This rank's saved random states, checked; None when the saving run had no such rank
         (it had fewer ranks than this one). A rank it had whose file is gone is damage."""
         commit = self._commit(step)
@@ -666,12 +705,9 @@ class Checkpointer:
                     f"is missing (the step was saved by {saved} rank{plural}, each with its file)"
                 ) from None
             check_bytes(data, (commit.files or {}).get(name))
-            parsed = parse_json(data, "a random state")
-            check_rng_state(parsed)
-            state: dict[str, Any] = parsed  # check_rng_state raised unless it is a dict
-        return state
+            return check_rng_state(parse_json(data, "a random state"))
 
-    def _restore_rng(self, step: int, state: dict[str, Any] | None) -> None:
+    def _restore_rng(self, step: int, state: JSONObject | None) -> None:
         if state is None:
             log.warning(
                 "checkpoint.no_rng_state",
@@ -710,7 +746,7 @@ class Checkpointer:
         return None
 
 
-def check_compatible(state: Mapping[str, Any], metadata: Any, where: str) -> None:
+def check_compatible(state: Mapping[str, object], metadata: Metadata, where: str) -> None:
     """Every tensor of `state` exists in the checkpoint with the same global shape."""
     flat, _ = flatten_state_dict(dict(state))
     stored = metadata.state_dict_metadata

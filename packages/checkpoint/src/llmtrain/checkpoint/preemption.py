@@ -11,7 +11,11 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Sequence
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 import structlog
 
@@ -21,7 +25,9 @@ DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class Preemption:
-    def __init__(self, signals: Sequence[int] = DEFAULT_SIGNALS, *, device: Any = "cpu"):
+    def __init__(
+        self, signals: Sequence[int] = DEFAULT_SIGNALS, *, device: torch.device | str = "cpu"
+    ):
         self.requested = False
         self.signal_name: str | None = None
         self.device = device  # where the all-reduced flag lives (the loop's device under NCCL)
@@ -30,7 +36,7 @@ class Preemption:
             for sig in signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, _frame: Any) -> None:
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.requested = True
         self.signal_name = signal.Signals(signum).name
         log.warning(

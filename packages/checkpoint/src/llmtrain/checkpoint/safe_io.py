@@ -20,6 +20,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from llmtrain.checkpoint.integrity import METADATA_FILE  # noqa: F401 - also importable here
 from llmtrain.core_mesh.errors import UserError
@@ -67,7 +68,7 @@ def load_metadata(stream: Any) -> object:
     return loaded
 
 
-def _finish_metadata(metadata: object, load_id: Any) -> Metadata:
+def _finish_metadata(metadata: object, load_id: str | None) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpointError(
             f"checkpoint metadata is a {type(metadata).__name__}, not Metadata; refusing to load it"
@@ -90,7 +91,7 @@ class SafeFsspecReader(FsspecReader):
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner, with non-tensor values loaded under `weights_only=True`."""
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)

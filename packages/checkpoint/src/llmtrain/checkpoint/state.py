@@ -42,9 +42,9 @@ class ModelState:
     def model(self) -> torch.nn.Module:
         return self.parts[0]
 
-    def state_dict(self) -> dict[str, Any]:
-        model: dict[str, Any] = {}
-        optim: dict[str, Any] = {}
+    def state_dict(self) -> dict[str, object]:
+        model: dict[str, object] = {}
+        optim: dict[str, object] = {}
         for i, part in enumerate(self.parts):
             if self.optimizers:
                 m, o = get_state_dict(part, self.optimizers[i], options=_OPTIONS)

@@ -37,7 +37,7 @@ import os
 import pickle
 import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any, Protocol
@@ -72,6 +72,7 @@ from llmtrain.checkpoint.integrity import (
     METADATA_FILE,
     CorruptCheckpointError,
     Damage,
+    FileEntry,
     check_bytes,
     damaged,
     file_entry,
@@ -151,6 +152,12 @@ class _Sink(_Closing, Protocol):
     def __enter__(self) -> _Sink: ...
 
 
+class _Uploads(Protocol):
+    """What a `_WholeUpload` asks of its file system (an fsspec one)."""
+
+    def pipe_file(self, path: str, value: bytes, /) -> object: ...
+
+
 class _Source(_Closing, Protocol):
     """A checkpoint file open for reading: a local file, a `_Span` or an fsspec file."""
 
@@ -165,7 +172,7 @@ class _Files:
     """Opening the checkpoint's files: plain unbuffered files on a local disk, fsspec files
     elsewhere."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any]):
+    def __init__(self, url: str, storage_options: Mapping[str, object]):
         self.fs, self.root = url_to_fs(url, **storage_options)
         # the plain local filesystem only: a subclass may change how files open
         self.local = type(self.fs) is LocalFileSystem
@@ -201,7 +208,7 @@ class _WholeUpload:
     """A remote file written as one request at close: the pieces written (views of the tensors'
     memory, which the caller keeps alive and unchanged until then) are joined once."""
 
-    def __init__(self, fs: Any, path: str):
+    def __init__(self, fs: _Uploads, path: str):
         self.fs, self.path = fs, path
         self.pieces: list[memoryview] = []
 
@@ -215,7 +222,7 @@ class _WholeUpload:
     def __enter__(self) -> _WholeUpload:
         return self
 
-    def __exit__(self, kind: Any, *rest: Any) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         if kind is None:  # a failed write uploads nothing
             self.fs.pipe_file(self.path, b"".join(self.pieces))
         self.pieces = []
@@ -240,7 +247,7 @@ class _Span:
     def __enter__(self) -> _Span:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         pass
 
 
@@ -262,7 +269,7 @@ class StreamWriter(StorageWriter):
         *,
         threads: int = DEFAULT_THREADS,
         sync_files: bool = True,
-        **storage_options: Any,
+        **storage_options: object,
     ):
         super().__init__()
         self.url = url.rstrip("/")
@@ -273,7 +280,7 @@ class StreamWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         # on the coordinator, once `finish` wrote the metadata: the manifest entries of the
         # metadata (size, hash) and of every data file (size) for the step's COMMITTED
-        self.written: dict[str, dict[str, Any]] | None = None
+        self.written: dict[str, FileEntry] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
@@ -282,7 +289,7 @@ class StreamWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.written = None
 
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_writer(self, is_coordinator: bool, *args: object, **kwargs: object) -> None:
         pass  # the global plan names each rank's files
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -344,7 +351,7 @@ class StreamWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        written: dict[str, dict[str, Any]] = {}
+        written: dict[str, FileEntry] = {}
         for stored in metadata.storage_data.values():  # each file holds its items back to back
             end = stored.offset + stored.length
             written[stored.relative_path] = {"size": max(end, _size(written, stored))}
@@ -369,9 +376,9 @@ class StreamWriter(StorageWriter):
         return True
 
 
-def _size(written: dict[str, dict[str, Any]], stored: StoredItem) -> int:
-    size: int = written.get(stored.relative_path, {}).get("size", 0)
-    return size
+def _size(written: dict[str, FileEntry], stored: StoredItem) -> int:
+    entry = written.get(stored.relative_path)
+    return 0 if entry is None else entry["size"]
 
 
 def _balanced(items: list[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -420,8 +427,8 @@ class StreamReader(SafeFsspecReader):
         url: str,
         *,
         threads: int = DEFAULT_THREADS,
-        manifest: dict[str, dict[str, Any]] | None = None,
-        **storage_options: Any,
+        manifest: dict[str, FileEntry] | None = None,
+        **storage_options: object,
     ):
         super().__init__(url, **storage_options)
         self.url = url.rstrip("/")
@@ -430,7 +437,7 @@ class StreamReader(SafeFsspecReader):
         self.files = _Files(self.url, storage_options)
         self._checked: bytes | None = None  # the metadata's bytes, once they passed the checks
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: object, **kwargs: object) -> Metadata:
         if self._checked is not None:  # DCP reads it again: the same checked bytes
             return _finish_metadata(load_metadata(io.BytesIO(self._checked)), self.load_id)
         with reading(self.url, METADATA_FILE):
@@ -638,7 +645,7 @@ def _read_checked(
 # --- the shape of checkpoint metadata -------------------------------------------------------------
 
 
-def metadata_problem(metadata: Any) -> str | None:
+def metadata_problem(metadata: object) -> str | None:
     """What makes an unpickled `.metadata` something other than checkpoint metadata (the
     allow-list admits its classes, not their contents), or None."""
     if not isinstance(metadata, Metadata):
@@ -664,11 +671,11 @@ def metadata_problem(metadata: Any) -> str | None:
     return None
 
 
-def _counts(values: Any) -> bool:
+def _counts(values: object) -> bool:
     return isinstance(values, tuple | list) and all(type(v) is int and v >= 0 for v in values)
 
 
-def _value_problem(meta: Any) -> str | None:
+def _value_problem(meta: object) -> str | None:
     if isinstance(meta, BytesStorageMetadata):
         return None
     if not isinstance(meta, TensorStorageMetadata):
@@ -687,7 +694,7 @@ def _value_problem(meta: Any) -> str | None:
     return None
 
 
-def _stored_problem(stored: Any) -> str | None:
+def _stored_problem(stored: object) -> str | None:
     if not isinstance(stored, StoredItem | _StorageInfo):
         return f"a {type(stored).__name__}"
     if not plain_path(stored.relative_path) or "/" in stored.relative_path:

@@ -140,7 +140,7 @@ def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, An
         fmt, url, step = warm_start.resolve(lookup, plugins)
     except warm_start.WarmStartError as exc:
         raise UserError(f"model.from: {str(exc).removeprefix('init.from: ')}") from None
-    if fmt == warm_start.LLMTRAIN:
+    if fmt == warm_start.LLMTRAIN and step is not None:  # resolve gives llmtrain's a step
         checkpoints = Checkpointer(url, storage_options=lookup.storage_options)
         recorded = checkpoints.info(step).get("info", {}).get("model")
         if not recorded:
