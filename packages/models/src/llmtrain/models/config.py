@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
 from llmtrain.core_mesh.config import YAML_KEY, ConfigValueError
 
+# an option's value, for the validators that check one
+_Count = TypeVar("_Count", bound=int | None)
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+
+def _positive(instance: object, attribute: attrs.Attribute[_Count], value: _Count) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 

@@ -6,7 +6,7 @@ these options say how each dimension is applied.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal, TypeVar
 
 import attrs
 
@@ -24,14 +24,17 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # schedules that place two stages per rank in a V (rank r holds stages r and 2·pp - 1 - r)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 DTYPES = ("float32", "bfloat16", "float16")
+# an option's value, for the validators that check one
+_Number = TypeVar("_Number", bound=float)
+_Count = TypeVar("_Count", bound=int | None)
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[_Count], value: _Count) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[_Number], value: _Number) -> None:
     if value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 

@@ -15,7 +15,7 @@ got, with no extra keys.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
@@ -23,19 +23,23 @@ from llmtrain.core_mesh.config import ConfigValueError
 
 if TYPE_CHECKING:
     from torch import nn
+# an option's value, for the validators that check one
+_Number = TypeVar("_Number", bound=float)
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _positive(instance: object, attribute: attrs.Attribute[_Number], value: _Number) -> None:
     if value <= 0:
         raise ValueError(f"must be positive, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[_Number], value: _Number) -> None:
     if value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _beta(instance: object, attribute: attrs.Attribute[Any], value: tuple[float, float]) -> None:
+def _beta(
+    instance: object, attribute: attrs.Attribute[tuple[float, float]], value: tuple[float, float]
+) -> None:
     if len(value) != 2 or not all(0.0 <= b < 1.0 for b in value):
         raise ValueError(f"must be two numbers in [0, 1), got {list(value)}")
 

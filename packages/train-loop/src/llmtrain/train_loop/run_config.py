@@ -12,7 +12,7 @@ import math
 import os
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
-from typing import Any, Literal, Protocol, cast, runtime_checkable
+from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import attrs
 
@@ -30,20 +30,23 @@ from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.mesh import MeshError, MeshSpec
 from llmtrain.data_pack.sampling import MIN_WEIGHT
 
+# an option's value, for the validators that check one
+_Number = TypeVar("_Number", bound=float)
+_Amount = TypeVar("_Amount", bound=float | None)
+_Count = TypeVar("_Count", bound=int | None)
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+
+def _positive(instance: object, attribute: attrs.Attribute[_Count], value: _Count) -> None:
     if value is not None and value < 1:
         raise ValueError(f"must be at least 1, got {value}")
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float | None) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[_Amount], value: _Amount) -> None:
     if value is not None and value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _positive_number(
-    instance: object, attribute: attrs.Attribute[Any], value: float | None
-) -> None:
+def _positive_number(instance: object, attribute: attrs.Attribute[_Amount], value: _Amount) -> None:
     if value is not None and value <= 0:
         raise ValueError(f"must be more than 0, got {value}")
 
@@ -52,22 +55,24 @@ def _positive_number(
 SEED_LIMIT = 2**64
 
 
-def _seed(instance: object, attribute: attrs.Attribute[Any], value: int | None) -> None:
+def _seed(instance: object, attribute: attrs.Attribute[_Count], value: _Count) -> None:
     if value is not None and not 0 <= value < SEED_LIMIT:
         raise ValueError(f"must be a whole number from 0 to 2**64 - 1, got {value}")
 
 
-def _not_blank(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+def _not_blank(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if not value.strip():
         raise ValueError("must be a path or URL, got an empty string")
 
 
-def _path_or_null(instance: object, attribute: attrs.Attribute[Any], value: str | None) -> None:
+def _path_or_null(
+    instance: object, attribute: attrs.Attribute[str | None], value: str | None
+) -> None:
     if value is not None and not value.strip():
         raise ValueError("must be a path or URL (null for the default), got an empty string")
 
 
-def _name(instance: object, attribute: attrs.Attribute[Any], value: str) -> None:
+def _name(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     """A run name is one safe path component: the run's directory is `run_dir/name`."""
     if value in (".", "..") or any(c in value for c in "/\\\0"):
         raise ValueError(f"must be one directory name (no '/', '\\', '.' or '..'), got {value!r}")
@@ -277,7 +282,7 @@ class ProfileConfig:
             )
 
 
-def _more_than_one(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _more_than_one(instance: object, attribute: attrs.Attribute[_Number], value: _Number) -> None:
     if value <= 1:
         raise ValueError(f"must be more than 1, got {value}")
 

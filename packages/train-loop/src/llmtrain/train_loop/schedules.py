@@ -14,12 +14,12 @@ from typing import Any
 import attrs
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _non_negative(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 0:
         raise ValueError(f"must be at least 0, got {value}")
 
 
-def _fraction(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+def _fraction(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise ValueError(f"must be in [0, 1], got {value}")
 
