@@ -38,11 +38,11 @@ _ALWAYS_SAVE = {
 _MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 
 
-def _op_policy() -> tuple[AbstractContextManager[Any], AbstractContextManager[Any]]:
+def _op_policy() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
     counts: Counter[str] = Counter()
 
     def policy(
-        ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
+        ctx: SelectiveCheckpointContext, op: object, *args: object, **kwargs: object
     ) -> CheckpointPolicy:
         if op in _ALWAYS_SAVE:
             return CheckpointPolicy.MUST_SAVE
@@ -57,7 +57,7 @@ def _op_policy() -> tuple[AbstractContextManager[Any], AbstractContextManager[An
     # torch's create_selective_checkpoint_contexts has no annotations; it returns the
     # (forward, recompute) context managers that checkpoint's context_fn gives
     return cast(
-        tuple[AbstractContextManager[Any], AbstractContextManager[Any]],
+        tuple[AbstractContextManager[object], AbstractContextManager[object]],
         create_selective_checkpoint_contexts(policy),  # type: ignore[no-untyped-call]
     )
 
@@ -66,7 +66,7 @@ def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
     inner = block.forward
 
     @functools.wraps(inner)
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: object, **kwargs: Any) -> object:
         if selective:
             return checkpoint(inner, *args, use_reentrant=False, context_fn=_op_policy, **kwargs)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_tensor_autograd
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 def shard_index(seq_len: int, rank: int, size: int, load_balance: bool) -> torch.Tensor:
@@ -34,18 +37,18 @@ def shard_index(seq_len: int, rank: int, size: int, load_balance: bool) -> torch
 
 
 class _GatheredAttention(TorchFunctionMode):
-    def __init__(self, group: Any, mask: torch.Tensor):
+    def __init__(self, group: ProcessGroup, mask: torch.Tensor):
         super().__init__()
         self.group = group
         self.mask = mask  # (T_local, T): may local query i see gathered key j
 
     def __torch_function__(
         self,
-        func: Callable[..., Any],
+        func: Callable[..., object],
         types: Collection[type],
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
+    ) -> object:
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
@@ -63,7 +66,12 @@ class _GatheredAttention(TorchFunctionMode):
 
 @contextlib.contextmanager
 def attention_over(
-    group: Any, seq_len: int, rank: int, size: int, load_balance: bool, device: Any
+    group: ProcessGroup,
+    seq_len: int,
+    rank: int,
+    size: int,
+    load_balance: bool,
+    device: torch.device,
 ) -> Iterator[None]:
     """Within this context, causal attention on `rank`'s shard attends over the whole sequence."""
     queries = shard_index(seq_len, rank, size, load_balance)

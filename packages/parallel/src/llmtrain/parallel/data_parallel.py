@@ -7,7 +7,7 @@ supports and keeps low-precision reductions in range); `Parallelized` scales the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -15,6 +15,9 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from llmtrain.parallel.options import ParallelOptions
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def mixed_precision(options: ParallelOptions) -> MixedPrecisionPolicy:
@@ -37,7 +40,7 @@ def should_reshard(options: ParallelOptions, pipelined: bool, is_last_block: boo
 def apply_fsdp(
     module: nn.Module,
     blocks: list[nn.Module],
-    dp_mesh: Any,
+    dp_mesh: DeviceMesh,
     options: ParallelOptions,
     *,
     pipelined: bool,
@@ -56,7 +59,7 @@ def apply_fsdp(
 
 
 def apply_ddp(
-    module: nn.Module, blocks: list[nn.Module], dp_mesh: Any, options: ParallelOptions
+    module: nn.Module, blocks: list[nn.Module], dp_mesh: DeviceMesh, options: ParallelOptions
 ) -> None:
     """Replicate parameters; all-reduce gradients per block so communication overlaps backward."""
     mp = mixed_precision(options)

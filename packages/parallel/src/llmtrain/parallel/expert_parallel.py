@@ -8,7 +8,7 @@ ranks that hold the same experts (dp_shard_mod_ep; replicated over dp_replicate 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -17,13 +17,16 @@ from llmtrain.core_mesh.interfaces import ExpertParallel
 from llmtrain.parallel.data_parallel import mixed_precision, should_reshard
 from llmtrain.parallel.options import ParallelOptions
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 
 def expert_modules(module: nn.Module) -> list[nn.Module]:
     """The modules of `module` that hold experts (conform to `ExpertParallel`)."""
     return [m for m in module.modules() if isinstance(m, ExpertParallel)]
 
 
-def split_experts(experts: list[nn.Module], ep_mesh: Any) -> None:
+def split_experts(experts: list[nn.Module], ep_mesh: DeviceMesh) -> None:
     """Each expert module keeps this rank's share of its experts (on the meta device: no copy)."""
     for module in experts:
         if not isinstance(module, ExpertParallel):
@@ -32,7 +35,7 @@ def split_experts(experts: list[nn.Module], ep_mesh: Any) -> None:
 
 
 def shard_expert_data(
-    experts: list[nn.Module], device_mesh: Any, options: ParallelOptions, *, pipelined: bool
+    experts: list[nn.Module], device_mesh: DeviceMesh, options: ParallelOptions, *, pipelined: bool
 ) -> None:
     """FSDP over the ranks holding the same experts, before the blocks' FSDP (which then leaves
     the expert parameters alone)."""

@@ -4,8 +4,6 @@ tensor parallelism and sharding; FSDP then all-gathers their weights in float8."
 
 from __future__ import annotations
 
-from typing import Any
-
 from torch import nn
 
 MIN_CAPABILITY = (8, 9)
@@ -46,7 +44,7 @@ def convert_to_float8(module: nn.Module, *, fsdp_all_gather: bool) -> None:
     convert_to_float8_training(module, config=config, module_filter_fn=eligible)
 
 
-def precompute_float8_scales(parts: list[Any]) -> None:
+def precompute_float8_scales(parts: list[nn.Module]) -> None:
     """After the optimizer step: one all-reduce for every float8 weight's scale (FSDP)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 

@@ -4,11 +4,15 @@ is over every parameter of the whole model, whichever rank and stage holds it.""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
 
 
 def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -19,14 +23,19 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float | None, pp_group: Any = None
+    parameters: Iterable[torch.nn.Parameter],
+    max_norm: float | None,
+    pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most `max_norm` (None: only measure); return
     the norm before clipping, a float32 tensor on the gradients' device: not read here, so the
     step queues on without waiting for it. `pp_group`: the pipeline group, whose stages hold
     disjoint params."""
     # (the parameters, their gradients) per group
-    groups: dict[Any, tuple[list[torch.nn.Parameter], list[torch.Tensor]]] = {}
+    groups: dict[
+        tuple[DeviceMesh, tuple[Placement, ...]] | None,
+        tuple[list[torch.nn.Parameter], list[torch.Tensor]],
+    ] = {}
     for p in parameters:
         grad = p.grad
         if grad is None:

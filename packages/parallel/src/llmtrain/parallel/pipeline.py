@@ -18,6 +18,8 @@ from llmtrain.parallel.options import V_SCHEDULES, Pipeline
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+    from torch.distributed import ProcessGroup
 
 _SCHEDULE_CLASSES = {
     "GPipe": "ScheduleGPipe",
@@ -68,11 +70,11 @@ def stages_of_rank(rank: int, pp: int, stages_per_rank: int, schedule: str) -> l
 
 
 def build_stage_modules(
-    module: Any,
+    module: nn.Module,
     trim_to_stage: Callable[[Any, Sequence[int], bool, bool], None],
     stage_ids: list[int],
     ranges: list[range],
-) -> list[Any]:
+) -> list[nn.Module]:
     """One trimmed copy of `module` per stage this rank runs (copies are cheap on the meta device)."""
     n_stages = len(ranges)
     parts = []
@@ -84,15 +86,15 @@ def build_stage_modules(
 
 
 def build_schedule(
-    parts: list[Any],
+    parts: list[nn.Module],
     stage_ids: list[int],
     n_stages: int,
     options: Pipeline,
     *,
     microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    device: Any,
-    group: Any,
+    device: torch.device,
+    group: ProcessGroup | None,
 ) -> Any:
     from torch.distributed.pipelining import PipelineStage, schedules
 

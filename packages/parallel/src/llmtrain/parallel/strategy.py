@@ -76,11 +76,11 @@ class Parallelized:
     """
 
     parts: list[nn.Module]
-    mesh: Any
+    mesh: DeviceMesh
     device: torch.device
     options: ParallelOptions
     microbatches: int = 1
-    schedule: Any = None
+    schedule: Any = None  # a torch.distributed.pipelining schedule, exactly when pipelined
     has_first_stage: bool = True
     has_last_stage: bool = True
     autocast_dtype: torch.dtype | None = None
@@ -424,7 +424,7 @@ class DefaultStrategy:
     def parallelize(
         self,
         model: ModelDescription,
-        device_mesh: Any,
+        device_mesh: DeviceMesh,
         device: torch.device,
         *,
         microbatches: int = 1,
@@ -490,7 +490,7 @@ class DefaultStrategy:
         part: nn.Module,
         blocks: list[tuple[int, nn.Module]],
         model: ModelDescription,
-        device_mesh: Any,
+        device_mesh: DeviceMesh,
         size: dict[str, int],
     ) -> None:
         options = self.options

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -67,7 +70,7 @@ def resolve_plan(module: nn.Module, plan: dict[str, str], *, strict: bool = True
 
 
 def _gather_sequence(
-    mesh: Any,
+    mesh: DeviceMesh,
 ) -> Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...]]:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x = args[0]
@@ -102,7 +105,7 @@ def _style(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelS
 def apply_tensor_parallel(
     module: nn.Module,
     plan: dict[str, str],
-    tp_mesh: Any,
+    tp_mesh: DeviceMesh,
     *,
     sequence_parallel: bool,
     loss_parallel: bool,
