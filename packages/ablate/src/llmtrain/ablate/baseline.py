@@ -83,7 +83,7 @@ def _pairs(spec: str, keys: Sequence[str]) -> dict[str, str]:
     return wanted
 
 
-def _matches(settings: dict[str, Any], wanted: dict[str, str]) -> bool:
+def _matches(settings: dict[str, object], wanted: dict[str, str]) -> bool:
     return all(_same(settings.get(key), value) for key, value in wanted.items())
 
 
@@ -139,8 +139,8 @@ def _paired_values(
     return [mine[k] for k in order], [theirs[k] for k in order]
 
 
-def _by_seeds(runs: Sequence[Run], result: Result) -> dict[tuple[Any, ...], float] | None:
-    values: dict[tuple[Any, ...], float] = {}
+def _by_seeds(runs: Sequence[Run], result: Result) -> dict[tuple[object, ...], float] | None:
+    values: dict[tuple[object, ...], float] = {}
     for run in runs:
         key = tuple(run.settings.get(k) for k in SEED_KEYS)
         value = result.read(run)

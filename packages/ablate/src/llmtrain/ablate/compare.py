@@ -193,7 +193,7 @@ def results_for(metrics: Sequence[str] = (), runs: Sequence[Run] = ()) -> list[R
 
 @attrs.frozen
 class Row:
-    settings: dict[str, Any]
+    settings: dict[str, object]
     runs: list[Run]
     values: dict[str, list[float]]  # result name -> one value per run that has it
     stderrs: dict[str, list[float]] = attrs.Factory(dict)  # the same, for the logged stderrs
@@ -502,7 +502,7 @@ def _csv(
     writer.writerow(header)
     for i in order:
         row = rows[i]
-        line: list[Any] = [";".join(str(run.path) for run in row.runs)]
+        line: list[object] = [";".join(str(run.path) for run in row.runs)]
         line += [shown(row.settings[k]) for k in keys]
         line += [len(row.runs), row.status]
         for result in results:
@@ -550,7 +550,7 @@ def _json(
                 "ci_high": None if interval is None else interval[1],
                 "stderr": row.stderr(result.name),
             }
-        entry: dict[str, Any] = {
+        entry: dict[str, object] = {
             "settings": {short[k]: row.settings[k] for k in keys},
             "runs": [run.name for run in row.runs],
             "run_dirs": [str(run.path) for run in row.runs],
@@ -579,7 +579,7 @@ def _json(
     return json.dumps(_finite(document), indent=1, allow_nan=False) + "\n"
 
 
-def _finite(value: Any) -> Any:
+def _finite(value: object) -> object:
     """NaN and infinities (a diverged run) as null: JSON has no NaN."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -590,7 +590,7 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _comparison_json(comparison: Comparison, index: int) -> dict[str, Any]:
+def _comparison_json(comparison: Comparison, index: int) -> dict[str, object]:
     if index == comparison.baseline:
         return {"test": "baseline"}
     diff = comparison.differences.get(index)
@@ -678,7 +678,7 @@ class DeprecatedFormat(argparse.Action):
         self,
         parser: argparse.ArgumentParser,
         namespace: argparse.Namespace,
-        values: str | Sequence[Any] | None,
+        values: str | Sequence[object] | None,
         option_string: str | None = None,
     ) -> None:
         from llmtrain.core_mesh.cli_conventions import warn_deprecated

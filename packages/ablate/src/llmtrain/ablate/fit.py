@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 from scipy import optimize, special, stats
 from threadpoolctl import threadpool_limits
 
@@ -56,7 +57,7 @@ STARTS_RUN = 4
 BOOTSTRAP_STARTS_RUN = 2  # a refit that fails from the full fit's optimum
 
 
-def chinchilla_loss(n: Any, d: Any, params: Iterable[float]) -> Any:
+def chinchilla_loss(n: npt.ArrayLike, d: npt.ArrayLike, params: Iterable[float]) -> Any:
     """E + A / N^alpha + B / D^beta for params (E, A, B, alpha, beta): an array for arrays N
     and D (broadcast), a number for numbers."""
     big_e, big_a, big_b, alpha, beta = params
@@ -238,7 +239,7 @@ class ParametricFit:
         low, high = np.percentile(losses, _PERCENTILES, axis=0)
         return Prediction(value, low, high)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "model": "L = E + A / N^alpha + B / D^beta",
             "params": self.params,
@@ -253,9 +254,9 @@ _PERCENTILES = (100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2)
 
 
 def fit_parametric(
-    n: Any,
-    d: Any,
-    loss: Any,
+    n: npt.ArrayLike,
+    d: npt.ArrayLike,
+    loss: npt.ArrayLike,
     *,
     names: Sequence[str] | None = None,
     n_boot: int = 200,
@@ -271,9 +272,14 @@ def fit_parametric(
 
 
 def _fit_parametric(
-    n: Any, d: Any, loss: Any, names: Sequence[str] | None, n_boot: int, seed: int
+    given_n: npt.ArrayLike,
+    given_d: npt.ArrayLike,
+    given_loss: npt.ArrayLike,
+    names: Sequence[str] | None,
+    n_boot: int,
+    seed: int,
 ) -> ParametricFit:
-    n, d, loss = (np.asarray(x, dtype=float) for x in (n, d, loss))
+    n, d, loss = (np.asarray(x, dtype=float) for x in (given_n, given_d, given_loss))
     check_points(names, n, d, loss)
     log_n, log_d, log_loss = np.log(n), np.log(d), np.log(loss)
     best = _minimise(_best_starts(log_n, log_d, log_loss, STARTS_RUN), log_n, log_d, log_loss)
@@ -325,15 +331,15 @@ def _fit_parametric(
 # --- approach 2: IsoFLOP profiles ---
 
 
-def group_budgets(compute: Any, tolerance: float = BUDGET_TOLERANCE) -> list[np.ndarray]:
+def group_budgets(compute: npt.ArrayLike, tolerance: float = BUDGET_TOLERANCE) -> list[np.ndarray]:
     """Indices of the points of each compute budget, smallest budget first: sorted by compute,
     a point joins the current budget while it is within `tolerance` (relative) of the
     budget's smallest compute."""
-    compute = np.asarray(compute, dtype=float)
-    order = np.argsort(compute, kind="stable")
+    values = np.asarray(compute, dtype=float)
+    order = np.argsort(values, kind="stable")
     groups: list[list[int]] = []
     for i in order:
-        if groups and compute[i] <= compute[groups[-1][0]] * (1 + tolerance):
+        if groups and values[i] <= values[groups[-1][0]] * (1 + tolerance):
             groups[-1].append(int(i))
         else:
             groups.append([int(i)])
@@ -356,7 +362,7 @@ class Budget:
     loss_opt: float | None
     rejected: str | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "compute": self.compute,
             "runs": list(self.names),
@@ -380,7 +386,7 @@ class PowerLaw:
     log_c: np.ndarray = attrs.field(eq=False, repr=False)
     residual_std: float | None
 
-    def __call__(self, compute: Any) -> Any:
+    def __call__(self, compute: npt.ArrayLike) -> Any:
         return self.coefficient * np.power(compute, self.exponent)
 
     def predict(self, compute: float) -> Prediction:
@@ -399,7 +405,7 @@ class PowerLaw:
         )
         return Prediction(value, value * math.exp(-half), value * math.exp(half))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         interval = self.exponent_interval
         return {
             "exponent": self.exponent,
@@ -438,7 +444,7 @@ class IsoFlopFit:
         """(N_opt, D_opt) at `compute`, each with its 95% interval."""
         return self.n_opt.predict(compute), self.d_opt.predict(compute)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "budgets": [b.to_json() for b in self.budgets],
             "n_opt": self.n_opt.to_json(),
@@ -487,10 +493,10 @@ def _fit_budget(
 
 
 def fit_isoflop(
-    n: Any,
-    d: Any,
-    loss: Any,
-    compute: Any,
+    n: npt.ArrayLike,
+    d: npt.ArrayLike,
+    loss: npt.ArrayLike,
+    compute: npt.ArrayLike,
     *,
     names: Sequence[str] | None = None,
     tolerance: float = BUDGET_TOLERANCE,
@@ -498,8 +504,19 @@ def fit_isoflop(
     """Group the points into compute budgets (`group_budgets`), find each budget's optimal N
     (`_fit_budget`), and fit N_opt and D_opt as power laws of C over the usable budgets (at
     least two)."""
-    n, d, loss, compute = (np.asarray(x, dtype=float) for x in (n, d, loss, compute))
-    names = _point_names(names, len(n))
+    n_, d_, loss_, compute_ = (np.asarray(x, dtype=float) for x in (n, d, loss, compute))
+    return _fit_isoflop(n_, d_, loss_, compute_, names, tolerance)
+
+
+def _fit_isoflop(
+    n: np.ndarray,
+    d: np.ndarray,
+    loss: np.ndarray,
+    compute: np.ndarray,
+    given_names: Sequence[str] | None,
+    tolerance: float,
+) -> IsoFlopFit:
+    names = _point_names(given_names, len(n))
     check_points(names, n, d, loss, min_points=2 * MIN_SIZES_PER_BUDGET)
     budgets = []
     for group in group_budgets(compute, tolerance):

@@ -47,7 +47,7 @@ class RunPoint:
     compute: float
     loss: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return attrs.asdict(self)
 
 
@@ -417,7 +417,7 @@ def _draw_isoflop(
 # --- the command ---
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: Any) -> object:
     """JSON-ready: numpy numbers as floats, NaN and inf (no interval) as null."""
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
@@ -504,9 +504,9 @@ class Fits:
     parametric: ParametricFit
     isoflop: IsoFlopFit | None = None
     targets: tuple[Target, ...] = ()
-    predicted: list[dict[str, Any]] = attrs.Factory(list)
+    predicted: list[dict[str, object]] = attrs.Factory(list)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "loss": self.loss_key,
             "params": self.params,

@@ -25,7 +25,6 @@ import tempfile
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 from llmtrain.ablate import compare, plot
 from llmtrain.ablate.files import write_atomically
@@ -43,7 +42,7 @@ from llmtrain.core_mesh.errors import UserError
 TEMPLATE = "report.html.j2"  # in llmtrain/ablate/templates/
 
 
-def render_page(**context: Any) -> str:
+def render_page(**context: object) -> str:
     """The report template filled in (jinja2, every value escaped)."""
     import jinja2
 
@@ -60,7 +59,7 @@ def table_context(
     *,
     css_id: str,
     cell_class: Callable[[int, str], str] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A table for the template: `cell_class(column, text)` may name a CSS class per cell."""
     return {
         "id": css_id,
@@ -75,7 +74,7 @@ def table_context(
     }
 
 
-def png_data_url(draw: Callable[[Path], Any]) -> str:
+def png_data_url(draw: Callable[[Path], object]) -> str:
     """`draw(path)` writes a PNG there; its bytes as a data: URL."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "figure.png"
@@ -85,7 +84,7 @@ def png_data_url(draw: Callable[[Path], Any]) -> str:
 
 def compare_context(
     runs: Sequence[Run], metrics: Sequence[str], baseline: str | None, on: str | None, alpha: float
-) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+) -> tuple[dict[str, object], list[dict[str, object]]]:
     """(the compare section: the narrow table, every result in a second one, the intro; the
     verdict sentences, empty without a baseline)."""
     keys, rows = compare.table(runs, metrics=metrics)
@@ -135,7 +134,7 @@ def compare_context(
 
 def curves_context(
     runs: Sequence[Run], metrics: Sequence[str], x: str, alpha: float
-) -> dict[str, Any]:
+) -> dict[str, object]:
     drawn: list[str] = []
 
     def draw(path: Path) -> None:
@@ -159,7 +158,7 @@ def curves_context(
 WIDTH_KEY = "model.d_model"  # the width a learning-rate sweep is read against
 
 
-def transfer_context(runs: Sequence[Run], loss_key: str) -> dict[str, Any] | None:
+def transfer_context(runs: Sequence[Run], loss_key: str) -> dict[str, object] | None:
     """Where the runs vary a learning rate (a key ending in `lr`, 3 values or more) at several
     widths (`model.d_model`): the final loss against the lr, one curve per width, the best lr
     of each marked (`plot --x optimizer.lr --group model.d_model`'s figure) and the best lr per
@@ -187,7 +186,9 @@ def transfer_context(runs: Sequence[Run], loss_key: str) -> dict[str, Any] | Non
     }
 
 
-def fit_context(runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ()) -> dict[str, Any]:
+def fit_context(
+    runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ()
+) -> dict[str, object]:
     """The parametric fit of the runs and, where they hold IsoFLOP budgets, the IsoFLOP fit,
     extrapolated to the `predict` targets (`llmtrain fit --predict`'s); or why there is no fit
     (nothing is extrapolated from a failed one)."""
@@ -211,7 +212,7 @@ def fit_context(runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ())
     return {"error": "", "text": text, "no_isoflop": no_isoflop, "url": url}
 
 
-def runs_context(runs: Sequence[Run]) -> dict[str, Any]:
+def runs_context(runs: Sequence[Run]) -> dict[str, object]:
     keys = varied_keys(runs)
     header = ["run", "status", *keys, "step", "tokens", "wall time s", "error"]
     body = []

@@ -19,7 +19,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from llmtrain.ablate.runs import (
     DOWNSTREAM,
@@ -34,6 +34,9 @@ from llmtrain.ablate.runs import (
 )
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 FORMATS = (".png", ".svg", ".pdf")
 CURVE_X = ("step", "tokens")  # curves over the run; any other --x is a setting
@@ -203,7 +206,7 @@ def _legend_layout(names: Sequence[str], panels_a_row: int) -> tuple[int, float]
     return columns, 0.3 + 0.17 * math.ceil(len(names) / columns)
 
 
-def save(fig: Any, output: Path) -> None:
+def save(fig: Figure, output: Path) -> None:
     """Write a matplotlib figure by its suffix, through a temporary file renamed over it."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")

@@ -12,12 +12,13 @@ import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import attrs
 
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.json_types import JSON
 
 OP_CATEGORIES = ("cpu_op", "kernel", "gpu_memcpy", "gpu_memset", "user_annotation")
 HOST_CATEGORIES = ("cpu_op", "user_annotation")
@@ -29,6 +30,31 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver", "privateuse1_runtime", "priv
 STEP_MARK = re.compile(r"^ProfilerStep#\d+$")
 
 
+class TraceEvent(TypedDict, total=False):
+    """An event of a Chrome trace (the keys read here): complete events ("ph": "X") have `ts`
+    and `dur` (microseconds), flow events ("s", "f") an `id`."""
+
+    name: str
+    cat: str
+    ph: str
+    ts: float
+    dur: float
+    pid: int | str
+    tid: int | str
+    id: int | str
+    args: dict[str, JSON]
+
+
+class Trace(TypedDict, total=False):
+    """A Chrome trace, as torch.profiler exports it."""
+
+    traceEvents: list[TraceEvent]
+
+
+# where an event ran: (process, thread or stream)
+_Thread = tuple[int | str | None, int | str | None]
+
+
 @attrs.frozen
 class OpTime:
     name: str
@@ -38,7 +64,7 @@ class OpTime:
     total_us: float
 
 
-def top_ops(trace: dict[str, Any]) -> list[OpTime]:
+def top_ops(trace: Trace) -> list[OpTime]:
     """Operators of a Chrome trace (torch.profiler's export) by self time, largest first. Self
     time is the duration less that of the events nested in it on the same thread."""
     events = [e for e in _complete(trace) if e.get("cat") in OP_CATEGORIES and not _step_mark(e)]
@@ -53,7 +79,7 @@ def top_ops(trace: dict[str, Any]) -> list[OpTime]:
     return sorted(ops, key=lambda op: op.self_us, reverse=True)
 
 
-def _complete(trace: dict[str, Any]) -> list[dict[str, Any]]:
+def _complete(trace: Trace) -> list[TraceEvent]:
     """The trace's complete events ("ph": "X") that have a start and a duration."""
     return [
         e
@@ -62,23 +88,25 @@ def _complete(trace: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _step_mark(event: dict[str, Any]) -> bool:
+def _step_mark(event: TraceEvent) -> bool:
     return bool(STEP_MARK.match(str(event.get("name", ""))))
 
 
 def _nesting(
-    events: list[dict[str, Any]],
-) -> tuple[dict[int, float], dict[int, dict[str, Any] | None]]:
+    events: list[TraceEvent],
+) -> tuple[dict[int, float], dict[int, TraceEvent | None]]:
     """Self time and enclosing event (by `id`) of each event: host events nest on their thread,
     device events on their stream."""
-    by_thread: dict[tuple[Any, Any, str], list[dict[str, Any]]] = defaultdict(list)
+    by_thread: dict[tuple[int | str | None, int | str | None, str], list[TraceEvent]] = defaultdict(
+        list
+    )
     for e in events:
         by_thread[(e.get("pid"), e.get("tid"), _device(e))].append(e)
     self_time: dict[int, float] = {}
-    parent: dict[int, dict[str, Any] | None] = {}
+    parent: dict[int, TraceEvent | None] = {}
     for thread in by_thread.values():
         thread.sort(key=lambda e: (e["ts"], -e["dur"]))
-        stack: list[dict[str, Any]] = []
+        stack: list[TraceEvent] = []
         for e in thread:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
@@ -131,7 +159,7 @@ class GpuProfile:
     streams: int
 
 
-def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
+def gpu_profile(trace: Trace) -> GpuProfile | None:
     """GPU time of a CUDA trace (torch.profiler with ProfilerActivity.CUDA), None for a trace
     without kernels, copies or sets.
 
@@ -149,15 +177,15 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         return None
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES and not _step_mark(e)]
     self_time, parent = _nesting(host)
-    threads: dict[tuple[Any, Any], list[dict[str, Any]]] = defaultdict(list)
+    threads: dict[_Thread, list[TraceEvent]] = defaultdict(list)
     for e in host:
         threads[(e.get("pid"), e.get("tid"))].append(e)
-    starts: dict[tuple[Any, Any], list[float]] = {}
+    starts: dict[_Thread, list[float]] = {}
     for key, spans in threads.items():
         spans.sort(key=lambda e: (e["ts"], -e["dur"]))
         starts[key] = [e["ts"] for e in spans]
 
-    def innermost(pid: Any, tid: Any, ts: float) -> dict[str, Any] | None:
+    def innermost(pid: int | str | None, tid: int | str | None, ts: float) -> TraceEvent | None:
         """The innermost operator on the thread whose span holds `ts`."""
         key = (pid, tid)
         i = bisect.bisect_right(starts.get(key, []), ts) - 1
@@ -167,8 +195,9 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         return span
 
     # the launch point (pid, tid, ts) of each correlation id: the runtime call, else a flow start
-    launches: dict[Any, tuple[Any, Any, Any]] = {}  # correlation id: (pid, tid, ts)
-    flow_ends: dict[tuple[Any, Any, Any], Any] = {}
+    # correlation id: (pid, tid, ts); Any: a flow start without a ts is passed on as one
+    launches: dict[JSON, tuple[int | str | None, int | str | None, Any]] = {}
+    flow_ends: dict[tuple[int | str | None, int | str | None, float | None], JSON] = {}
     for e in trace.get("traceEvents", []):
         if not isinstance(e, dict) or e.get("cat") != "ac2g" or "id" not in e:
             continue
@@ -202,9 +231,10 @@ def gpu_profile(trace: dict[str, Any]) -> GpuProfile | None:
         if owner is None:
             unattributed += e["dur"]
             continue
-        tally.launched_by[owner["name"]] += e["dur"]
+        # a Counter of microseconds (typeshed counts in ints)
+        tally.launched_by[owner["name"]] += e["dur"]  # type: ignore[assignment]
         gpu_self[id(owner)] += e["dur"]
-        span: dict[str, Any] | None = owner
+        span: TraceEvent | None = owner
         while span is not None:
             gpu_total[id(span)] += e["dur"]
             span = parent[id(span)]
@@ -238,12 +268,12 @@ def _most_time(by: Counter[str]) -> str | None:
     return by.most_common(1)[0][0] if by else None
 
 
-def _args(event: dict[str, Any]) -> dict[str, Any]:
+def _args(event: TraceEvent) -> dict[str, JSON]:
     args = event.get("args")
     return args if isinstance(args, dict) else {}
 
 
-def _device(event: dict[str, Any]) -> str:
+def _device(event: TraceEvent) -> str:
     return "cpu" if event["cat"] in ("cpu_op", "user_annotation") else "gpu"
 
 
@@ -296,11 +326,12 @@ def run_profile(args: argparse.Namespace, ctx: Context) -> int:
     path = Path(args.run)
     trace_file = path if path.is_file() else find_trace(path, args.step, args.rank)
     try:
-        trace = json.loads(trace_file.read_text(encoding="utf-8"))
+        loaded = json.loads(trace_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise UserError(f"{trace_file}: not a readable Chrome trace ({exc})") from None
-    if not isinstance(trace, dict):
+    if not isinstance(loaded, dict):
         raise UserError(f"{trace_file}: not a Chrome trace (no traceEvents object)")
+    trace = cast(Trace, loaded)  # a JSON object, read as torch.profiler writes traces
     gpu = gpu_profile(trace)
     if gpu is not None and args.json:
         ops = sorted(gpu.ops, key=lambda op: -(op.cpu_self_us if args.sort == "cpu" else op.gpu_us))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -49,7 +49,8 @@ class Run:
 
     @property
     def settings(self) -> dict[str, Any]:
-        """The config flattened to dotted keys (lists by index)."""
+        """The config flattened to dotted keys (lists by index). (Values typed Any: YAML values
+        that the readers use as the numbers a swept key holds.)"""
         return flatten(self.config)
 
     def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
@@ -122,7 +123,7 @@ def with_eval_tasks(
     step is kept, and eval-tasks' value for it left out."""
     if not scores:
         return metrics
-    logged: dict[Any, set[str]] = {}
+    logged: dict[object, set[str]] = {}
     for m in metrics:
         logged.setdefault(m["step"], set()).update(m)
     extra = []
@@ -141,7 +142,7 @@ def with_eval_tasks(
     return out
 
 
-def _before(step: Any, other: Any) -> bool:
+def _before(step: object, other: object) -> bool:
     """Whether a line of `step` goes before one of `other` (steps that are not numbers: yes)."""
     return not (is_number(step) and is_number(other)) or step <= other
 
@@ -233,10 +234,10 @@ def _is_task_metric(key: str) -> bool:
     return len(parts) >= 3 and parts[-1] not in BOOKKEEPING and not key.endswith(STDERR)
 
 
-def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(value: object, prefix: str = "") -> dict[str, object]:
     """{"a": {"b": [1, {"c": 2}]}} -> {"a.b.0": 1, "a.b.1.c": 2}."""
     if isinstance(value, dict) and value:
-        out: dict[str, Any] = {}
+        out: dict[str, object] = {}
         for key, sub in value.items():
             out.update(flatten(sub, f"{prefix}{key}."))
         return out
@@ -262,7 +263,7 @@ def varied_keys(runs: Sequence[Run]) -> list[str]:
     return [k for k in varied if k not in SEED_KEYS] + [k for k in varied if k in SEED_KEYS]
 
 
-def _key(value: Any) -> str:
+def _key(value: object) -> str:
     return json.dumps(value, sort_keys=True, default=repr)
 
 
@@ -283,7 +284,7 @@ def short_keys(keys: Iterable[str]) -> dict[str, str]:
     return short
 
 
-def shown(value: Any) -> str:
+def shown(value: object) -> str:
     """A compact text for a setting's value: 0.0003, 4, [0.2, 0.8] -> 0.2-0.8."""
     if isinstance(value, bool):
         return str(value).lower()
@@ -296,15 +297,15 @@ def shown(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def label(settings: dict[str, Any], short: dict[str, str]) -> str:
+def label(settings: Mapping[str, object], short: dict[str, str]) -> str:
     return " ".join(f"{short.get(k, k)}={shown(v)}" for k, v in settings.items()) or "base"
 
 
 def group_by_settings(
     runs: Sequence[Run], keys: Sequence[str]
-) -> list[tuple[dict[str, Any], list[Run]]]:
+) -> list[tuple[dict[str, object], list[Run]]]:
     """Runs that differ only in their seeds, together (first-seen order)."""
-    groups: dict[str, tuple[dict[str, Any], list[Run]]] = {}
+    groups: dict[str, tuple[dict[str, object], list[Run]]] = {}
     for run in runs:
         flat = run.settings
         settings = {k: flat.get(k) for k in keys if k not in SEED_KEYS}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
 
@@ -51,7 +50,7 @@ class Point:
 
 @attrs.frozen
 class Curve:
-    settings: dict[str, Any]  # the group key and the keys stepped with it (empty: no group)
+    settings: dict[str, object]  # the group key and the keys stepped with it (empty: no group)
     metric: str
     points: tuple[Point, ...]  # by x
     higher_is_better: bool = False  # as the curve's runs recorded it
@@ -69,7 +68,7 @@ class Curve:
 
 @attrs.frozen
 class Panel:
-    settings: dict[str, Any]  # the other varied keys' values (empty: one panel)
+    settings: dict[str, object]  # the other varied keys' values (empty: one panel)
     metric: str
     curves: tuple[Curve, ...]
 
@@ -167,7 +166,7 @@ def panels(
     return out
 
 
-def _order(value: Any) -> tuple[int, float, str]:
+def _order(value: object) -> tuple[int, float, str]:
     return (0, float(value), "") if is_number(value) else (1, 0.0, shown(value))
 
 
