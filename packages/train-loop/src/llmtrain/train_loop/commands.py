@@ -24,6 +24,7 @@ from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 if TYPE_CHECKING:
     from llmtrain.data_pack.chat import ChatTemplate
+    from llmtrain.train_loop.run_config import RunConfig
 
 
 # --- llmtrain run ---
@@ -98,7 +99,7 @@ _PATH_ERRNOS = frozenset(
 
 
 @contextlib.contextmanager
-def _run_paths_named(config_file: str, config: Any) -> Iterator[None]:
+def _run_paths_named(config_file: str, config: RunConfig) -> Iterator[None]:
     """An OSError about a path under the run directory, a local checkpoint.dir or a logger's
     path becomes one line naming the config key and the path."""
     try:
@@ -112,7 +113,7 @@ def _run_paths_named(config_file: str, config: Any) -> Iterator[None]:
         raise UserError(f"{config_file}: {key}: {exc.filename}: {exc.strerror}") from exc
 
 
-def _key_of_path(config: Any, path: Path) -> str | None:
+def _key_of_path(config: RunConfig, path: Path) -> str | None:
     """The config key whose place holds `path` (the innermost), or whose place `path` was on
     the way to (a directory that could not be made); None when `path` is none of the run's."""
     run = Path(config.run_dir) / config.name
@@ -217,7 +218,9 @@ def configure_generate(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _continue(model: LanguageModel, tokenizer: Any, ids: list[int], **sampling: Any) -> list[int]:
+def _continue(
+    model: LanguageModel, tokenizer: Tokenizer, ids: list[int], **sampling: Any
+) -> list[int]:
     """The new token ids after `ids` (at most max_new_tokens; the stop token is included)."""
     import torch
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -113,7 +114,7 @@ class DownstreamEvaluation(Callback):
         return metrics
 
     @staticmethod
-    def _save_items(run: TrainingRun, name: str, items: list[dict[str, Any]]) -> None:
+    def _save_items(run: TrainingRun, name: str, items: Sequence[Mapping[str, object]]) -> None:
         directory = run.run_dir / "downstream" / f"step-{run.step}"
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f"{name}.jsonl.partial"

@@ -15,7 +15,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias
@@ -26,6 +26,9 @@ from llmtrain.train_loop.commands import checkpoint_args
 from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from llmtrain.core_mesh.interfaces import Task
     from llmtrain.downstream.evaluate import TaskResult
 
 
@@ -64,7 +67,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def tasks_of(spec: str, args: argparse.Namespace, ctx: Context) -> list[Any]:
+def tasks_of(spec: str, args: argparse.Namespace, ctx: Context) -> list[Task]:
     """`name=path,...` as tasks, their options checked like a config's `tasks:` list. `--shots`
     goes to every task that takes examples (perplexity tasks take none)."""
     tasks = []
@@ -72,7 +75,7 @@ def tasks_of(spec: str, args: argparse.Namespace, ctx: Context) -> list[Any]:
         name, sep, path = part.partition("=")
         if not sep or not name.strip() or not path.strip():
             raise UserError(f"--tasks: {part!r} is not NAME=PATH")
-        options: dict[str, Any] = {"kind": name.strip(), "path": path.strip()}
+        options: dict[str, object] = {"kind": name.strip(), "path": path.strip()}
         options |= {"limit": args.limit, "seed": args.seed}
         task = _build(options, i, ctx)
         if args.shots and task.scoring != "perplexity":
@@ -86,7 +89,7 @@ def tasks_of(spec: str, args: argparse.Namespace, ctx: Context) -> list[Any]:
     return tasks
 
 
-def _build(options: dict[str, Any], index: int, ctx: Context) -> Any:
+def _build(options: dict[str, object], index: int, ctx: Context) -> Task:
     choice = structure(options, Choice.of("task"), plugins=ctx.plugins, source=f"--tasks[{index}]")
     return ctx.plugins.build(TASK, choice)
 
@@ -167,7 +170,7 @@ def run_dir_of(checkpoint: str) -> Path | None:
     return None
 
 
-def record_in_run(run_dir: Path, step: int, scores: dict[str, dict[str, Any]]) -> Path:
+def record_in_run(run_dir: Path, step: int, scores: Mapping[str, Mapping[str, object]]) -> Path:
     """Add `scores` (per task) as step `step`'s to `<run_dir>/eval_tasks.json`: a task scored
     again at that step replaces its earlier scores. The file is rewritten whole under a lock
     (`.lock` beside it), through a temporary file renamed over it, so a reader never sees half

@@ -66,7 +66,7 @@ def load_run_config(
     )
 
 
-def with_model_source(raw: Any, plugins: PluginManager, config_file: str) -> Any:
+def with_model_source(raw: object, plugins: PluginManager, config_file: str) -> object:
     """`raw` (a parsed run config) with its `model:` section expanded from its source; the
     same object when there is nothing to expand. Errors name `config_file`."""
     try:
@@ -79,7 +79,7 @@ def with_model_source(raw: Any, plugins: PluginManager, config_file: str) -> Any
         raise UserError(f"{config_file}{f':{line}' if line else ''}: {exc}") from None
 
 
-def _expanded(raw: Any, plugins: PluginManager) -> Any:
+def _expanded(raw: object, plugins: PluginManager) -> object:
     if not isinstance(raw, Mapping):
         return raw
     model = raw.get("model")
@@ -99,7 +99,7 @@ def _expanded(raw: Any, plugins: PluginManager) -> Any:
     return {**raw, "model": {**options, **overrides}}
 
 
-def resumed_model(raw: Mapping[str, Any]) -> dict[str, Any] | None:
+def resumed_model(raw: Mapping[str, object]) -> dict[str, object] | None:
     """The model the run's own newest committed checkpoint recorded, when it will resume it."""
     from llmtrain.checkpoint.manager import Checkpointer
 
@@ -123,7 +123,7 @@ def resumed_model(raw: Mapping[str, Any]) -> dict[str, Any] | None:
     return dict(recorded) if recorded else None
 
 
-def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, Any]:
+def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, object]:
     """The model info (`{"kind": ..., **options}`) recorded at `source`. Storage options and
     format come from `init:` when it reads the same source."""
     from llmtrain.checkpoint.manager import Checkpointer
@@ -160,5 +160,5 @@ def source_model(source: str, init: Any, plugins: PluginManager) -> dict[str, An
     return dict(read(url, lookup.storage_options))
 
 
-def _same_place(a: Any, b: str) -> bool:
+def _same_place(a: object, b: str) -> bool:
     return isinstance(a, str) and a.rstrip("/") == b.rstrip("/")

@@ -22,7 +22,11 @@ import attrs
 from llmtrain.core_mesh.config import ConfigValueError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    import torch
     from torch import nn
+
 # an option's value, for the validators that check one
 _Number = TypeVar("_Number", bound=float)
 
@@ -78,13 +82,15 @@ class MuonOptions:
     eps: float = attrs.field(default=1e-8, validator=_positive)
 
 
-def _embedding_ids(module: Any) -> set[int]:
+def _embedding_ids(module: nn.Module) -> set[int]:
     from torch import nn
 
     return {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
 
 
-def decay_groups(module: Any, weight_decay: float, params: Any = None) -> list[dict[str, Any]]:
+def decay_groups(
+    module: nn.Module, weight_decay: float, params: Iterable[nn.Parameter] | None = None
+) -> list[dict[str, Any]]:
     """Two parameter groups of `params` (default: all of the module's): matrices with weight
     decay; vectors (norm scales, biases) and embedding tables without."""
     embeddings = _embedding_ids(module)
@@ -100,7 +106,7 @@ def decay_groups(module: Any, weight_decay: float, params: Any = None) -> list[d
     return [g for g in groups if g["params"]]
 
 
-def lr_multipliers(module: Any) -> dict[int, float]:
+def lr_multipliers(module: nn.Module) -> dict[int, float]:
     """The module's µP learning-rate multipliers by parameter id: its `lr_multipliers()` names,
     matched against `named_parameters()`. The optimizer is built per model part (a pipeline
     stage, an FSDP- or TP-wrapped module): those keep the model's parameter names, and a stage
@@ -114,7 +120,9 @@ def lr_multipliers(module: Any) -> dict[int, float]:
     }
 
 
-def multiplier_groups(module: Any, groups: list[dict[str, Any]], lr: float) -> list[dict[str, Any]]:
+def multiplier_groups(
+    module: nn.Module, groups: list[dict[str, Any]], lr: float
+) -> list[dict[str, Any]]:
     """`groups` split by the module's lr multipliers, each part with `lr` = `lr` x multiplier,
     `base_lr` = `lr` and `lr_multiplier`; `groups` themselves where the module has none."""
     multipliers = lr_multipliers(module)
@@ -122,7 +130,7 @@ def multiplier_groups(module: Any, groups: list[dict[str, Any]], lr: float) -> l
         return groups
     split: list[dict[str, Any]] = []
     for group in groups:
-        by_multiplier: dict[float, list[Any]] = {}
+        by_multiplier: dict[float, list[nn.Parameter]] = {}
         for p in group["params"]:
             by_multiplier.setdefault(multipliers.get(id(p), 1.0), []).append(p)
         for multiplier, params in by_multiplier.items():
@@ -138,7 +146,7 @@ def multiplier_groups(module: Any, groups: list[dict[str, Any]], lr: float) -> l
     return split
 
 
-def _implementation(fused: bool | None, module: Any) -> dict[str, bool]:
+def _implementation(fused: bool | None, module: nn.Module) -> dict[str, bool]:
     if fused is not None:
         return {"fused": fused}
     kinds = {type(p.data) for p in module.parameters()}
@@ -150,7 +158,7 @@ def _implementation(fused: bool | None, module: Any) -> dict[str, bool]:
     return {"fused": True} if on_cuda else {"foreach": True}
 
 
-def _adam_family(name: str, options: AdamOptions, module: Any) -> list[Any]:
+def _adam_family(name: str, options: AdamOptions, module: nn.Module) -> list[torch.optim.Optimizer]:
     import torch
 
     cls = getattr(torch.optim, name)
@@ -165,17 +173,17 @@ def _adam_family(name: str, options: AdamOptions, module: Any) -> list[Any]:
     ]
 
 
-def adamw(options: AdamOptions, module: Any) -> list[Any]:
+def adamw(options: AdamOptions, module: nn.Module) -> list[torch.optim.Optimizer]:
     """AdamW: weight decay applied to the weights, apart from the adaptive step."""
     return _adam_family("AdamW", options, module)
 
 
-def adam(options: AdamOptions, module: Any) -> list[Any]:
+def adam(options: AdamOptions, module: nn.Module) -> list[torch.optim.Optimizer]:
     """Adam with L2-style weight decay folded into the gradient (torch.optim.Adam)."""
     return _adam_family("Adam", options, module)
 
 
-def sgd(options: SGDOptions, module: Any) -> list[Any]:
+def sgd(options: SGDOptions, module: nn.Module) -> list[torch.optim.Optimizer]:
     import torch
 
     if getattr(getattr(module, "cfg", None), "parametrization", "standard") == "mup":
@@ -197,7 +205,7 @@ def sgd(options: SGDOptions, module: Any) -> list[Any]:
     ]
 
 
-def muon(options: MuonOptions, module: Any) -> list[Any]:
+def muon(options: MuonOptions, module: nn.Module) -> list[torch.optim.Optimizer]:
     import torch
     from torch import nn
 

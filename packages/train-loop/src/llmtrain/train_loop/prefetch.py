@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 
 from llmtrain.data_pack.sampling import BatchPlan
 
 
+class Batches(Protocol):
+    """What the prefetcher reads from: a batch of samples by index (data-pack's datasets)."""
+
+    def read(self, samples: np.ndarray, /) -> dict[str, np.ndarray]: ...
+
+
 class Prefetcher:
     """Reads the next step's batch in a background thread while this one computes."""
 
-    def __init__(self, dataset: Any, plan: BatchPlan, start_step: int, depth: int = 2):
+    def __init__(self, dataset: Batches, plan: BatchPlan, start_step: int, depth: int = 2):
         self.dataset, self.plan = dataset, plan
         self.queue: queue.Queue[tuple[int, dict[str, np.ndarray] | BaseException]] = queue.Queue(
             maxsize=depth
@@ -25,6 +31,7 @@ class Prefetcher:
 
     def _run(self, step: int) -> None:
         while not self.stop.is_set():
+            item: tuple[int, dict[str, np.ndarray] | BaseException]
             try:
                 item = (step, self.dataset.read(np.concatenate(self.plan.step(step))))
             except Exception as exc:  # noqa: BLE001 - re-raised in the training thread

@@ -12,7 +12,7 @@ import math
 import os
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
-from typing import Any, Literal, Protocol, TypeVar, cast, runtime_checkable
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
 
 import attrs
 
@@ -29,6 +29,9 @@ from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.mesh import MeshError, MeshSpec
 from llmtrain.data_pack.sampling import MIN_WEIGHT
+
+if TYPE_CHECKING:
+    from llmtrain.core_mesh.plugins import PluginManager
 
 # an option's value, for the validators that check one
 _Number = TypeVar("_Number", bound=float)
@@ -366,7 +369,7 @@ class RunConfig:
     callbacks: list[Choice.of("callback")] = attrs.Factory(list)  # type: ignore[valid-type]
 
 
-def warmup_outlasts(schedule: Any, total_steps: int) -> str | None:
+def warmup_outlasts(schedule: object, total_steps: int) -> str | None:
     """What to tell a run whose lr warmup is as long as the run (it never reaches the peak lr it
     was given), or None. Not an error: short smoke runs of a long run's config do this on
     purpose."""
@@ -379,7 +382,7 @@ def warmup_outlasts(schedule: Any, total_steps: int) -> str | None:
     return None
 
 
-def without_deprecated(config: RunConfig, plugins: Any) -> tuple[RunConfig, list[str]]:
+def without_deprecated(config: RunConfig, plugins: PluginManager) -> tuple[RunConfig, list[str]]:
     """The config in today's spelling, and a message for each deprecated setting it had.
 
     `training.z_loss: W` is `training.objective: {kind: cross_entropy, z_loss: W}`: moved into
@@ -424,11 +427,11 @@ def option_z_loss(options: object) -> float | None:
     return float(options.z_loss) if isinstance(options, ZLossOption) else None
 
 
-def resolved(config: RunConfig, plugins: Any) -> RunConfig:
+def resolved(config: RunConfig, plugins: PluginManager) -> RunConfig:
     """The config with every chosen component's options filled in (defaults included), so the
     written config reads back to the same run even if a default changes later."""
 
-    def fill(kind: str, choice: Any) -> Any:
+    def fill(kind: str, choice: Choice | None) -> Choice | None:
         if choice is None:
             return None
         return attrs.evolve(choice, options=plugins.options_of(kind, choice))
@@ -447,7 +450,7 @@ def resolved(config: RunConfig, plugins: Any) -> RunConfig:
     )
 
 
-def checked_model_options(plugins: Any, choice: Any) -> ModelOptions:
+def checked_model_options(plugins: PluginManager, choice: Choice) -> ModelOptions:
     """The `model:` section's options, checked to offer what training reads of them
     (`ModelOptions`), so a model plugin that lacks one hears which, not an AttributeError."""
     options = plugins.options_of("model", choice)
@@ -463,7 +466,9 @@ def checked_model_options(plugins: Any, choice: Any) -> ModelOptions:
     return cast(ModelOptions, options)
 
 
-def layout_problems(config: RunConfig, plugins: Any, *, world_size: int | None) -> list[Problem]:
+def layout_problems(
+    config: RunConfig, plugins: PluginManager, *, world_size: int | None
+) -> list[Problem]:
     """What the model and the launch make of the data section: `data.seq_len` against the
     model's `max_seq_len`, and with `world_size` the mesh and the batch arithmetic (what the
     Trainer checks again, found here with the file and line)."""
@@ -499,7 +504,9 @@ RUN_DIRS = frozenset({"checkpoints", "profiles"})
 RUN_LOGS = ("logs/rank*.jsonl", "logs/stacks-rank*.txt", "logs/nccl_trace_rank_*")
 
 
-def run_path_problems(config: RunConfig, plugins: Any, *, writable: bool) -> list[Problem]:
+def run_path_problems(
+    config: RunConfig, plugins: PluginManager, *, writable: bool
+) -> list[Problem]:
     """What is wrong with the places the run will write, found before it starts: the run
     directory (`run_dir`, `name`), a local `checkpoint.dir` and each logger's file or directory
     (fields marked `RUN_PATH`). A path that exists as the wrong kind (a file where a directory

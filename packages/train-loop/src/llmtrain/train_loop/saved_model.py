@@ -17,14 +17,14 @@ from llmtrain.core_mesh.interfaces import LanguageModel, Tokenizer
 from llmtrain.core_mesh.plugins import MODEL, TOKENIZER, PluginManager
 
 
-def model_info(plugins: PluginManager, choice: Choice) -> dict[str, Any]:
+def model_info(plugins: PluginManager, choice: Choice) -> dict[str, object]:
     """The model section as plain data (stored in checkpoints to rebuild the model)."""
     options = plugins.options_of("model", choice)
     return {"kind": choice.kind, **(unstructure(options) if options is not None else {})}
 
 
 def model_choice(
-    info: Mapping[str, Any], plugins: PluginManager, *, source: str | None = None
+    info: Mapping[str, object], plugins: PluginManager, *, source: str | None = None
 ) -> Choice:
     """The model choice of a model info dict (`{"kind": ..., **options}`), structured strictly;
     `source` names where the info came from in errors."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llmtrain.core_mesh.interfaces import (
     Better,
@@ -127,7 +127,13 @@ class RunView:
         return self._trainer.secrets
 
     def record_metric(
-        self, name: str, value: Any, /, *, reduce: Reduce = "mean", better: Better = None
+        self,
+        name: str,
+        value: float | torch.Tensor,
+        /,
+        *,
+        reduce: Reduce = "mean",
+        better: Better = None,
     ) -> None:
         self._trainer.record_metric(name, value, reduce=reduce, better=better)
 

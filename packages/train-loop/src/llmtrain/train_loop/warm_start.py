@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import structlog
 import torch
@@ -29,7 +29,7 @@ from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelOptions, ParallelModel, WeightFormat
-from llmtrain.core_mesh.plugins import MODEL, WEIGHTS, PluginManager
+from llmtrain.core_mesh.plugins import MODEL, WEIGHTS, PluginManager, Registry
 from llmtrain.train_loop.run_config import InitConfig
 from llmtrain.train_loop.saved_model import model_choice
 
@@ -137,7 +137,7 @@ def resolve(init: InitConfig, plugins: PluginManager) -> tuple[str, str, int | N
     )
 
 
-def _installed(formats: Any) -> str:
+def _installed(formats: Registry) -> str:
     names = [f"{LLMTRAIN} (built in)"] + [
         f"{name} ({formats.get(name).origin.distribution or 'in process'})" for name in formats
     ]
@@ -174,17 +174,25 @@ def _step(checkpoints: Checkpointer, step: int | None) -> int:
     return resolved
 
 
-def _fs(url: str, storage_options: Mapping[str, str]) -> tuple[Any, str]:
+class _FileSystem(Protocol):
+    """What `_exists` asks of an fsspec file system."""
+
+    def invalidate_cache(self, path: str, /) -> None: ...
+
+    def exists(self, path: str, /) -> object: ...
+
+
+def _fs(url: str, storage_options: Mapping[str, str]) -> tuple[_FileSystem, str]:
     from fsspec.core import url_to_fs
 
     try:
         # fsspec is untyped: url_to_fs gives (the filesystem, the path within it)
-        return cast(tuple[Any, str], url_to_fs(url, **storage_options))
+        return cast(tuple[_FileSystem, str], url_to_fs(url, **storage_options))
     except (ValueError, ImportError) as exc:  # an unknown protocol or its missing package
         raise WarmStartError(f"init.from: cannot open {url}: {exc}") from None
 
 
-def _exists(fs: Any, root: str) -> bool:
+def _exists(fs: _FileSystem, root: str) -> bool:
     try:
         fs.invalidate_cache(root)
         return bool(fs.exists(root))
@@ -330,11 +338,11 @@ def model_differences(
 _NONE = object()
 
 
-def _shown(values: Mapping[str, Any], key: str) -> str:
+def _shown(values: Mapping[str, object], key: str) -> str:
     return repr(values[key]) if key in values else "(no such option)"
 
 
-def _raw(raw: Mapping[str, Any], options: Any, keys: Sequence[str]) -> str:
+def _raw(raw: Mapping[str, object], options: ModelOptions, keys: Sequence[str]) -> str:
     values = {k: getattr(options, k, raw.get(k)) for k in keys}
     return ", ".join(f"{k}: {'null' if v is None else v}" for k, v in values.items())
 
@@ -349,7 +357,7 @@ def _options(model_info: Mapping[str, Any], plugins: PluginManager) -> ModelOpti
     return options
 
 
-def _comparable(options: Any, raw: Mapping[str, Any]) -> dict[str, Any]:
+def _comparable(options: ModelOptions | None, raw: Mapping[str, object]) -> dict[str, object]:
     if options is None:
         return {k: v for k, v in raw.items() if k != "kind"}
     values = dict(unstructure(options))

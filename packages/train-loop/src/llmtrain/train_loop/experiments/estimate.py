@@ -22,7 +22,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -36,6 +37,9 @@ from llmtrain.core_mesh.plugins import MODEL, OPTIMIZER, PluginManager
 from llmtrain.parallel.options import ParallelOptions
 from llmtrain.train_loop.model_source import load_run_config
 from llmtrain.train_loop.run_config import RunConfig, checked_model_options, resolved
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MIB = 2**20
@@ -73,22 +77,22 @@ class Estimate:
         ]
 
 
-def _count(module: Any) -> int:
+def _count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def expert_parameter_ids(model: Any) -> set[int]:
+def expert_parameter_ids(model: torch.nn.Module) -> set[int]:
     """The parameters expert parallelism splits: those of the modules that hold experts."""
-    holders: list[Any] = [m for m in model.modules() if isinstance(m, ExpertParallel)]
+    holders: list[torch.nn.Module] = [m for m in model.modules() if isinstance(m, ExpertParallel)]
     return {id(p) for m in holders for p in m.parameters()}
 
 
-def _count_experts(module: Any, experts: set[int]) -> int:
+def _count_experts(module: torch.nn.Module, experts: set[int]) -> int:
     return sum(p.numel() for p in module.parameters() if id(p) in experts)
 
 
 def saved_activation_bytes(
-    model: Any, blocks: list[Any], batch: int, seq_len: int
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], batch: int, seq_len: int
 ) -> tuple[list[int], int, int, int]:
     """(bytes saved for backward inside each block, bytes saved outside the blocks, bytes of one
     block's input, elements of the output) for one forward of [batch, seq_len] tokens on the
@@ -97,12 +101,12 @@ def saved_activation_bytes(
 
     saved: list[int] = [0]
     seen: set[int] = set()
-    keep: list[Any] = []
+    keep: list[torch.Tensor] = []
     per_block: list[int] = []
     marks: dict[int, int] = {}
     block_input: list[int] = []
 
-    def pack(t: Any) -> Any:
+    def pack(t: torch.Tensor) -> torch.Tensor:
         base = t if t._base is None else t._base  # a view shares its base's memory
         if id(base) not in seen and not isinstance(base, torch.nn.Parameter):
             seen.add(id(base))
@@ -115,12 +119,12 @@ def saved_activation_bytes(
             saved[0] += size
         return t
 
-    def before(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    def before(module: torch.nn.Module, args: tuple[object, ...]) -> None:
         marks[id(module)] = saved[0]
         if not block_input and args and torch.is_tensor(args[0]):
             block_input.append(args[0].numel() * args[0].element_size())
 
-    def after(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+    def after(module: torch.nn.Module, args: tuple[object, ...], out: object) -> None:
         per_block.append(saved[0] - marks[id(module)])
 
     hooks = []
@@ -139,7 +143,10 @@ def saved_activation_bytes(
 
 
 def optimizer_state_bytes(
-    plugins: PluginManager, config: RunConfig, model: Any, experts: frozenset[int] = frozenset()
+    plugins: PluginManager,
+    config: RunConfig,
+    model: torch.nn.Module,
+    experts: frozenset[int] = frozenset(),
 ) -> tuple[int, int]:
     """Build the configured optimizer on the meta model, step once with meta gradients, and
     measure its state: (bytes for the other parameters, bytes for the `experts` parameter ids)."""

@@ -58,13 +58,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, parse_override
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.train_loop.experiments.ladder_shapes import (
     TOLERANCE,
     ShapeRule,
@@ -141,7 +141,7 @@ class Rung:
     flops_per_token: float  # the shape's training FLOPs per token at the run's seq_len
 
     @property
-    def label(self) -> dict[str, Any]:
+    def label(self) -> dict[str, object]:
         """What the run id shows: `C=1e15,r=20`."""
         return {"C": compact(self.budget), "r": _number(self.tokens_per_param)}
 
@@ -153,15 +153,15 @@ class Rung:
     def actual_ratio(self) -> float:
         return self.tokens / self.params
 
-    def overrides(self) -> dict[str, Any]:
+    def overrides(self) -> dict[str, object]:
         """The config keys this rung sets in the base config."""
-        out: dict[str, Any] = {f"model.{key}": value for key, value in self.shape.items()}
+        out: dict[str, object] = {f"model.{key}": value for key, value in self.shape.items()}
         out["training.steps"] = self.steps
         if self.clears_tokens:
             out["training.tokens"] = None
         return out
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, object]:
         """The rung as the sweep's manifest keeps it (for scaling-law fits)."""
         return {
             "budget": self.budget,
@@ -246,7 +246,7 @@ def refuse_keys(overrides: Sequence[str], axes: Sequence[tuple[str, str]]) -> No
         )
 
 
-def _keys_set(path: tuple[str | int, ...], value: Any) -> list[str]:
+def _keys_set(path: tuple[str | int, ...], value: object) -> list[str]:
     """The dotted keys an override sets: `model.n_heads=8` one, `model={n_heads: 8, ...}` each
     key in the mapping (nested ones too)."""
     key = ".".join(str(p) for p in path)
@@ -283,7 +283,7 @@ def tokens_per_step(config: RunConfig, world: int, source: str) -> int:
 
 def ladder(
     config: RunConfig,
-    plugins: Any,
+    plugins: PluginManager,
     *,
     budgets: Sequence[float],
     ratios: Sequence[float],

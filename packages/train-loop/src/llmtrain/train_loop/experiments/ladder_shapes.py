@@ -12,9 +12,10 @@ from typing import Any
 
 import attrs
 
+from llmtrain.core_mesh.config import Choice
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import ModelDescription
-from llmtrain.core_mesh.plugins import MODEL
+from llmtrain.core_mesh.plugins import MODEL, PluginManager
 
 # a rung whose nearest shape misses N by more is refused: its budget sits where shapes are too
 # coarse (the smallest models of a wide head_dim) and its point would mislead a fit
@@ -84,7 +85,9 @@ def shape_rule(options: Any, kind: str, aspect: tuple[float, float]) -> ShapeRul
     )
 
 
-def meta_describer(plugins: Any, choice: Any) -> Callable[[dict[str, int]], ModelDescription]:
+def meta_describer(
+    plugins: PluginManager, choice: Choice
+) -> Callable[[dict[str, int]], ModelDescription]:
     """shape -> the `ModelDescription` of the base model with that shape, built on the meta
     device (no memory) by its plugin: its exact parameter counts and FLOPs per token."""
     import torch

@@ -68,7 +68,7 @@ class Check:
         """The log-log slope of `kind` at the last step against width."""
         return loglog_slope(self.widths, [steps[-1] for steps in series[kind]])
 
-    def as_json(self) -> dict[str, Any]:
+    def as_json(self) -> dict[str, object]:
         return {
             "parametrization": self.parametrization,
             "widths": list(self.widths),
@@ -130,6 +130,7 @@ def width_options(base: TransformerConfig, width: int, parametrization: str) -> 
             f"{group} query heads per key/value head; choose widths that are multiples of "
             f"{head_dim * group}"
         )
+    # Any: splatted into evolve's keyword arguments, each of its own type
     changes: dict[str, Any] = {
         "d_model": width,
         "n_heads": n_heads,
@@ -164,7 +165,7 @@ def _probe(model: torch.nn.Module, tokens: torch.Tensor) -> dict[str, list[torch
         if kind is None:
             continue
 
-        def keep(m: torch.nn.Module, args: Any, out: Any, kind: str = kind) -> None:
+        def keep(m: torch.nn.Module, args: object, out: object, kind: str = kind) -> None:
             if torch.is_tensor(out):
                 got[kind].append(out.detach().float().clone())
 

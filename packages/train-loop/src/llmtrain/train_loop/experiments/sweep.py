@@ -21,7 +21,6 @@ import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -31,6 +30,7 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.config import parse_override
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.train_loop.experiments import ladder
 from llmtrain.train_loop.experiments.ladder_shapes import compact
 from llmtrain.train_loop.experiments.sweep_launch import (
@@ -209,10 +209,10 @@ def _check_launch_flags(args: argparse.Namespace) -> None:
 
 def _manifest_meta(
     args: argparse.Namespace, name: str, axes: Sequence[Axis], rungs: Sequence[ladder.Rung]
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """What manifest.json says of the sweep besides its runs: base, overrides, command, axes
     and the ladder's rungs."""
-    meta: dict[str, Any] = {
+    meta: dict[str, object] = {
         "name": name,
         "base": str(Path(args.config).resolve()),
         "overrides": list(args.overrides),
@@ -329,7 +329,7 @@ def _ladder_rungs(
     )
 
 
-def ladder_base(path: str, plugins: Any, overrides: Sequence[str] = ()) -> RunConfig:
+def ladder_base(path: str, plugins: PluginManager, overrides: Sequence[str] = ()) -> RunConfig:
     """The base config as a run reads it (overrides applied, the model's options with their
     defaults)."""
     return resolved(load_run_config(path, plugins, overrides), plugins)

@@ -8,7 +8,7 @@ import copy
 import hashlib
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from llmtrain.core_mesh.config import (
 )
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
+from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.core_mesh.redact import redact, redacted_paths, refuse_redacted
 from llmtrain.train_loop.model_source import with_model_source
 from llmtrain.train_loop.run_config import (
@@ -53,16 +54,16 @@ class Axis:
     rung's shape and steps)."""
 
     keys: tuple[str, ...]
-    rows: list[tuple[Any, ...]]
+    rows: list[tuple[object, ...]]
     flags: tuple[str, ...]  # the command-line text of each key, for errors
     # what run ids show of each row instead of its keys' values (a ladder rung: `C=1e15,r=20`)
-    labels: list[dict[str, Any]] | None = None
+    labels: list[dict[str, object]] | None = None
 
 
 @attrs.frozen
 class PlannedRun:
     id: str
-    settings: dict[str, Any]
+    settings: dict[str, object]
     config: RunConfig
     text: str  # the resolved config as written
 
@@ -70,7 +71,7 @@ class PlannedRun:
         return sweep_dir / self.id
 
 
-def parse_axis_values(text: str, flag: str, *, distinct: bool = True) -> tuple[str, list[Any]]:
+def parse_axis_values(text: str, flag: str, *, distinct: bool = True) -> tuple[str, list[object]]:
     """`model.n_layers=2,4,8` -> ("model.n_layers", [2, 4, 8]). Values are YAML, so lists and
     quoted strings work: `data.weights=[0.2,0.8],[0.5,0.5]`."""
     key, sep, values = text.partition("=")
@@ -93,11 +94,11 @@ def parse_axis_values(text: str, flag: str, *, distinct: bool = True) -> tuple[s
     return key, [_plain(v) for v in parsed]
 
 
-def _distinct(values: list[Any]) -> set[str]:
+def _distinct(values: Sequence[object]) -> set[str]:
     return {json.dumps(v, sort_keys=True, default=repr) for v in values}
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """Parsed YAML (dict/list subclasses that remember lines) as plain data."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -145,12 +146,12 @@ def axes_from(grid: Sequence[str], zipped: Sequence[str], seeds: int | None) -> 
     return axes
 
 
-def expand(axes: Sequence[Axis], *, labelled: bool = False) -> list[dict[str, Any]]:
+def expand(axes: Sequence[Axis], *, labelled: bool = False) -> list[dict[str, object]]:
     """The product of the axes, the last varying fastest: one {key: value} per run.
     `labelled`: what each run's id shows instead (an axis's labels where it has them)."""
     runs = []
     for combo in itertools.product(*(range(len(axis.rows)) for axis in axes)):
-        settings: dict[str, Any] = {}
+        settings: dict[str, object] = {}
         for axis, i in zip(axes, combo, strict=True):
             if labelled and axis.labels is not None:
                 settings.update(axis.labels[i])
@@ -160,7 +161,7 @@ def expand(axes: Sequence[Axis], *, labelled: bool = False) -> list[dict[str, An
     return runs
 
 
-def run_ids(runs: Sequence[dict[str, Any]]) -> list[str]:
+def run_ids(runs: Sequence[Mapping[str, object]]) -> list[str]:
     """Readable ids from what varies (`n_layers=4,lr=0.001,seed=0`); long or clashing ones get
     a hash of their settings."""
     keys = list(dict.fromkeys(k for settings in runs for k in settings))
@@ -185,7 +186,7 @@ def plan(
     *,
     name: str,
     sweep_dir: Path,
-    plugins: Any,
+    plugins: PluginManager,
     world_size: int,
     overrides: Sequence[str] = (),
 ) -> list[PlannedRun]:
@@ -213,9 +214,9 @@ def plan(
                     overridden[path] = flags[key]
             _refuse_credentials(raw, base)
             _place(raw, run_id, sweep_dir)
-            raw = with_model_source(raw, plugins, base)
+            expanded = with_model_source(raw, plugins, base)
             config = structure(
-                raw,
+                expanded,
                 RunConfig,
                 plugins=plugins,
                 source=base,
@@ -236,7 +237,7 @@ def plan(
     return planned
 
 
-def _place_problems(config: RunConfig, plugins: Any) -> list[Problem]:
+def _place_problems(config: RunConfig, plugins: PluginManager) -> list[Problem]:
     """What is wrong with where a run of the sweep writes, but its directory (the sweep's, which
     `check_sweep_dir` checks against --dir): a logger's path, a local checkpoint.dir."""
     problems = run_path_problems(config, plugins, writable=False)
@@ -254,7 +255,7 @@ def check_sweep_dir(
             raise UserError(f"{flag}: {message}")
 
 
-def _refuse_credentials(raw: dict[str, Any], source: str) -> None:
+def _refuse_credentials(raw: Mapping[str, object], source: str) -> None:
     """Credentials in a run's config are refused: the sweep writes each run's config.yaml and
     the run reads it back, but a config.yaml never holds credentials (the run writes it again
     redacted, and a resumed or requeued run would find the marker)."""
@@ -280,8 +281,8 @@ def _check_not_swept(overrides: Sequence[str], flags: dict[str, str]) -> None:
 
 
 def _assignments(
-    raw: dict[str, Any], key: str, value: Any, flag: str
-) -> list[tuple[PathParts, Any]]:
+    raw: dict[str, Any], key: str, value: object, flag: str
+) -> list[tuple[PathParts, object]]:
     """(path, value) pairs a swept key sets; `data.weights` sets each dataset's weight."""
     if key != WEIGHTS:
         return [(key_path(key), value)]
@@ -302,7 +303,7 @@ def _assignments(
     return [(("data", "train", i, "weight"), weight) for i, weight in enumerate(value)]
 
 
-def _place(raw: dict[str, Any], run_id: str, sweep_dir: Path) -> None:
+def _place(raw: dict[str, object], run_id: str, sweep_dir: Path) -> None:
     """Each run lives in <sweep dir>/<run id>; a shared checkpoint.dir gets the same suffix."""
     raw["name"] = run_id
     raw["run_dir"] = str(sweep_dir)
@@ -322,7 +323,7 @@ def _check_layout(config: RunConfig, world_size: int, source: str) -> None:
         raise ConfigError([Problem(("data", exc.field), str(exc), source)], source) from None
 
 
-def write(planned: Sequence[PlannedRun], sweep_dir: Path, meta: dict[str, Any]) -> None:
+def write(planned: Sequence[PlannedRun], sweep_dir: Path, meta: Mapping[str, object]) -> None:
     """Each run's config.yaml (kept if the run exists with the same config; a run that exists
     with another config is an error, before anything is written) and manifest.json."""
     clashes = []

@@ -20,8 +20,9 @@ import argparse
 import json
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -33,6 +34,13 @@ from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshSpec
 from llmtrain.core_mesh.redact import refuse_redacted
 from llmtrain.train_loop.run_config import DataConfig, TrainingConfig
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from llmtrain.core_mesh.plugins import PluginManager
+    from llmtrain.data_pack.loader import WindowDataset
+    from llmtrain.data_pack.provenance import DocumentSpan, SampleDocuments
 
 SECTIONS = ("seed", "data", "mesh", "training")
 START_LOG = "logs/rank0.jsonl"
@@ -141,7 +149,7 @@ def data_ranks(run_dir: Path, order: DataOrder, step: int, given: int | None) ->
     )
 
 
-def _open(order: DataOrder) -> Any:
+def _open(order: DataOrder) -> WindowDataset:
     """The training windows, opened with the arguments the Trainer gives `open_windows`."""
     from llmtrain.data_pack.loader import open_windows
 
@@ -157,7 +165,7 @@ def _open(order: DataOrder) -> Any:
     )
 
 
-def _check_provenance(order: DataOrder, data: Any, sources: set[int]) -> None:
+def _check_provenance(order: DataOrder, data: WindowDataset, sources: set[int]) -> None:
     for index in sorted(sources):
         if not data.sources[index].dataset.has_origins:
             path = order.data.train[index].path
@@ -171,7 +179,7 @@ def _check_provenance(order: DataOrder, data: Any, sources: set[int]) -> None:
 class FirstWords:
     """The first words of documents, decoded with the tokenizer they were packed with."""
 
-    def __init__(self, data: Any, words: int, plugins: Any):
+    def __init__(self, data: WindowDataset, words: int, plugins: PluginManager | None):
         from llmtrain.data_pack.tokenizer import tokenizer_from_raw
 
         self.data, self.words = data, words
@@ -179,7 +187,7 @@ class FirstWords:
         self.tokenizer = tokenizer_from_raw(spec, plugins) if words else None
         self._seen: dict[tuple[int, int], str] = {}
 
-    def __call__(self, source: int, span: Any) -> str:
+    def __call__(self, source: int, span: DocumentSpan) -> str:
         if self.tokenizer is None:
             return ""
         key = (source, span.document)
@@ -203,7 +211,7 @@ class StepBatch:
     global_batch: int
     total_steps: int
     ranks: DataRanks
-    samples: Any  # global sample indices (numpy)
+    samples: np.ndarray  # global sample indices
 
     @property
     def first(self) -> int:
@@ -248,8 +256,8 @@ def step_batch(
 
 
 def _listed(
-    found: Any, batch: StepBatch, order: DataOrder, first_words: FirstWords
-) -> dict[str, Any]:
+    found: SampleDocuments, batch: StepBatch, order: DataOrder, first_words: FirstWords
+) -> dict[str, object]:
     """One sample and its documents, as plain data."""
     documents = [
         {
@@ -286,7 +294,7 @@ def trace(
     rank: int | None = None,
     data_ranks_given: int | None = None,
     words: int = 8,
-    plugins: Any = None,
+    plugins: PluginManager | None = None,
 ) -> dict[str, Any]:
     """What `llmtrain which --json` prints: step `step`'s samples (rank `rank`'s share, or the
     whole global batch) with their documents."""
@@ -315,7 +323,7 @@ def trace(
     }
 
 
-def _cut(document: dict[str, Any]) -> str:
+def _cut(document: Mapping[str, object]) -> str:
     ends = [name for name in ("start", "end") if document[f"cut_{name}"]]
     return ",".join(ends) or "-"
 

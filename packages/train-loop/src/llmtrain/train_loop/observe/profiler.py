@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import structlog
 
 from llmtrain.train_loop.run_config import ProfileConfig
 
 if TYPE_CHECKING:
+    import torch
     from torch.profiler import profile
 
 log = structlog.get_logger("llmtrain.train_loop")
@@ -19,7 +20,9 @@ class StepProfiler:
     """Opens torch.profiler for `warmup + active` steps every `every` steps; otherwise costs
     one modulo per step."""
 
-    def __init__(self, config: ProfileConfig | None, run_dir: Path, rank: int, device: Any):
+    def __init__(
+        self, config: ProfileConfig | None, run_dir: Path, rank: int, device: torch.device
+    ):
         self.config = config
         self.run_dir = run_dir
         self.rank = rank

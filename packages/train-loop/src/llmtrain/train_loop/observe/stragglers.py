@@ -4,13 +4,16 @@ rank the others wait for."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
 
 def gather_floats(
-    values: list[float], device: torch.device, *, all_gather: Any = None
+    values: list[float],
+    device: torch.device,
+    *,
+    all_gather: Callable[[list[torch.Tensor], torch.Tensor], object] | None = None,
 ) -> list[list[float]]:
     """Every rank's `values` (same length on all ranks), in rank order."""
     import torch.distributed as dist
@@ -47,7 +50,7 @@ class CollectiveClock:
         import torch.distributed as dist
 
         self.dist = dist
-        self.originals: dict[str, Any] = {}
+        self.originals: dict[str, Callable[..., object]] = {}
         self.calls = 0
         self.total = 0.0
         self.origin = time.perf_counter()
@@ -64,8 +67,8 @@ class CollectiveClock:
             self.originals[name] = original
             setattr(self.dist, name, self._timed(original))
 
-    def _timed(self, original: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
+    def _timed(self, original: Callable[..., object]) -> Callable[..., object]:
+        def timed(*args: object, **kwargs: object) -> object:
             self.calls += 1
             self.total += time.perf_counter() - self.origin
             return original(*args, **kwargs)
