@@ -24,6 +24,7 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # schedules that place two stages per rank in a V (rank r holds stages r and 2·pp - 1 - r)
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 DTYPES = ("float32", "bfloat16", "float16")
+
 # an option's value, for the validators that check one
 _Number = TypeVar("_Number", bound=float)
 _Count = TypeVar("_Count", bound=int | None)
