@@ -8,7 +8,7 @@ adapter call; the runner decides how rows reach the model (one process or a para
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -16,6 +16,9 @@ from llmtrain.core_mesh.interfaces import TASK_SCORINGS, Task, Tokenizer
 from llmtrain.downstream.metrics import choice_result, cloze_result, document_result, task_metrics
 from llmtrain.downstream.requests import requests_of
 from llmtrain.downstream.scoring import Batching, DataSplit, PackedRunner, Runner, Score, score
+
+if TYPE_CHECKING:
+    import torch
 
 
 @attrs.frozen
@@ -29,7 +32,7 @@ class TaskResult:
     items: list[dict[str, Any]]
     truncated: int
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, object]:
         return {
             "scoring": self.scoring,
             "items": len(self.items),
@@ -45,7 +48,7 @@ def evaluate_task(
     *,
     max_len: int,
     batching: Batching,
-    device: Any,
+    device: torch.device | str,
     split: DataSplit = DataSplit(),
 ) -> TaskResult:
     if task.scoring not in TASK_SCORINGS:

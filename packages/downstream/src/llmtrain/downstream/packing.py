@@ -14,7 +14,6 @@ contexts cut from the left to fit) go to rows of their own, as do rolling perple
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 import torch
@@ -107,7 +106,9 @@ class PackedBatch:
     requests: tuple[int, ...]
 
 
-def packed_batch(rows: Sequence[PackedRow], n_rows: int, length: int, device: Any) -> PackedBatch:
+def packed_batch(
+    rows: Sequence[PackedRow], n_rows: int, length: int, device: torch.device | str
+) -> PackedBatch:
     """`n_rows` rows of `length` tokens (rows past `rows` are padding and score nothing)."""
     tokens = torch.zeros(n_rows, length, dtype=torch.long)
     positions = torch.zeros(n_rows, length, dtype=torch.long)

@@ -11,7 +11,7 @@ the results are gathered over the data ranks and checked: every request scored e
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import attrs
 import torch
@@ -168,7 +168,7 @@ class Batching:
 
 
 def batch_tensors(
-    rows: Sequence[Request], batching: Batching, device: Any
+    rows: Sequence[Request], batching: Batching, device: torch.device | str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, targets) of `batching.rows` rows (empty rows are padding and score nothing)."""
     longest = max((len(r.tokens) - 1 for r in rows), default=1)
@@ -191,14 +191,14 @@ class DataSplit:
 
     rank: int = 0
     world: int = 1
-    group: Any = None
+    group: dist.ProcessGroup | None = None
 
 
 def score(
     requests: Sequence[Request],
     runner: Runner | PackedRunner,
     batching: Batching,
-    device: Any,
+    device: torch.device | str,
     split: DataSplit = DataSplit(),
     max_len: int | None = None,
 ) -> list[Score]:
@@ -249,7 +249,7 @@ def _padded(rows: Sequence[PackedRow], batching: Batching) -> int:
     return batching.length or -(-longest // batching.multiple) * batching.multiple
 
 
-def _most(count: int, split: DataSplit, device: Any) -> int:
+def _most(count: int, split: DataSplit, device: torch.device | str) -> int:
     if split.world == 1:
         return count
     value = torch.tensor([count], dtype=torch.long, device=device)
@@ -259,7 +259,7 @@ def _most(count: int, split: DataSplit, device: Any) -> int:
 
 def _gathered(results: list[_Result], total: int, split: DataSplit) -> list[Score]:
     if split.world > 1:
-        shares: list[Any] = [None] * split.world
+        shares: list[list[_Result]] = [[]] * split.world  # each replaced
         dist.all_gather_object(shares, results, group=split.group)
         results = [r for share in shares for r in share]
     seen = sorted(r[0] for r in results)

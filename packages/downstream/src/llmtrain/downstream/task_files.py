@@ -26,6 +26,7 @@ import fsspec.core
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.interfaces import TaskItem
+from llmtrain.core_mesh.json_types import JSONObject
 
 FEWSHOT_DELIMITER = "\n\n"  # between few-shot examples and before the question, as the harness
 
@@ -320,7 +321,7 @@ def _json_error(exc: ValueError | RecursionError) -> str:
     return "a number too long to read"  # int() refuses more than 4300 digits
 
 
-def json_lines(path: str, options: TaskOptions) -> Iterator[tuple[str, dict[str, Any]]]:
+def json_lines(path: str, options: TaskOptions) -> Iterator[tuple[str, JSONObject]]:
     """(where, record) of every non-blank line of a JSON-lines file; `where` is `path:line`.
     Only a newline ends a line: str.splitlines also splits at U+2028, U+0085, ..., which JSON
     strings may hold raw; a carriage return before the newline is JSON whitespace."""
@@ -356,12 +357,12 @@ def _why(text: str, lines: list[str], number: int, first: bool) -> str:
     return ""
 
 
-def _json_type(value: Any) -> str:
+def _json_type(value: object) -> str:
     names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
     return names.get(type(value), "number")
 
 
-def json_records(path: str, options: TaskOptions) -> Iterator[tuple[str, dict[str, Any]]]:
+def json_records(path: str, options: TaskOptions) -> Iterator[tuple[str, JSONObject]]:
     """Records of a JSON-lines file or of a file holding one JSON array of objects (SciQ's
     release); an array's records are named `path:line` by the line each object starts on. An
     array not closed (a file cut short) or followed by more text is an error."""
@@ -410,11 +411,13 @@ def csv_rows(path: str, options: TaskOptions) -> Iterator[tuple[str, list[str]]]
             yield where, row
 
 
-def field(record: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
+def field(
+    record: Mapping[str, object], name: str, kind: type | tuple[type, ...], where: str
+) -> Any:
     """A record's field, dotted names reaching into nested objects (`question.stem`) and lists
     (`question.choices.0.text`); a missing field or one of the wrong type is a `TaskFileError`
-    naming file:line and the field."""
-    value: Any = record
+    naming file:line and the field. (Any: a value of the type `kind` names.)"""
+    value: object = record
     for part in name.split("."):
         if isinstance(value, list) and part.isdecimal() and int(part) < len(value):
             value = value[int(part)]
@@ -432,7 +435,7 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
-def answer_index(value: Any, n_choices: int, name: str, where: str) -> int:
+def answer_index(value: object, n_choices: int, name: str, where: str) -> int:
     """A gold label as an index into the choices: an int, a string of ASCII digits, or a letter
     A-Z (either case)."""
     index: int | None = None
@@ -450,7 +453,7 @@ def answer_index(value: Any, n_choices: int, name: str, where: str) -> int:
     return index
 
 
-def choices_of(values: Any, name: str, where: str) -> tuple[str, ...]:
+def choices_of(values: object, name: str, where: str) -> tuple[str, ...]:
     """A non-empty list of strings (a question's choices)."""
     if not isinstance(values, list) or not values:
         raise TaskFileError(f"{where}: field {name!r} must be a non-empty list of choices")
