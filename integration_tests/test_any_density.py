@@ -29,10 +29,12 @@ from typing import Any
 def f(x: Any, y: "dict[str, Any]", z: typing.Any) -> list[Any]:
     """Returns Any thing."""
     note = "Any prose, not an annotation"
-    return [x, y, z, note]
+    quoted: "typing.Any" = None
+    return [x, y, z, note, quoted]
 '''
-    # x, the quoted dict[str, Any], typing.Any, list[Any] (the import is not a use)
-    assert any_density.any_uses(source) == 4
+    # x, the quoted dict[str, Any], typing.Any, list[Any], the quoted typing.Any (the import
+    # is not a use)
+    assert any_density.any_uses(source) == 5
     assert any_density.lines_of("a = 1\n\n   \nb = 2\n") == 2
 
 
@@ -43,6 +45,7 @@ def test_the_repository_figures_and_the_limit():
     uses, lines, density = total.split()[1:]
     assert float(density) == round(1000 * int(uses) / int(lines), 1)
     assert "packages/core-mesh" in done.stdout and "plugins/llmtrain-hf" in done.stdout
+    assert float(density) <= 15, "issue 47: Any at most 15 per 1,000 lines (the default --max)"
     over = subprocess.run(
         [sys.executable, str(SCRIPT), "--max", "0"], capture_output=True, text=True
     )
