@@ -12,13 +12,12 @@ device) scores them there.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import MetricRecorder, ObjectiveContext
+from llmtrain.core_mesh.interfaces import LanguageModel, MetricRecorder, ObjectiveContext
 from llmtrain.train_loop.loss import IGNORE
 from llmtrain_distill.plugin import DistillOptions
 
@@ -29,7 +28,10 @@ class Distill:
     """The `distill` objective (`llmtrain.core_mesh.interfaces.Objective`)."""
 
     def __init__(
-        self, teacher: Any, options: DistillOptions, record_metric: MetricRecorder | None = None
+        self,
+        teacher: LanguageModel,
+        options: DistillOptions,
+        record_metric: MetricRecorder | None = None,
     ) -> None:
         self.teacher = teacher
         self.record_metric = record_metric
@@ -42,7 +44,9 @@ class Distill:
         # as the step's metrics: read only when the step is logged
         self._sums: torch.Tensor | None = None
 
-    def prepare(self, inputs: torch.Tensor, targets: torch.Tensor, count: Any, /) -> Any:
+    def prepare(
+        self, inputs: torch.Tensor, targets: torch.Tensor, count: torch.Tensor, /
+    ) -> torch.Tensor:
         self._sums = None  # a new step
         return torch.stack([inputs, targets], dim=-1)
 

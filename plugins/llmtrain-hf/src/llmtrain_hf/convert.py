@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import attrs
 import torch
@@ -52,6 +52,9 @@ from llmtrain_hf.architectures import (
     QWEN3,
     QWEN3_MOE,
 )
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # the layout (positions, norm, mlp) of GPT-2 and of the RoPE family
 GPT2_LAYOUT = {"positions": "learned", "norm": "layernorm", "mlp": "gelu"}
@@ -78,7 +81,7 @@ class RopeArchitecture:
     qk_norm: Literal["none", "head", "all_heads"]
     norm_placement: Literal["pre", "after_sublayer"]
     rope_scaling: bool
-    export_fields: dict[str, Any] = attrs.field(factory=dict)
+    export_fields: dict[str, object] = attrs.field(factory=dict)
     moe: moe.MoELayout | None = None
 
 
@@ -266,7 +269,7 @@ def hf_config(
     eos_token_id: int | None = None,
     dtype: torch.dtype = torch.float32,
     architecture: str | None = None,
-) -> Any:
+) -> PretrainedConfig:
     """The transformers config of an llmtrain model config (see `architecture_of`)."""
     import transformers
 
@@ -299,7 +302,7 @@ def hf_config(
         )
     else:
         spec = ROPE_FAMILY[arch]
-        fields: dict[str, Any] = dict(
+        fields: dict[str, object] = dict(
             hidden_size=cfg.d_model,
             intermediate_size=cfg.hidden_size,
             num_hidden_layers=cfg.n_layers,
@@ -333,7 +336,7 @@ def _bias_fields(spec: RopeArchitecture, cfg: TransformerConfig) -> dict[str, bo
     return {}
 
 
-def _hf_rope_scaling(scaling: RopeScaling | None) -> dict[str, Any] | None:
+def _hf_rope_scaling(scaling: RopeScaling | None) -> dict[str, object] | None:
     if scaling is None:
         return None
     return {
@@ -837,7 +840,7 @@ def save_hf_model(
     save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
 
-def from_hf_model(hf_model: Any) -> Transformer:
+def from_hf_model(hf_model: PreTrainedModel) -> Transformer:
     """An llmtrain `Transformer` (float32, eval mode; its options are `.cfg`; llmtrain-moe's
     `MoETransformer` for a MoE architecture) with the weights of a transformers model of a
     supported architecture (`ARCHITECTURES`)."""

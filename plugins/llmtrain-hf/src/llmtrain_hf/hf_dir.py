@@ -80,7 +80,7 @@ class HFDir:
     root: str
 
     @classmethod
-    def open(cls, path: str, storage_options: Mapping[str, Any] | None = None) -> HFDir:
+    def open(cls, path: str, storage_options: Mapping[str, object] | None = None) -> HFDir:
         from fsspec.core import url_to_fs
 
         try:
@@ -130,7 +130,7 @@ class HFDir:
         return json_of(self.read_bytes(name), self.where(name), fix)
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", type(None): "null"}.get(
         type(value), type(value).__name__
     )
@@ -285,7 +285,7 @@ def _header(hf: HFDir, name: str) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 def _parsed_header(
-    where: str, header: Any, data_size: int
+    where: str, header: object, data_size: int
 ) -> dict[str, tuple[str, tuple[int, ...]]]:
     """What safetensors checks of a header, for one read through fsspec: each entry's dtype,
     shape and offsets agree, and the tensors cover the `data_size` bytes after the header."""
@@ -463,7 +463,7 @@ def read_weights_of(hf: HFDir, cfg: HFConfig) -> tuple[dict[str, torch.Tensor], 
 
 
 def read_model(
-    path: str, storage_options: Mapping[str, Any] | None = None
+    path: str, storage_options: Mapping[str, object] | None = None
 ) -> tuple[HFConfig, dict[str, torch.Tensor], list[str]]:
     """(config, llmtrain weights, the weight files read) of a transformers model directory."""
     hf = HFDir.open(path, storage_options)

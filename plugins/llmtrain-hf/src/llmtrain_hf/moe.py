@@ -37,6 +37,7 @@ import torch
 from llmtrain.core_mesh.errors import UserError
 
 if TYPE_CHECKING:  # llmtrain-moe is optional: imported where a MoE model is met
+    from llmtrain_moe.model import MoETransformer
     from llmtrain_moe.options import MoEOptions
 
 QWEN2_MOE_TYPE = "qwen2_moe"
@@ -98,7 +99,7 @@ def is_moe(cfg: object) -> TypeGuard[MoEOptions]:
     return isinstance(cfg, MoEOptions)
 
 
-def build(cfg: MoEOptions) -> Any:
+def build(cfg: MoEOptions) -> MoETransformer:
     """llmtrain-moe's model of `cfg` (a `Transformer` subclass) on the default device."""
     from llmtrain_moe.model import build_model
 
@@ -140,9 +141,9 @@ def mismatches(layout: MoELayout, cfg: MoEOptions) -> list[str]:
     return problems
 
 
-def config_fields(layout: MoELayout, cfg: MoEOptions) -> dict[str, Any]:
+def config_fields(layout: MoELayout, cfg: MoEOptions) -> dict[str, object]:
     """The transformers config fields of the MoE layers of `cfg`."""
-    fields: dict[str, Any] = {
+    fields: dict[str, object] = {
         layout.experts_field: cfg.n_experts,
         layout.hidden_field: cfg.hidden_size,
         "num_experts_per_tok": cfg.top_k,

@@ -10,7 +10,6 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator
-from typing import Any
 
 import attrs
 import torch
@@ -21,6 +20,7 @@ from llmtrain.checkpoint.state import ModelState
 from llmtrain.core_mesh.config import unstructure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.models.config import TransformerConfig
 from llmtrain.models.transformer import Transformer
 from llmtrain_hf import moe
 from llmtrain_hf.architectures import GPT2
@@ -178,7 +178,7 @@ def _os_error(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _export_notes(cfg: Any, arch: str) -> list[str]:
+def _export_notes(cfg: TransformerConfig, arch: str) -> list[str]:
     notes = []
     if cfg.padded_vocab_size != cfg.vocab_size:
         notes.append(
@@ -240,7 +240,7 @@ def import_hf(
             record, note = write_tokenizer(tokenizer, out)
             # every option explicit: no preset defaults (kind `transformer`, or `moe`)
             kind = model_kind(model.cfg)
-            info: dict[str, Any] = {"model": {"kind": kind, **unstructure(model.cfg)}}
+            info: dict[str, object] = {"model": {"kind": kind, **unstructure(model.cfg)}}
             if record is not None:
                 info["data"] = {"fingerprint": record["fingerprint"], "tokenizer": record}
             with _one_process():

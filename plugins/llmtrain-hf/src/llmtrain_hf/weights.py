@@ -10,7 +10,10 @@ safetensors are imported inside `load` and `model` only.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 CONFIG = "config.json"
 
@@ -21,7 +24,7 @@ class HFWeights:
     def describe(self) -> str:
         return f"{CONFIG} and *.safetensors (a transformers model directory)"
 
-    def recognizes(self, path: str, storage_options: Mapping[str, Any]) -> bool:
+    def recognizes(self, path: str, storage_options: Mapping[str, object]) -> bool:
         try:
             names = _names(path, storage_options)
         except (OSError, ValueError):
@@ -29,8 +32,8 @@ class HFWeights:
         return CONFIG in names and any(name.endswith(".safetensors") for name in names)
 
     def load(
-        self, path: str, storage_options: Mapping[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        self, path: str, storage_options: Mapping[str, object]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
         """(llmtrain weights on CPU, `{"kind": "transformer", **options}`) of the directory
         (kind `moe`, llmtrain-moe's, for a Mixture-of-Experts architecture), every file checked
         (`hf_dir`): a damaged one is a UserError naming it."""
@@ -41,7 +44,7 @@ class HFWeights:
         cfg, weights, _ = read_model(path, storage_options)
         return weights, {"kind": model_kind(cfg.options), **unstructure(cfg.options)}
 
-    def model(self, path: str, storage_options: Mapping[str, Any]) -> dict[str, Any]:
+    def model(self, path: str, storage_options: Mapping[str, object]) -> dict[str, object]:
         """`{"kind": "transformer", **options}` of the directory, from its config.json; the
         weight files' headers are checked against it too (`hf_dir.layout`), so that a damaged
         directory is refused when the run's config loads, before the run starts."""
@@ -55,7 +58,7 @@ class HFWeights:
         return {"kind": model_kind(cfg.options), **unstructure(cfg.options)}
 
 
-def _names(path: str, storage_options: Mapping[str, Any]) -> set[str]:
+def _names(path: str, storage_options: Mapping[str, object]) -> set[str]:
     from fsspec.core import url_to_fs
 
     fs, root = url_to_fs(path, **storage_options)

@@ -20,13 +20,16 @@ sequence shard.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmtrain_moe.dispatch import run_on_owners
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # linear(x, w): x times w's matrices transposed; what `_mlp` applies
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -122,9 +125,11 @@ class Experts(StackedExperts):
     ):
         super().__init__(n_experts, d_model, hidden, gated=gated)
         self.matmul = matmul
-        self.ep_mesh: Any = None  # expert parallelism's 1-D mesh (None: this rank has all)
+        self.ep_mesh: DeviceMesh | None = (
+            None  # expert parallelism's 1-D mesh (None: this rank has all)
+        )
 
-    def shard_experts(self, ep_mesh: Any, /) -> None:
+    def shard_experts(self, ep_mesh: DeviceMesh, /) -> None:
         """Keep this rank's share of the experts (core-mesh's `ExpertParallel`): the stacked
         weights become DTensors sharded on the expert dimension over `ep_mesh`, whose global
         shape (and state-dict key) stays that of all experts, so checkpoints reshard."""

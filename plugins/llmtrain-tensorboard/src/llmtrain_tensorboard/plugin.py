@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import attrs
 import yaml
@@ -31,7 +30,7 @@ class TensorBoardOptions:
     )
 
 
-def config_markdown(config: Mapping[str, Any]) -> str:
+def config_markdown(config: Mapping[str, object]) -> str:
     """The config as a fenced YAML block (TensorBoard renders text summaries as markdown),
     credentials redacted: event files are copied and uploaded freely."""
     text = yaml.safe_dump(redact(config), sort_keys=False, default_flow_style=False)
