@@ -14,6 +14,8 @@ from llmtrain.data_pack.sampling import (
     BatchPlan,
     EpochOrder,
     Mixture,
+    MixtureSchedule,
+    Phase,
     Sampler,
     SourceShape,
     state,
@@ -432,3 +434,66 @@ def test_resume_from_consumed_continues_the_uninterrupted_run(saved_world, resum
         start = plan.step_at(state(consumed, plan, 21)["consumed"])
         assert start == stopped
         assert rd_run(resumed_world, start, 30) == uninterrupted[stopped:]
+
+
+def test_mixture_schedule_phases_mix_their_own_weights_and_sources_read_on():
+    """Each phase is exact to its own weights, and a source's stream positions go on across a
+    boundary: every source reads positions 0, 1, 2, ... once each over the whole schedule."""
+    phases = [Phase((0.8, 0.2, 0.0), end=12_000), Phase((0.1, 0.3, 0.6))]
+    schedule = MixtureSchedule(phases, seed=4)
+    n = 30_000
+    sources, local = schedule.assign(np.arange(n))
+    first = Mixture((0.8, 0.2, 0.0), seed=4).assign(np.arange(12_000))
+    np.testing.assert_array_equal(sources[:12_000], first[0])  # phase 0: as without phases
+    np.testing.assert_array_equal(local[:12_000], first[1])
+    # inside each phase: exact at its own block boundaries
+    assert np.bincount(sources[:8192], minlength=3).tolist() == Mixture((0.8, 0.2, 0)).counts(8192)
+    second = sources[12_000 : 12_000 + 8192]
+    assert np.bincount(second, minlength=3).tolist() == Mixture((0.1, 0.3, 0.6)).counts(8192)
+    for d in range(3):
+        mine = np.sort(local[sources == d])
+        np.testing.assert_array_equal(mine, np.arange(len(mine)))  # no position twice, none skipped
+    # counts agree with what assign gave, across the boundary
+    for m in (12_000, 12_000 + 8192):
+        assert schedule.counts(m) == np.bincount(sources[:m], minlength=3).tolist()
+    # any subset, in any order, maps the same (what a resume at any step reads)
+    picked = np.arange(n)[::-7][:500]
+    again = MixtureSchedule(phases, seed=4).assign(picked)
+    np.testing.assert_array_equal(again[0], sources[picked])
+    np.testing.assert_array_equal(again[1], local[picked])
+
+
+def test_mixture_schedule_boundary_inside_a_block_and_the_sampler():
+    """A phase that ends inside a block of its mixture hands on the exact counts of its labels."""
+    phases = [Phase((0.5, 0.5), end=1000), Phase((0.9, 0.1), end=5000), Phase((0.2, 0.8))]
+    schedule = MixtureSchedule(phases, seed=1)
+    sources, local = schedule.assign(np.arange(9000))
+    for d in range(2):
+        mine = np.sort(local[sources == d])
+        np.testing.assert_array_equal(mine, np.arange(len(mine)))
+    assert schedule.before[1] == np.bincount(sources[:1000], minlength=2).tolist()
+    assert schedule.before[2] == np.bincount(sources[:5000], minlength=2).tolist()
+    shapes = [SourceShape(70, 8), SourceShape(90, 8)]
+    sampler = Sampler(shapes, phases=phases, seed=1, pool_blocks=2)
+    got, windows = sampler.lookup(np.arange(9000))
+    np.testing.assert_array_equal(got, sources)
+    for d, shape in enumerate(shapes):
+        order = EpochOrder(shape.n_windows, block_windows=8, pool_blocks=2, seed=1, source=d)
+        np.testing.assert_array_equal(windows[got == d], order.windows(local[got == d]))
+    epochs = sampler.epochs_at(5000)
+    assert epochs == [c / s.n_windows for c, s in zip(schedule.counts(5000), shapes, strict=True)]
+
+
+def test_mixture_schedule_refuses_bad_phases():
+    with pytest.raises(UserError, match="needs its end"):
+        MixtureSchedule([Phase((1, 1)), Phase((1, 2))])
+    with pytest.raises(UserError, match="needs its end"):
+        MixtureSchedule([Phase((1, 1), end=10), Phase((1, 2), end=20)])
+    with pytest.raises(UserError, match="increasing order"):
+        MixtureSchedule([Phase((1, 1), end=10), Phase((1, 1), end=10), Phase((1, 2))])
+    with pytest.raises(UserError, match="different numbers"):
+        MixtureSchedule([Phase((1, 1), end=10), Phase((1, 2, 3))])
+    with pytest.raises(UserError, match="weights or mixture phases"):
+        Sampler([SourceShape(5, 1)] * 2, weights=[1, 1], phases=[Phase((1, 1))])
+    with pytest.raises(UserError, match="weights 3 of 2"):
+        Sampler([SourceShape(5, 1)] * 2, phases=[Phase((1, 1, 1))])

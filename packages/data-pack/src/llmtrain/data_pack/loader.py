@@ -17,7 +17,7 @@ import numpy as np
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.errors import DatasetError
-from llmtrain.data_pack.sampling import BatchPlan, Sampler, SourceShape
+from llmtrain.data_pack.sampling import BatchPlan, Phase, Sampler, SourceShape
 from llmtrain.data_pack.windows import DEFAULT_CACHE_BYTES, TokenWindows
 
 
@@ -144,6 +144,7 @@ def open_windows(
     seq_len: int,
     *,
     weights: Sequence[float] | None = None,
+    phases: Sequence[Phase] | None = None,
     seed: int = 0,
     doc_starts: bool = False,
     shuffle: bool = True,
@@ -152,8 +153,9 @@ def open_windows(
     tokenizer: Any = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> WindowDataset:
-    """One dataset or a weighted mixture of several, as a WindowDataset. All must share one
-    tokenizer (and match `tokenizer`, if given); the cache holds at least a pool of chunks.
+    """One dataset or a weighted mixture of several (or a mixture schedule: `phases`), as a
+    WindowDataset. All must share one tokenizer (and match `tokenizer`, if given); the cache
+    holds at least a pool of chunks.
     A chat dataset needs `seq_len` to be a multiple of its block, so no window cuts a
     conversation; its windows carry their loss mask."""
     sources: list[TokenWindows] = []
@@ -185,6 +187,7 @@ def open_windows(
     sampler = Sampler(
         [SourceShape(len(s), s.windows_per_chunk) for s in sources],
         weights=weights,
+        phases=phases,
         seed=seed,
         pool_blocks=pool_blocks,
         shuffle=shuffle,

@@ -16,6 +16,11 @@ A mixture is exact at block boundaries: of the first n samples, for n a multiple
 (4096, or more for very small weights), source d gets exactly floor(C[d+1]*n) - floor(C[d]*n),
 C being the cumulative normalised weights. Within a block the sources are interleaved at random,
 so a prefix that ends inside a block is off by at most that block's shuffle.
+
+A mixture schedule is phases of mixtures one after another (an annealing mix, a curriculum), each
+ending at a given global sample. Each phase is a mixture of its own, counted from the phase's
+first sample, and each source's stream goes on where the phases before left it: a source reads
+on through its epoch order across a phase boundary, never from its start again.
 """
 
 from __future__ import annotations
@@ -131,7 +136,9 @@ class EpochOrder:
 class Mixture:
     """Global sample -> (source, that source's own stream position), exact to the weights."""
 
-    def __init__(self, weights: Sequence[float], *, seed: int = 0, block: int = 4096):
+    def __init__(
+        self, weights: Sequence[float], *, seed: int = 0, block: int = 4096, phase: int = 0
+    ):
         if not weights or any(w < 0 for w in weights) or sum(weights) <= 0:
             raise UserError(f"mixture weights {list(weights)} must be >= 0 with a positive sum")
         # the decimal the user wrote (0.7 is 7/10, not the nearest binary float); nothing rounded away
@@ -152,6 +159,8 @@ class Mixture:
             cumulative.append(cumulative[-1] + w)
         self._cumulative = cumulative
         self.seed, self.block = seed, block
+        # phase 0 draws as a mixture without phases did, so adding a schedule keeps its first phase
+        self._salt = (_SALT_MIX,) if phase == 0 else (_SALT_MIX, phase)
         self._blocks: _Lru[int, tuple[np.ndarray, np.ndarray]] = _Lru(4)
 
     def counts(self, n: int) -> list[int]:
@@ -165,7 +174,7 @@ class Mixture:
             before = self.counts(k * self.block)
             inside = [b - a for a, b in zip(before, self.counts((k + 1) * self.block), strict=True)]
             labels = np.repeat(np.arange(len(inside)), inside)
-            labels = labels[_rng(self.seed, k, _SALT_MIX).permutation(len(labels))]
+            labels = labels[_rng(self.seed, k, *self._salt).permutation(len(labels))]
             local = np.empty(len(labels), dtype=np.int64)
             for source, start in enumerate(before):
                 mine = labels == source
@@ -173,6 +182,17 @@ class Mixture:
             return labels, local
 
         return self._blocks.get(k, make)
+
+    def taken(self, n: int) -> list[int]:
+        """How many of the first n global samples each source gets, exactly (inside a block
+        too: the block's own labels are counted)."""
+        whole, rest = divmod(n, self.block)
+        counts = self.counts(whole * self.block)
+        if rest:
+            labels, _ = self._block(whole)
+            inside = np.bincount(labels[:rest], minlength=len(counts))
+            counts = [c + int(i) for c, i in zip(counts, inside, strict=True)]
+        return counts
 
     def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         samples = np.asarray(samples, dtype=np.int64)
@@ -184,6 +204,70 @@ class Mixture:
             labels, positions = self._block(int(k))
             sources[here] = labels[within[here]]
             local[here] = positions[within[here]]
+        return sources, local
+
+
+@attrs.frozen
+class Phase:
+    """One phase of a mixture schedule: the weight of each source until global sample `end`
+    (None: the last phase, which goes on to the end of the run)."""
+
+    weights: tuple[float, ...]
+    end: int | None = None
+
+
+class MixtureSchedule:
+    """Global sample -> (source, that source's own stream position) over phases of mixtures.
+
+    Phase p covers global samples [start_p, end_p) and is a `Mixture` of its own weights over
+    the samples counted from start_p; a source's stream position in phase p is the number of
+    its samples in the phases before (exact, `Mixture.taken`) plus its position within p."""
+
+    def __init__(self, phases: Sequence[Phase], *, seed: int = 0, block: int = 4096):
+        if not phases:
+            raise UserError("a mixture schedule needs at least one phase")
+        ends = [p.end for p in phases]
+        if ends[-1] is not None or any(end is None for end in ends[:-1]):
+            raise UserError("every phase of a mixture schedule but the last needs its end")
+        starts = [0, *(int(end) for end in ends[:-1] if end is not None)]
+        if any(b <= a for a, b in itertools.pairwise(starts)):
+            raise UserError(f"mixture phases must end in increasing order, got ends {ends[:-1]}")
+        widths = {len(p.weights) for p in phases}
+        if len(widths) > 1:
+            raise UserError(f"mixture phases weight different numbers of sources: {widths}")
+        self.mixtures = [
+            Mixture(p.weights, seed=seed, block=block, phase=i) for i, p in enumerate(phases)
+        ]
+        self.starts = starts
+        # each source's samples in the phases before each phase
+        self.before = [[0] * widths.pop()]
+        for mixture, (start, end) in zip(
+            self.mixtures[:-1], itertools.pairwise(starts), strict=True
+        ):
+            took = mixture.taken(end - start)
+            self.before.append([a + b for a, b in zip(self.before[-1], took, strict=True)])
+
+    def _phase_of(self, samples: np.ndarray) -> np.ndarray:
+        phases: np.ndarray = np.searchsorted(self.starts, samples, side="right") - 1
+        return phases
+
+    def counts(self, n: int) -> list[int]:
+        """How many of the first n global samples each source gets, exactly across the phase
+        boundaries (within a block's shuffle inside the last phase, as `Mixture.counts`)."""
+        phase = int(self._phase_of(np.asarray([n]))[0])
+        inside = self.mixtures[phase].counts(n - self.starts[phase])
+        return [a + b for a, b in zip(self.before[phase], inside, strict=True)]
+
+    def assign(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        samples = np.asarray(samples, dtype=np.int64)
+        sources = np.empty(len(samples), dtype=np.int64)
+        local = np.empty(len(samples), dtype=np.int64)
+        phases = self._phase_of(samples)
+        for phase in np.unique(phases):
+            here = phases == phase
+            got, position = self.mixtures[int(phase)].assign(samples[here] - self.starts[phase])
+            sources[here] = got
+            local[here] = position + np.asarray(self.before[int(phase)], np.int64)[got]
         return sources, local
 
 
@@ -203,14 +287,24 @@ class Sampler:
         sources: Sequence[SourceShape],
         *,
         weights: Sequence[float] | None = None,
+        phases: Sequence[Phase] | None = None,
         seed: int = 0,
         pool_blocks: int = 8,
         shuffle: bool = True,
     ):
+        """`weights` mix the sources for the whole run; `phases` (instead) change the mixture
+        at given global samples."""
         if not sources:
             raise UserError("no data sources")
+        if weights is not None and phases is not None:
+            raise UserError("give mixture weights or mixture phases, not both")
         if weights is not None and len(weights) != len(sources):
             raise UserError(f"{len(weights)} mixture weights for {len(sources)} datasets")
+        for phase in phases or ():
+            if len(phase.weights) != len(sources):
+                raise UserError(
+                    f"a mixture phase weights {len(phase.weights)} of {len(sources)} datasets"
+                )
         self.orders = [
             EpochOrder(
                 s.n_windows,
@@ -222,10 +316,11 @@ class Sampler:
             )
             for i, s in enumerate(sources)
         ]
-        if len(sources) > 1:
-            self.mixture: Mixture | None = Mixture(weights or [1.0] * len(sources), seed=seed)
-        else:
-            self.mixture = None
+        self.mixture: Mixture | MixtureSchedule | None = None
+        if phases is not None and len(sources) > 1:
+            self.mixture = MixtureSchedule(phases, seed=seed)
+        elif len(sources) > 1:
+            self.mixture = Mixture(weights or [1.0] * len(sources), seed=seed)
 
     def lookup(self, samples: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         samples = np.asarray(samples, dtype=np.int64)
