@@ -521,3 +521,33 @@ def test_yaml_key_metadata_names_the_field_everywhere(tmp_path):
     assert [(p.dotted, p.message) for p in info.value.problems] == [
         ("init.from", "must not be empty")
     ]
+
+
+@attrs.frozen(kw_only=True)
+class _Item:
+    path: str
+    name: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _OneOrMany:
+    item: _Item | list[_Item] | None = None
+    required: _Item | list[_Item]
+
+
+def test_an_option_that_takes_one_item_or_a_list_of_them():
+    """A mapping is the one item, a list the list, null None where allowed; each round-trips."""
+    one = structure({"item": {"path": "a"}, "required": [{"path": "b", "name": "x"}]}, _OneOrMany)
+    assert one == _OneOrMany(item=_Item(path="a"), required=[_Item(path="b", name="x")])
+    assert structure(yaml.safe_load(dump_config(one)), _OneOrMany) == one
+    assert structure({"item": None, "required": {"path": "c"}}, _OneOrMany).item is None
+    for value, message in (
+        ("x", "item: expected a mapping or a list of mappings, got str 'x'"),
+        ([{"path": "a", "nam": "b"}], "item[0].nam: unknown key (did you mean 'name'?)"),
+        ({"path": 3}, "item.path: expected str, got int 3"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            structure({"item": value, "required": {"path": "c"}}, _OneOrMany)
+        assert message in str(caught.value)
+    with pytest.raises(ConfigError, match="required: expected a mapping or a list"):
+        structure({"required": None}, _OneOrMany)

@@ -70,6 +70,7 @@ COMMAND_DISTRIBUTIONS: dict[str, str] = {
             "sweep",
             "estimate",
             "which",
+            "mup-check",
         ),
         "llmtrain-train-loop",
     ),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 import typing
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePath
@@ -384,6 +385,7 @@ def make_converter(plugins: PluginManager | None = None) -> cattrs.Converter:
     conv.register_structure_hook_factory(_origin_is(list), lambda cls: _list_hook(conv, cls))
     conv.register_structure_hook_factory(_origin_is(tuple), lambda cls: _tuple_hook(conv, cls))
     conv.register_structure_hook_factory(_origin_is(Literal), _literal_hook)
+    conv.register_structure_hook_factory(_is_one_or_list, lambda cls: _one_or_list_hook(conv, cls))
     conv.register_structure_hook_factory(_is_options, lambda cls: _attrs_hook(conv, cls))
     conv.register_unstructure_hook_factory(
         _is_options, lambda cls: make_dict_unstructure_fn(cls, conv, **_renames(cls))
@@ -545,6 +547,41 @@ def _tuple_hook(conv: cattrs.Converter, cls: type) -> StructureFn:
         if fixed and len(items) != len(args):
             raise ValueError(f"expected a list of {len(args)}, got {_shown(items)}")
         return conv._structure_tuple(items, cls)
+
+    return structure
+
+
+def _one_or_list_parts(t: object) -> tuple[type, Any] | None:
+    """(C, list[C]) of `C | list[C]` (with or without `| None`), C an attrs class; else None."""
+    if typing.get_origin(t) not in (typing.Union, types.UnionType):
+        return None
+    parts = [a for a in typing.get_args(t) if a is not type(None)]
+    one = next((a for a in parts if isinstance(a, type) and attrs.has(a)), None)
+    if len(parts) != 2 or one is None or list[one] not in parts:  # type: ignore[valid-type]
+        return None
+    return one, list[one]  # type: ignore[valid-type]
+
+
+def _is_one_or_list(t: object) -> bool:
+    return _one_or_list_parts(t) is not None
+
+
+def _one_or_list_hook(conv: cattrs.Converter, cls: object) -> StructureFn:
+    """An option that takes one item or a list of them (`eval: {...}` or `eval: [{...}, ...]`):
+    a mapping is the one, a list the list, null (where allowed) None."""
+    parts = _one_or_list_parts(cls)
+    assert parts is not None
+    one, many = parts
+    optional = type(None) in typing.get_args(cls)
+
+    def structure(value: object, _: type) -> object:
+        if value is None and optional:
+            return None
+        if isinstance(value, Mapping):
+            return conv.structure(value, one)
+        if isinstance(value, list):
+            return conv.structure(value, many)
+        raise _expect("a mapping or a list of mappings", value)
 
     return structure
 
