@@ -576,6 +576,27 @@ def test_merge(tmp_path, run_cli, write_jsonl, texts):
     assert "already exists; pass --overwrite" in stderr
 
 
+@pytest.mark.parametrize("older_first", [False, True])
+def test_merge_leaves_out_a_count_an_input_lacks(tmp_path, write_jsonl, older_first):
+    """A dataset packed before a count was recorded (`dropped`, from before filters) merges with
+    newer ones: the counts all of them record are summed, the others left out, not guessed."""
+    pack([str(write_jsonl("a.jsonl", ["one", "two", ""]))], str(tmp_path / "new"), BYTES, workers=1)
+    pack([str(write_jsonl("b.jsonl", ["three"]))], str(tmp_path / "older"), BYTES, workers=1)
+    group = tmp_path / "older" / "zarr.json"
+    meta = json.loads(group.read_text())
+    del meta["attributes"]["llmtrain"]["counts"]["dropped"]
+    group.write_text(json.dumps(meta))
+    inputs = [str(tmp_path / "new"), str(tmp_path / "older")]
+    merge(inputs[::-1] if older_first else inputs, str(tmp_path / "merged"))
+    counts = PackedDataset(str(tmp_path / "merged")).meta["counts"]
+    assert "dropped" not in counts
+    assert {k: counts[k] for k in ("documents", "tokens", "empty_documents")} == {
+        "documents": 3,
+        "tokens": 3 + 3 + 5 + 3,  # bytes and an eod each
+        "empty_documents": 1,
+    }
+
+
 def test_merge_into_one_of_its_inputs_locally(tmp_path, write_jsonl):
     a = write_jsonl("a.jsonl", ["first", "second"])
     b = write_jsonl("b.jsonl", ["third"])

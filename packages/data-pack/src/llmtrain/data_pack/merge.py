@@ -29,6 +29,13 @@ class MergeSummary:
     tokens: int
 
 
+def _summed_counts(metas: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The counts of datasets joined: each count every one of them records, summed; a count
+    some lack (one packed before it was recorded) is left out, not guessed."""
+    keys = [key for key in metas[0]["counts"] if all(key in m["counts"] for m in metas[1:])]
+    return {key: sum(int(m["counts"][key]) for m in metas) for key in keys}
+
+
 def merge(
     inputs: Sequence[str],
     output: str,
@@ -75,9 +82,7 @@ def merge(
             _copy(dataset, writer, source_base if origins else None)
             source_base += len(dataset.meta["sources"])
         writer.close()
-        counts = {
-            key: sum(int(d.meta["counts"][key]) for d in datasets) for key in first.meta["counts"]
-        }
+        counts = _summed_counts([d.meta for d in datasets])
         out.commit(
             {
                 "format": FORMAT,
