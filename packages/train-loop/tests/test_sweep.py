@@ -1,6 +1,6 @@
-"""Sweep expansion, run ids, the SLURM script and the run command, without running anything
-(the real sweep runs in integration_tests/test_sweep.py; reading runs back is llmtrain-ablate's,
-tested in packages/ablate/tests)."""
+"""Sweep expansion, run ids, the SLURM script and the run command, data mixtures drawn by
+`--mixtures`, without running anything (the real sweep runs in integration_tests/test_sweep.py;
+reading runs back is llmtrain-ablate's, tested in packages/ablate/tests)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import os
 import shlex
 import subprocess
 
+import numpy as np
 import pytest
 import yaml
 
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.train_loop.experiments import sweep_launch, sweep_plan
+from llmtrain.train_loop.experiments.mixtures import DECIMALS, draw, mixtures_from, rounded
+from llmtrain.train_loop.run_config import DataConfig, DatasetRef
 
 
 # --- axes and expansion ---
@@ -139,12 +142,14 @@ def test_run_command_here_and_printed(tmp_path):
 # --- the command: overrides of the base, what a SLURM task asks for ---
 
 
-def write_base(tmp_path):
-    """A base config the sweep can plan (its data is never read: nothing runs)."""
+def write_base(tmp_path, datasets=("none",), data=""):
+    """A base config the sweep can plan over `datasets` (never read: nothing runs); `data`: more
+    lines of its `data:` section."""
+    train = ", ".join(f"{{path: {tmp_path}/{name}.zarr}}" for name in datasets)
     path = tmp_path / "base.yaml"
     path.write_text(
         "name: abl\ndevice: cpu\nmodel: {kind: tiny, vocab_size: 320, max_seq_len: 64}\n"
-        f"data:\n  train: [{{path: {tmp_path}/none.zarr}}]\n  seq_len: 64\n  micro_batch: 8\n"
+        f"data:\n  train: [{train}]\n  seq_len: 64\n  micro_batch: 8\n{data}"
         "optimizer: {kind: adamw, lr: 3.0e-3}\ntraining: {steps: 10}\n",
         encoding="utf-8",
     )
@@ -197,6 +202,10 @@ def test_overrides_size_a_ladder(installed, tmp_path, run_cli):
         (
             ["model.n_layers=3", "--grid", "model.n_layers=1,2"],
             "'model.n_layers=3' sets a key that --grid 'model.n_layers=1,2' sweeps",
+        ),
+        (  # data.weights sets each dataset's weight
+            ["data.train.0.weight=0.5", "--grid", "data.weights=[1],[2]"],
+            "'data.train.0.weight=0.5' sets a key that --grid 'data.weights=[1],[2]' sweeps",
         ),
     ],
 )
@@ -277,3 +286,271 @@ def test_the_gpus_a_sweep_asks_for_on_the_command_line(installed, tmp_path, run_
     assert not [line for line in lines if line.startswith(("#SBATCH --gpus", "#SBATCH --gres"))]
     code, _, err = run_cli("sweep", base, "--gpus-per-node", "2", "--dir", sweeps)
     assert code == 2 and "--gpus-per-node is for --launch slurm" in err
+
+
+# --- --mixtures: the Dirichlet draw (reproducible, by the numbers, rounded into valid weights),
+# the mixtures as an axis crossed with the others, what the manifest keeps, the refusals ---
+
+DATASETS = ("web", "code", "books")
+
+
+def weights_of(sweeps, run_id) -> list[float]:
+    return [entry["weight"] for entry in written(sweeps, run_id)["data"]["train"]]
+
+
+def draws(n, alphas, seed=0) -> np.ndarray:
+    return np.array([draw(k, alphas, seed) for k in range(n)])
+
+
+def test_a_mixture_depends_on_the_seed_alpha_and_its_index_only(tmp_path):
+    base = write_base(tmp_path, DATASETS)
+
+    def weights(n, alpha=None, seed=None):
+        mixtures = mixtures_from(n, alpha, seed, base=str(base), overrides=(), axes=())
+        assert mixtures is not None
+        return mixtures.weights
+
+    assert weights(8) == weights(8) == weights(8, "1", 0)  # the defaults: alpha 1, seed 0
+    assert weights(8, seed=1) != weights(8)
+    assert weights(8, alpha="0.3") != weights(8)
+    # mixture k does not depend on N: a swarm grown from 16 to 32 keeps its first 16
+    assert weights(32)[:16] == weights(16)
+    assert len({json.dumps(w) for w in weights(32)}) == 32
+    assert weights(4) == [draw(k, [1.0] * 3, 0) for k in range(4)]
+
+
+def test_the_draws_follow_the_dirichlet_distribution():
+    """Dirichlet(alpha, k = 4): each weight's mean is 1/k, its variance
+    alpha (a0 - alpha) / (a0^2 (a0 + 1)) with a0 = k alpha; alpha 1 is uniform over the simplex
+    (the largest weight's mean is (1/k)(1 + 1/2 + ... + 1/k)); a small alpha puts most of the
+    weight on one dataset, a large one spreads it evenly. 4000 draws: a standard error of
+    about 0.003 on the means."""
+    k = 4
+    for alpha in (0.05, 1.0, 100.0):
+        w = draws(4000, [alpha] * k)
+        a0 = k * alpha
+        variance = alpha * (a0 - alpha) / (a0**2 * (a0 + 1))
+        assert np.allclose(w.mean(axis=0), 1 / k, atol=0.015), (alpha, w.mean(axis=0))
+        assert np.allclose(w.var(axis=0), variance, rtol=0.1), (alpha, w.var(axis=0), variance)
+        largest = w.max(axis=1)
+        if alpha == 1.0:
+            assert largest.mean() == pytest.approx(
+                sum(1 / i for i in range(1, k + 1)) / k, abs=0.01
+            )
+            assert (largest > 0.9).mean() < 0.01
+        if alpha == 0.05:
+            assert largest.mean() > 0.88
+            assert (largest > 0.9).mean() > 0.65  # most runs are nearly one dataset
+            assert (w == 0).mean() > 0.4  # many datasets switched off
+        if alpha == 100.0:
+            assert largest.max() < 0.4
+    # one alpha per dataset: means alpha_i / a0
+    w = draws(4000, [1.0, 3.0])
+    assert np.allclose(w.mean(axis=0), [0.25, 0.75], atol=0.01)
+
+
+def test_rounding_never_yields_an_invalid_weight():
+    """Multiples of 1e-4 that sum to 1, each within 1e-4 of the draw, at least one positive,
+    every positive one at least 1e-4: what run_config's DataConfig accepts (no positive weight
+    below MIN_WEIGHT of the total)."""
+    rng = np.random.default_rng(0)
+    cases = [
+        [1e-9, 1 - 1e-9],
+        [0.00005, 0.99995],
+        [0.5, 0.5],
+        [1 / 3] * 3,
+        [1 / 300] * 300,
+        [1 / 20001] * 20001,  # every weight below 1e-4: the leftover units still sum to 1
+        *(rng.dirichlet([alpha] * k) for alpha in (0.001, 0.01, 1.0) for k in (2, 5, 60)),
+        *(list(row) for row in draws(200, [0.02] * 8)),
+    ]
+    for weights in cases:
+        got = rounded(weights)
+        units = [round(w * 10**DECIMALS) for w in got]
+        assert all(math.isclose(u, w * 10**DECIMALS) for u, w in zip(units, got, strict=True))
+        assert sum(units) == 10**DECIMALS
+        assert all(u >= 0 for u in units) and any(units)
+        assert max(abs(r - w) for r, w in zip(got, weights, strict=True)) <= 10**-DECIMALS
+        if len(got) <= 300:
+            DataConfig(train=[DatasetRef(path="d", weight=w) for w in got], seq_len=8)
+
+
+def test_dry_run_lists_every_runs_weights(installed, tmp_path, run_cli):
+    base, sweeps = write_base(tmp_path, DATASETS), tmp_path / "sweeps"
+    code, out, err = run_cli("sweep", base, "--mixtures", "3", "--seeds", "2", "--dry-run")
+    assert code == 0, err
+    assert "sweep abl: 6 runs" in err
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["run", "id", *DATASETS]
+    rows = [line.split() for line in lines[2:]]
+    assert [row[0] for row in rows] == [f"mix={k:03d},seed={s}" for k in range(3) for s in (0, 1)]
+    for row in rows:
+        assert [float(w) for w in row[1:]] == draw(int(row[0][4:7]), [1.0] * 3, 0)
+    assert not sweeps.exists()
+
+
+def test_the_manifest_records_the_draw(installed, tmp_path, run_cli):
+    base, sweeps = write_base(tmp_path, DATASETS), tmp_path / "sweeps"
+    flags = ("--mixtures", "4", "--alpha", "0.5,1,2", "--mixture-seed", "7")
+    code, out, err = run_cli("sweep", base, *flags, "--launch", "print", "--dir", sweeps)
+    assert code == 0, err
+    assert len(out.splitlines()) == 4
+    manifest = json.loads((sweeps / "abl" / "manifest.json").read_text())
+    assert manifest["mixtures"] == {
+        "n": 4,
+        "alpha": [0.5, 1.0, 2.0],
+        "seed": 7,
+        "datasets": [f"{tmp_path}/{name}.zarr" for name in DATASETS],
+        "numpy": np.__version__,
+    }
+    assert shlex.split(manifest["command"])[3:9] == list(flags)
+    expected = [draw(k, [0.5, 1.0, 2.0], 7) for k in range(4)]
+    assert manifest["axes"] == [{"keys": ["data.weights"], "values": [[w] for w in expected]}]
+    assert manifest["varied"] == ["data.weights"]
+    for k, (entry, weights) in enumerate(zip(manifest["runs"], expected, strict=True)):
+        assert entry == {"id": f"mix={k:03d}", "settings": {"data.weights": weights}}
+        assert weights_of(sweeps, entry["id"]) == weights
+    # another draw under the same ids is another sweep
+    code, _, err = run_cli("sweep", base, "--mixtures", "2", "--launch", "print", "--dir", sweeps)
+    assert code == 2 and "already has runs with other configs: mix=000" in err, err
+    # one alpha for every dataset is recorded as the number
+    launch = ("--launch", "print", "--dir", sweeps, "--name", "even")
+    code, _, err = run_cli("sweep", base, "--mixtures", "2", "--alpha", "2", *launch)
+    manifest = json.loads((sweeps / "even" / "manifest.json").read_text())
+    assert code == 0 and manifest["mixtures"]["alpha"] == 2.0, err
+
+
+def test_mixtures_cross_the_other_axes_and_pair_by_seed(installed, tmp_path, run_cli):
+    base, sweeps = write_base(tmp_path, DATASETS), tmp_path / "sweeps"
+    code, _, err = run_cli(
+        "sweep", base, "--mixtures", "3", "--seeds", "2", "--launch", "print", "--dir", sweeps
+    )
+    assert code == 0, err
+    runs = json.loads((sweeps / "abl" / "manifest.json").read_text())["runs"]
+    assert len(runs) == 3 * 2
+    for k in range(3):
+        pair = [f"mix={k:03d},seed={seed}" for seed in (0, 1)]
+        assert weights_of(sweeps, pair[0]) == weights_of(sweeps, pair[1]) == draw(k, [1.0] * 3, 0)
+        assert [written(sweeps, run_id)["seed"] for run_id in pair] == [0, 1]
+    code, out, err = run_cli(
+        "sweep", base, "--mixtures", "2", "--grid", "optimizer.lr=1e-3,3e-3",
+        "--zip", "model.n_layers=1,2", "--zip", "model.d_model=32,64", "--dry-run",
+    )  # fmt: skip
+    assert code == 0, err
+    ids = [line.split()[0] for line in out.strip().splitlines()[2:]]
+    assert len(ids) == 2 * 2 * 2
+    assert ids[:3] == [
+        "mix=000,lr=0.001,n_layers=1,d_model=32",
+        "mix=000,lr=0.001,n_layers=2,d_model=64",
+        "mix=000,lr=0.003,n_layers=1,d_model=32",
+    ]
+    code, out, err = run_cli(
+        "sweep", base, "--mixtures", "2", "--ladder", "--budgets", "1e13",
+        "--tokens-per-param", "10,20", "--dry-run",
+    )  # fmt: skip
+    assert code == 0, err
+    assert "C=1e13,r=10,mix=001" in out.split()
+
+
+def test_a_grown_swarm_keeps_its_first_runs(installed, tmp_path, run_cli):
+    base, sweeps = write_base(tmp_path, DATASETS), tmp_path / "sweeps"
+    launch = ("--launch", "print", "--dir", sweeps)
+    assert run_cli("sweep", base, "--mixtures", "3", *launch)[0] == 0
+    before = {k: weights_of(sweeps, f"mix={k:03d}") for k in range(3)}
+    code, out, err = run_cli("sweep", base, "--mixtures", "5", *launch)
+    assert code == 0, err  # the first three configs are the same: no clash
+    assert len(out.splitlines()) == 5
+    assert {k: weights_of(sweeps, f"mix={k:03d}") for k in range(3)} == before
+    manifest = json.loads((sweeps / "abl" / "manifest.json").read_text())
+    assert [run["id"] for run in manifest["runs"]] == [f"mix={k:03d}" for k in range(5)]
+    assert manifest["mixtures"]["n"] == 5
+
+
+def test_a_slurm_array_over_the_mixtures(installed, tmp_path, run_cli):
+    base, sweeps = write_base(tmp_path, DATASETS), tmp_path / "sweeps"
+    code, out, err = run_cli(
+        "sweep", base, "--mixtures", "4", "--seeds", "2", "--launch", "slurm",
+        "--max-parallel", "3", "--dir", sweeps,
+    )  # fmt: skip
+    assert code == 0, err
+    script = (sweeps / "abl" / "sweep.sbatch").read_text()
+    assert "#SBATCH --array=0-7%3\n" in script
+    listed = script.split("CONFIGS=(\n")[1].split("\n)")[0].split("\n")
+    assert [line.strip() for line in listed] == [
+        str(sweeps / "abl" / f"mix={k:03d},seed={s}" / "config.yaml")
+        for k in range(4)
+        for s in (0, 1)
+    ]
+    assert out.startswith("sbatch ")
+
+
+@pytest.mark.parametrize(
+    ("args", "base_data", "message"),
+    [
+        (["--mixtures", "0"], {}, "--mixtures must be at least 1, got 0"),
+        (["--mixtures", "-3"], {}, "--mixtures must be at least 1, got -3"),
+        (["--mixtures", "4", "--alpha", "0"], {}, "--alpha 0: give a positive number"),
+        (["--mixtures", "4", "--alpha", "-1"], {}, "--alpha -1: give a positive number"),
+        (["--mixtures", "4", "--alpha", "abc"], {}, "--alpha abc: give a positive number"),
+        (["--mixtures", "4", "--alpha", "nan"], {}, "--alpha nan: give a positive number"),
+        (["--mixtures", "4", "--alpha", "1,,2"], {}, "--alpha 1,,2: give a positive number"),
+        (
+            ["--mixtures", "4", "--alpha", "1,2"],
+            {},
+            "--alpha 1,2: 2 values for the 3 datasets of data.train; give one, or one per dataset",
+        ),
+        (["--mixtures", "4", "--mixture-seed", "-1"], {}, "--mixture-seed must be 0 or more"),
+        (["--alpha", "0.5"], {}, "--alpha draw data mixtures: add --mixtures N"),
+        (
+            ["--alpha", "0.5", "--mixture-seed", "1"],
+            {},
+            "--alpha, --mixture-seed draw data mixtures: add --mixtures N",
+        ),
+        (
+            ["--mixtures", "4", "--grid", "data.weights=[1,1,0],[0,1,1]"],
+            {},
+            "--grid 'data.weights=[1,1,0],[0,1,1]' and --mixtures 4 both set the weights",
+        ),
+        (
+            ["--mixtures", "4", "--zip", "data.weights=[1,1,0],[0,1,1]", "--zip", "seed=1,2"],
+            {},
+            "--zip 'data.weights=[1,1,0],[0,1,1]' and --mixtures 4 both set the weights",
+        ),
+        (
+            ["--mixtures", "4", "--grid", "data.train.0.weight=0.5,1"],
+            {},
+            "--grid 'data.train.0.weight=0.5,1' and --mixtures 4 both set the weights",
+        ),
+        (
+            ["--mixtures", "4", "data.weights=[1,1,1]"],
+            {},
+            "'data.weights=[1,1,1]' sets a key that --mixtures 4 sweeps",
+        ),
+        (
+            ["--mixtures", "4", "data.train.1.weight=0.5"],
+            {},
+            "'data.train.1.weight=0.5' sets a key that --mixtures 4 sweeps",
+        ),
+        (
+            ["--mixtures", "4"],
+            {"datasets": ("web",)},
+            "a mixture needs at least two datasets in data.train, the base has 1",
+        ),
+        (
+            ["--mixtures", "4"],
+            {"data": "  phases: [{weights: [1, 0, 0], until_step: 5}, {weights: [0, 1, 1]}]\n"},
+            "phases carry their own weights; --mixtures draws one mixture per run",
+        ),
+        (
+            ["--mixtures", "4", "data.phases=[{weights: [1, 0, 0]}]"],
+            {},
+            "phases carry their own weights; --mixtures draws one mixture per run",
+        ),
+    ],
+)
+def test_bad_mixture_inputs_are_one_line(installed, tmp_path, run_cli, args, base_data, message):
+    base, sweeps = write_base(tmp_path, **{"datasets": DATASETS, **base_data}), tmp_path / "sweeps"
+    code, _, err = run_cli("sweep", base, *args, "--launch", "print", "--dir", sweeps)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not sweeps.exists()

@@ -2,7 +2,8 @@
 
 A base config, with `KEY=VALUE` overrides applied as `llmtrain run` applies them, and axes
 (`--grid KEY=V1,V2` crossed with each other, `--zip KEY=V1,V2` stepped together, `--seeds N`,
-and `--ladder`: model sizes and steps from compute budgets, see `ladder.py`) expand into runs.
+`--ladder`: model sizes and steps from compute budgets, see `ladder.py`, and `--mixtures N`:
+data mixtures drawn from a Dirichlet distribution, see `mixtures.py`) expand into runs.
 Every run gets its own resolved config in `<dir>/<sweep>/<run-id>/config.yaml` (reproducible
 alone: `llmtrain run` on it resumes or repeats it) and the sweep a `manifest.json`. All
 configs are checked before anything runs. Then the runs go one after another here, or their
@@ -33,6 +34,7 @@ from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.train_loop.experiments import ladder
 from llmtrain.train_loop.experiments.ladder_shapes import compact
+from llmtrain.train_loop.experiments.mixtures import Mixtures, mixtures_from
 from llmtrain.train_loop.experiments.sweep_launch import (
     CPUS_PER_PROCESS,
     run_command,
@@ -114,6 +116,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
         )
         + " (default: none)",
     )
+    parser.add_argument(
+        "--mixtures",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a data-mixture study: N runs whose data.train weights are drawn from a Dirichlet "
+        "distribution (run ids mix=000, ...; crossed with --grid/--zip/--seeds/--ladder)",
+    )
+    parser.add_argument(
+        "--alpha",
+        default=None,
+        metavar="A[,A2,...]",
+        help="--mixtures: the Dirichlet concentration, one for every dataset or one per dataset "
+        "(default 1: every mixture equally likely; below 1: most weight on one dataset)",
+    )
+    parser.add_argument(
+        "--mixture-seed",
+        type=int,
+        default=None,
+        metavar="S",
+        help="--mixtures: the seed of the draw (default 0); mixture k depends on S, alpha and "
+        "k only, so more mixtures keep the first ones",
+    )
     parser.add_argument("--name", default=None, help="sweep name (default: the base config's name)")
     parser.add_argument("--dir", default="sweeps", help="where sweeps go (default: sweeps)")
     parser.add_argument(
@@ -150,7 +175,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run",
         action="store_true",
-        help="check and list the runs (--ladder: print its table); write and run nothing",
+        help="check and list the runs (--ladder: print its table; --mixtures: each run's "
+        "weights); write and run nothing",
     )
 
 
@@ -162,6 +188,16 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"--name must be a name without '/', got {name!r}")
     sweep_dir = (Path(args.dir) / name).resolve()
     world = args.nproc_per_node * args.nodes
+    mixtures = mixtures_from(
+        args.mixtures,
+        args.alpha,
+        args.mixture_seed,
+        base=args.config,
+        overrides=args.overrides,
+        axes=axes,
+    )
+    if mixtures is not None:
+        axes = [mixtures.axis(), *axes]
     rungs = _ladder_rungs(args, axes, ctx, world)
     if rungs:
         axes = [_ladder_axis(rungs), *axes]
@@ -182,11 +218,13 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         ladder_table = ladder.table([(run.id, _rung_of(run, rungs)) for run in planned])
         print(ladder_table, file=sys.stdout if args.dry_run else sys.stderr, flush=True)
     if args.dry_run:
-        if not rungs:
+        if mixtures is not None:
+            print(mixtures.table(planned), end="")
+        elif not rungs:
             for run in planned:
                 print(run.id)
         return 0
-    write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs))
+    write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs, mixtures))
     pending = [r for r in planned if not _finished(r.path(sweep_dir))]
     if args.launch == "print":
         return _print_commands(planned, pending, sweep_dir, world)
@@ -208,10 +246,14 @@ def _check_launch_flags(args: argparse.Namespace) -> None:
 
 
 def _manifest_meta(
-    args: argparse.Namespace, name: str, axes: Sequence[Axis], rungs: Sequence[ladder.Rung]
+    args: argparse.Namespace,
+    name: str,
+    axes: Sequence[Axis],
+    rungs: Sequence[ladder.Rung],
+    mixtures: Mixtures | None,
 ) -> dict[str, object]:
-    """What manifest.json says of the sweep besides its runs: base, overrides, command, axes
-    and the ladder's rungs."""
+    """What manifest.json says of the sweep besides its runs: base, overrides, command, axes,
+    the ladder's rungs and the mixtures' draw."""
     meta: dict[str, object] = {
         "name": name,
         "base": str(Path(args.config).resolve()),
@@ -221,6 +263,8 @@ def _manifest_meta(
     }
     if rungs:
         meta["ladder"] = [{"label": r.label, **r.record()} for r in rungs]
+    if mixtures is not None:
+        meta["mixtures"] = mixtures.record()
     return meta
 
 
@@ -361,6 +405,12 @@ def _command_of(args: argparse.Namespace) -> list[str]:
         for flag in ("budgets", "tokens_per_param", "aspect_ratio"):
             if getattr(args, flag) is not None:
                 words += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+    if args.mixtures is not None:
+        words += ["--mixtures", str(args.mixtures)]
+    if args.alpha is not None:
+        words += ["--alpha", args.alpha]
+    if args.mixture_seed is not None:
+        words += ["--mixture-seed", str(args.mixture_seed)]
     if args.name:
         words += ["--name", args.name]
     return [*words, "--dir", args.dir]

@@ -192,12 +192,9 @@ def plan(
 ) -> list[PlannedRun]:
     """Every run's resolved config, all checked; one ConfigError lists every problem.
     `overrides` (`KEY=VALUE`, as `llmtrain run` takes them) change the base before the axes."""
-    base_raw = parse_yaml(read_config_text(base), base) or {}
-    if not isinstance(base_raw, dict):
-        raise ConfigError([Problem((), "a run config is a mapping")], base)
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
     _check_not_swept(overrides, flags)
-    _, base_overridden = apply_overrides(base_raw, overrides)  # a mapping: set in place
+    base_raw, base_overridden = read_base(base, overrides)
     refuse_redacted(base_raw, base)
     all_settings = expand(axes)
     ids = run_ids(expand(axes, labelled=True))
@@ -237,6 +234,18 @@ def plan(
     return planned
 
 
+def read_base(
+    base: str, overrides: Sequence[str] = ()
+) -> tuple[dict[str, object], dict[PathParts, str]]:
+    """The base config as parsed YAML with the overrides applied, and where each overridden path
+    was set."""
+    base_raw = parse_yaml(read_config_text(base), base) or {}
+    if not isinstance(base_raw, dict):
+        raise ConfigError([Problem((), "a run config is a mapping")], base)
+    _, overridden = apply_overrides(base_raw, overrides)  # a mapping: set in place
+    return base_raw, overridden
+
+
 def _place_problems(config: RunConfig, plugins: PluginManager) -> list[Problem]:
     """What is wrong with where a run of the sweep writes, but its directory (the sweep's, which
     `check_sweep_dir` checks against --dir): a logger's path, a local checkpoint.dir."""
@@ -274,10 +283,17 @@ def _check_not_swept(overrides: Sequence[str], flags: dict[str, str]) -> None:
     swept = {key_path(key): flag for key, flag in flags.items()}
     for text in overrides:
         path, _ = parse_override(text)
+        if WEIGHTS in flags and _is_dataset_weight(path):
+            path = key_path(WEIGHTS)  # data.weights sets each data.train entry's weight
         if path in swept:
             raise UserError(
                 f"{text!r} sets a key that {swept[path]} sweeps: drop the override or the axis"
             )
+
+
+def _is_dataset_weight(path: PathParts) -> bool:
+    """`data.train.<i>.weight`: a weight that `data.weights` sets."""
+    return len(path) == 4 and path[:2] == ("data", "train") and path[3] == "weight"
 
 
 def _assignments(
