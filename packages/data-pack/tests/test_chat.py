@@ -195,6 +195,7 @@ def test_chatml_ids_and_mask_by_hand(tmp_path, run_cli):
         "padding_tokens": 61,
         "too_long": 0,
     }
+    assert ds.n_bytes is None and summary.n_bytes is None  # chat counts no bytes (README)
     assert ds.block == 80
     assert ds.chat["template"] == ChatTemplate.chatml().to_meta()
     assert ds.chat["template"]["stop"] == ["<|im_end|>"]

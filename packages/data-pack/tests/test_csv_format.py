@@ -105,6 +105,7 @@ def test_csv_and_tsv_pack_the_tokens_of_the_same_jsonl(
     summary = pack([str(path)], str(tmp_path / "ds"), BYTES, workers=2, split_bytes=split)
     ds = PackedDataset(str(tmp_path / "ds"))
     assert summary.documents == ds.n_documents == len(records)
+    assert ds.n_bytes == reference.n_bytes == sum(len(r["text"].encode()) for r in records)
     np.testing.assert_array_equal(ds.read(0, ds.n_tokens), reference.read(0, reference.n_tokens))
     np.testing.assert_array_equal(ds.doc_offsets[:], reference.doc_offsets[:])
     assert _origins(ds) == [(0, line, r["id"]) for line, r in zip(starts, records, strict=True)]
@@ -246,4 +247,5 @@ def test_a_compressed_csv_cut_short_keeps_the_records_before_the_damage(tmp_path
     kept = _texts(ds)
     assert 0 < len(kept) < len(records)
     assert kept == [r["text"] for r in records[: len(kept)]]
+    assert ds.n_bytes == sum(len(text.encode()) for text in kept)
     assert ds.meta["sources"][0]["bad"] == 1

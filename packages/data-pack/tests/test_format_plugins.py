@@ -188,6 +188,7 @@ def test_a_third_partys_format_packs_as_jsonl_would(tmp_path, with_paragraphs, c
     np.testing.assert_array_equal(para.read(0, para.n_tokens), ref.read(0, ref.n_tokens))
     np.testing.assert_array_equal(para.doc_offsets[:], ref.doc_offsets[:])
     assert _texts(tmp_path / "para") == flat
+    assert para.n_bytes == ref.n_bytes == sum(len(d.encode()) for d in flat)  # whatever the format
     # each paragraph named by its file and first line (1-based)
     origins = para.origins(0, para.n_documents)
     assert list(zip(origins.sources.tolist(), origins.rows.tolist(), strict=True)) == [

@@ -207,6 +207,9 @@ def test_every_format_packs_the_tokens_jsonl_gives(formats, tokenizer_json, tmp_
     assert [s["url"] for s in ds.meta["sources"]] == files
     assert sum(s["kept"] for s in ds.meta["sources"]) == len(c.texts)
     assert ds.meta["counts"]["blank_lines"] == (1 if name == "text-lines" else 0)
+    # the text tokenized, in UTF-8: not the file's bytes (CRLF line ends, Parquet's encoding)
+    texts = c.flat if ref == "flat" else c.texts
+    assert ds.n_bytes == summary.n_bytes == reference.n_bytes == sum(len(t.encode()) for t in texts)
 
 
 def test_jsonl_origins_are_one_based_lines(formats):
@@ -376,6 +379,7 @@ def test_filters_keep_exactly_the_rows_pyarrow_keeps(scored, tmp_path, kind, nam
     assert 0 < kept.num_rows < table.num_rows
     assert _texts(ds) == kept.column("text").to_pylist()
     assert summary.documents == kept.num_rows
+    assert ds.n_bytes == sum(len(t.encode()) for t in kept.column("text").to_pylist())
     assert summary.dropped == ds.meta["counts"]["dropped"] == table.num_rows - kept.num_rows
     assert ds.meta["filter"] == {"where": where}
     tally = []
@@ -796,6 +800,11 @@ def test_cli_pack_with_filter_and_skip_bad_then_inspect(tmp_path, run_cli, corpu
     assert f"1 bad records skipped, {dropped} dropped by --where" in stdout
     ds = PackedDataset(str(out))
     assert _texts(ds) == kept
+    n_bytes = sum(len(t.encode()) for t in kept)  # neither the dropped rows nor the bad one
+    assert ds.n_bytes == n_bytes == ds.n_tokens - ds.n_documents
+    assert stdout.endswith(
+        f"; {n_bytes:,} bytes of text, {n_bytes / ds.n_tokens:.2f} bytes a token\n"
+    )
     code, stdout, stderr = run_cli("data", "inspect", out, "--json", "--log-dir", tmp_path / "logs")
     assert code == 0, stderr
     report = json.loads(stdout)

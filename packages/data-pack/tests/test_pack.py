@@ -360,7 +360,9 @@ def test_metadata(tmp_path, texts, tokenizer_json):
         "blank_lines": 3,
         "bad_lines": 0,
         "dropped": 0,
+        "bytes": sum(len(t.encode("utf-8")) for t in texts[:10]),  # not the file's \u escapes
     }
+    assert ds.n_bytes == summary.n_bytes == meta["counts"]["bytes"] < data.stat().st_size
     assert meta["bad_lines"] == []
     assert meta["sources"] == [
         {
@@ -550,7 +552,11 @@ def test_merge(tmp_path, run_cli, write_jsonl, texts):
     )
     assert code == 0
     n_tokens = ds_a.n_tokens + ds_b.n_tokens
-    assert stdout == f"{out}: 300 documents, {n_tokens} tokens\n"
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    assert stdout == (
+        f"{out}: 300 documents, {n_tokens} tokens, {n_bytes:,} bytes of text, "
+        f"{n_bytes / n_tokens:.2f} bytes a token\n"
+    )
     merged = PackedDataset(str(out))
     assert (merged.n_documents, merged.n_tokens) == (300, n_tokens)
     assert merged.dtype == np.uint32  # the widest of the inputs
@@ -567,6 +573,7 @@ def test_merge(tmp_path, run_cli, write_jsonl, texts):
     assert counts == {k: ds_a.meta["counts"][k] + ds_b.meta["counts"][k] for k in counts}
     assert merged.meta["sources"] == ds_a.meta["sources"] + ds_b.meta["sources"]
     assert merged.meta["merged_from"] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert merged.n_bytes == ds_a.n_bytes + ds_b.n_bytes == n_bytes
     assert merged.fingerprint == ds_a.fingerprint
 
     code, _, stderr = run_cli(

@@ -47,7 +47,7 @@ class Selection:
         limit = self.max_doc_bytes
         if not limit or len(text) * 4 <= limit:  # UTF-8 takes at most 4 bytes a character
             return None
-        size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+        size = utf8_size(text)
         if size <= limit:
             return None
         return f"a document of {size:,} bytes, above --max-doc-bytes {limit:,}"
@@ -56,6 +56,21 @@ class Selection:
     def filter(self) -> Where | None:
         """The `--where` expressions compiled (once per process), or None without any."""
         return _where(self.where) if self.where else None
+
+
+UTF8_PIECE_CHARS = 1 << 20
+
+
+def utf8_size(text: str) -> int:
+    """The size of `text` in UTF-8 (a lone surrogate, which a JSON escape can spell, as its 3
+    bytes), without holding a long document's whole encoding: ASCII text costs nothing (CPython
+    knows it is ASCII), other text is encoded a piece at a time."""
+    if text.isascii():
+        return len(text)
+    return sum(
+        len(text[begin : begin + UTF8_PIECE_CHARS].encode("utf-8", "surrogatepass"))
+        for begin in range(0, len(text), UTF8_PIECE_CHARS)
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -80,6 +95,9 @@ class Documents:
     empty: int = 0
     blank: int = 0
     n_lines: int = 0
+    # the input bytes the reader went through (raw lines or file bytes; the texts' characters
+    # for Parquet and Arrow), kept for readers' own use: not the size of the documents' text,
+    # which the pack counts from `texts` (`utf8_size`) as the dataset's counts.bytes
     text_bytes: int = 0
 
     def add(self, text: str, number: int, source: int, record_id: str) -> None:

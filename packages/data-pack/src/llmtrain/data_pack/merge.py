@@ -27,11 +27,12 @@ DOCS_PER_STEP = 1 << 16
 class MergeSummary:
     documents: int
     tokens: int
+    n_bytes: int | None = None  # the text's UTF-8 bytes, when every input counted them
 
 
 def _summed_counts(metas: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     """The counts of datasets joined: each count every one of them records, summed; a count
-    some lack (one packed before it was recorded) is left out, not guessed."""
+    some lack (one packed before it was recorded, such as `bytes`) is left out, not guessed."""
     keys = [key for key in metas[0]["counts"] if all(key in m["counts"] for m in metas[1:])]
     return {key: sum(int(m["counts"][key]) for m in metas) for key in keys}
 
@@ -100,7 +101,7 @@ def merge(
     except BaseException as exc:
         out.abort(exc)
         raise
-    return MergeSummary(writer.n_documents, writer.n_tokens)
+    return MergeSummary(writer.n_documents, writer.n_tokens, counts.get("bytes"))
 
 
 def _copy(dataset: PackedDataset, writer: DatasetWriter, source_base: int | None) -> None:

@@ -84,6 +84,7 @@ class PackSummary:
     seconds: float
     encoder: str
     dropped: int = 0  # records the --where filter dropped
+    n_bytes: int | None = None  # the UTF-8 bytes of the documents' text (counts.bytes); chat: None
 
     @property
     def tokens_per_second(self) -> float:
@@ -537,6 +538,7 @@ def _summary(
         time.perf_counter() - started,
         encoder,
         c.get("dropped", 0),
+        c.get("bytes"),
     )
     log.info(
         "pack.done",
@@ -544,6 +546,7 @@ def _summary(
         tokens=summary.tokens,
         bad_lines=summary.bad_lines,
         empty_documents=summary.empty_documents,
+        utf8_bytes=summary.n_bytes,
         seconds=round(summary.seconds, 3),
         tokens_per_s=round(summary.tokens_per_second),
     )
@@ -618,7 +621,7 @@ def _write(work: _Work, encoder: _Encoder) -> dict[str, Any]:
     )
     tasks_by_index: dict[int, Task] = {}
     numbers = LineNumbers()
-    empty = blank = too_long = 0
+    empty = blank = too_long = n_bytes = 0
     chat = settings.chat
     skip = settings.on_bad_line == "skip"
     packer = None if chat is None else BlockPacker(writer, chat.seq_len, settings.eod_id)
@@ -668,8 +671,11 @@ def _write(work: _Work, encoder: _Encoder) -> dict[str, Any]:
         if packer is None:
             if result.doc_sources is None or result.doc_numbers is None or result.doc_ids is None:
                 raise ValueError(f"task {result.index}: a text result without its origins")
+            if result.doc_bytes is None:
+                raise ValueError(f"task {result.index}: a text result without its text's size")
             origins = Origins(result.doc_sources, first + result.doc_numbers, result.doc_ids)
             writer.add(result.tokens, result.doc_lengths, origins=origins)
+            n_bytes += result.doc_bytes
             for source, n in zip(*np.unique(result.doc_sources, return_counts=True), strict=True):
                 per_file[int(source)]["kept"] += int(n)
             for source, n in result.dropped.items():
@@ -702,6 +708,7 @@ def _write(work: _Work, encoder: _Encoder) -> dict[str, Any]:
             padding_tokens=packer.padding,
             too_long=too_long,
         )
-    else:
+    else:  # chat has no bytes: see the README (the loss counts only the trained turns)
         counts["dropped"] = sum(f["dropped"] for f in per_file)
+        counts["bytes"] = n_bytes
     return {"counts": counts, "bad_lines": bad_lines, "per_file": per_file}

@@ -27,7 +27,7 @@ from llmtrain.data_pack.chat import (
     pieces,
     tokenize_conversations,
 )
-from llmtrain.data_pack.documents import Selection, read_documents
+from llmtrain.data_pack.documents import Selection, read_documents, utf8_size
 from llmtrain.data_pack.sources import Task, parse_record, read_range
 
 
@@ -64,7 +64,7 @@ class TaskResult:
     empty_documents: int
     blank_lines: int
     input_bytes: int
-    text_bytes: int
+    text_bytes: int  # what the reader went through (`Documents.text_bytes`), not `doc_bytes`
     mask: np.ndarray | None = None  # chat: the loss mask of `tokens`
     too_long: int = 0  # chat: conversations skipped or truncated for length
     # text: each document's input file and line or row (relative to the task's first), id
@@ -74,6 +74,8 @@ class TaskResult:
     bad_sources: list[int] | None = None  # text: the input file of each entry of `bad`
     dropped: dict[int, int] = attrs.Factory(dict)  # input file -> records the filter dropped
     lost_rows: int = 0  # bad rows beyond those listed in `bad` (undecodable row groups)
+    # text: the UTF-8 bytes of the documents tokenized (the dataset's counts.bytes); chat: None
+    doc_bytes: int | None = None
 
 
 _worker: dict[str, Any] = {}
@@ -167,6 +169,7 @@ def tokenize_task(
         bad_sources=docs.bad_sources,
         dropped=docs.dropped,
         lost_rows=docs.lost_rows,
+        doc_bytes=sum(map(utf8_size, texts)),
     )
 
 

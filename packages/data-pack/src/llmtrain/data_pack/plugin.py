@@ -425,6 +425,7 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
         )
         return 0
     from llmtrain.data_pack.merge import merge
+    from llmtrain.data_pack.report import text_size
 
     merged = merge(
         args.inputs,
@@ -433,7 +434,9 @@ def _run(args: argparse.Namespace, ctx: Context) -> int:
         compression=args.compression,
         storage_options=storage_options,
     )
-    print(f"{args.output}: {merged.documents} documents, {merged.tokens} tokens")
+    size = text_size(merged.n_bytes, merged.tokens)
+    text = "" if size is None else f", {size}"
+    print(f"{args.output}: {merged.documents} documents, {merged.tokens} tokens{text}")
     return 0
 
 
@@ -515,11 +518,14 @@ def _pack(args: argparse.Namespace, ctx: Context, storage_options: dict[str, Any
             f"{c['too_long']} too long {action}{skipped}) in {summary.seconds:.1f} s"
         )
         return 0
+    from llmtrain.data_pack.report import text_size
+
+    size = text_size(summary.n_bytes, summary.tokens)
     print(
         f"{summary.url}: {summary.documents} documents, {summary.tokens} tokens "
         f"({summary.empty_documents} empty skipped{skipped}{filtered}) in "
         f"{summary.seconds:.1f} s, "
-        f"{summary.tokens_per_second:,.0f} tokens/s"
+        f"{summary.tokens_per_second:,.0f} tokens/s{'' if size is None else '; ' + size}"
     )
     return 0
 

@@ -28,6 +28,21 @@ def length_histogram(dataset: PackedDataset) -> dict[str, int]:
     return {f"{1 << b}-{(1 << (b + 1)) - 1}": int(n) for b, n in enumerate(counts) if n}
 
 
+def text_size(n_bytes: int | None, n_tokens: int) -> str | None:
+    """The documents' text in UTF-8 and its bytes per token, eod tokens included (the ratio bits
+    per byte takes): "40,123 bytes of text, 3.25 bytes a token"; None when not counted."""
+    if n_bytes is None:
+        return None
+    return f"{n_bytes:,} bytes of text, {bytes_per_token(n_bytes, n_tokens):.2f} bytes a token"
+
+
+def bytes_per_token(n_bytes: int | None, n_tokens: int) -> float | None:
+    """The text's UTF-8 bytes per stored token (eod included), or None when not counted."""
+    if n_bytes is None:
+        return None
+    return n_bytes / n_tokens if n_tokens else 0.0
+
+
 def inspect_dataset(
     url: str,
     *,
@@ -64,6 +79,7 @@ def inspect_dataset(
     report = {
         "path": url,
         "counts": meta["counts"],
+        "bytes_per_token": bytes_per_token(dataset.n_bytes, dataset.n_tokens),
         "dtype": meta["dtype"],
         "chunk_tokens": dataset.chunk_tokens,
         "tokenizer": {k: tok_meta[k] for k in ("name", "fingerprint", "vocab_size", "eod_id")},
@@ -135,6 +151,12 @@ def _text(r: dict[str, Any]) -> str:
             f"{c['padding_tokens']:,} padding ({c['padding_tokens'] / n:.1%}); "
             f"{c['too_long']:,} conversations too long ({chat['too_long']})",
         ]
+    if chat is None:  # chat datasets count no bytes (see the README)
+        size = text_size(c.get("bytes"), c["tokens"]) or (
+            "bytes not counted (packed, or merged from a dataset packed, before llmtrain counted "
+            "them: pack again for bits per byte)"
+        )
+        lines.insert(3, f"  text        {size}")
     if r["filter"]:
         dropped = c.get("dropped", 0)
         lines.append(

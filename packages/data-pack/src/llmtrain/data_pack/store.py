@@ -510,6 +510,10 @@ class PackedDataset:
             self._origins = {name: self._stored[name] for name in ORIGIN_ARRAYS}
         self.n_tokens = int(meta["counts"]["tokens"])
         self.n_documents = int(meta["counts"]["documents"])
+        # the UTF-8 bytes of the documents' text; None for datasets packed before it was
+        # counted, chat datasets and merges of inputs without it (tokens / bytes for bits per byte)
+        bytes_ = meta["counts"].get("bytes")
+        self.n_bytes: int | None = None if bytes_ is None else int(bytes_)
         self.chunk_tokens = int(self.tokens.chunks[0])
         self.dtype = np.dtype(self.tokens.dtype)
         self.eod_id = int(meta["tokenizer"]["eod_id"])
