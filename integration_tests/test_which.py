@@ -2,7 +2,8 @@
 at that step, before and after a resume at another world size, and each is the record it names.
 
 A 2-process gloo run (torchrun) trains on a mixture of a JSONL and a Parquet dataset packed in
-small chunks, then resumes in one process with the same global batch. A callback plugin, found
+small chunks, whose weights change at step 4 (a mixture schedule), then resumes in one process
+with the same global batch. A callback plugin, found
 through a real entry point (a module and its dist-info on PYTHONPATH), records every rank's batch
 of each step, with the step number the run logs it under, as the Trainer's prefetcher reads it
 (the run's plan read from its training windows; the Trainer asserts each batch it trains on is
@@ -114,10 +115,9 @@ def trained(tmp_path_factory, recorder):
     packed = SimpleNamespace(train=data["paths"][0], valid=data["paths"][0])
     config = ts.run_config(packed, base / "runs", name="mix")
     del config["data"]["eval"]
-    config["data"]["train"] = [
-        {"path": data["paths"][0], "weight": 0.7},
-        {"path": data["paths"][1], "weight": 0.3},
-    ]
+    config["data"]["train"] = [{"path": data["paths"][0]}, {"path": data["paths"][1]}]
+    # a mixture schedule whose boundary the 2-process part crosses: `which` follows it
+    config["data"]["phases"] = [{"weights": [0.7, 0.3], "until_step": 4}, {"weights": [0.2, 0.8]}]
     config["data"]["seed"] = 17
     config["training"] = {"steps": STEPS_AT_TWO, "log_every": 1, "checkpoint_every": 3}
     config["callbacks"] = [{"kind": "record_batches"}]

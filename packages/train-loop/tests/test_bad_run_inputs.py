@@ -83,7 +83,12 @@ def _wrong_types(annotation: Any) -> list[Any]:
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         rest = [a for a in args if a is not type(None)]
-        wrong = _wrong_types(rest[0]) if len(rest) == 1 else [[1, 2], {"a": [1]}]
+        if len(rest) == 1:
+            wrong = _wrong_types(rest[0])
+        elif len(rest) == 2 and list[rest[0]] == rest[1]:  # one item or a list of them
+            wrong = ["x", 5, [1]]
+        else:
+            wrong = [[1, 2], {"a": [1]}]
         # null is right for an optional field
         return [v for v in wrong if v is not None] if type(None) in args else wrong
     wrong: list[Any] = [None]

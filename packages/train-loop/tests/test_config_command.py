@@ -90,7 +90,7 @@ def test_show_fills_defaults_and_applies_overrides(plugins, config, capsys):
     assert [logger["kind"] for logger in shown["loggers"]] == ["console", "jsonl"]
 
     data = shown["data"]
-    assert data["train"] == [{"path": "train.zarr", "weight": 1.0}]
+    assert data["train"] == [{"path": "train.zarr", "weight": 1.0, "name": None}]
     assert (data["seq_len"], data["micro_batch"]) == (64, 4)
     assert data["grad_accum"] is data["global_batch"] is data["global_batch_tokens"] is None
     assert data["eval"] is None

@@ -316,11 +316,21 @@ class Sampler:
             )
             for i, s in enumerate(sources)
         ]
+        self.seed = seed
         self.mixture: Mixture | MixtureSchedule | None = None
-        if phases is not None and len(sources) > 1:
-            self.mixture = MixtureSchedule(phases, seed=seed)
-        elif len(sources) > 1:
-            self.mixture = Mixture(weights or [1.0] * len(sources), seed=seed)
+        self.remix(weights=weights, phases=phases)
+
+    def remix(
+        self, *, weights: Sequence[float] | None = None, phases: Sequence[Phase] | None = None
+    ) -> None:
+        """Mix the same sources with other weights or phases (a resume that goes on with the
+        schedule its checkpoint was trained on)."""
+        if len(self.orders) == 1:
+            self.mixture = None
+        elif phases is not None:
+            self.mixture = MixtureSchedule(phases, seed=self.seed)
+        else:
+            self.mixture = Mixture(weights or [1.0] * len(self.orders), seed=self.seed)
 
     def lookup(self, samples: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         samples = np.asarray(samples, dtype=np.int64)

@@ -60,7 +60,26 @@ class Summary(Callback):
     Its space is taken when the run starts (`summary.json.tmp`, filled with blanks), and the
     summary is written over it: on a disk the run has filled, the run still records how it
     ended. A failed run whose summary cannot be written anyway says so in one warning line;
-    the run's own error is what ends it."""
+    the run's own error is what ends it.
+
+    `eval` holds the last value of each held-out metric (`eval_loss`, `eval/<name>/loss`, ...),
+    carried by checkpoints so that a resumed run still reports the ones evaluated before."""
+
+    def __init__(self) -> None:
+        self.last_eval: dict[str, float] = {}
+
+    def after_eval(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+        self.last_eval.update(
+            (name, float(value))
+            for name, value in metrics.items()
+            if name.startswith(("eval_", "eval/"))
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"eval": dict(self.last_eval)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_eval = {str(k): float(v) for k, v in state.get("eval", {}).items()}
 
     def on_run_start(self, run: TrainingRun) -> None:
         if run.world.is_main:
@@ -101,6 +120,7 @@ class Summary(Callback):
             "flops_per_token": run.description.flops_per_token(run.config.data.seq_len),
             # which way each logged metric improves, for `compare` and `report` to rank by
             "better": dict(sorted(run.metric_directions.items())),
+            "eval": dict(sorted(self.last_eval.items())),
         }
         data = (json.dumps(summary, indent=1) + "\n").encode()
         tmp = run.run_dir / "summary.json.tmp"

@@ -387,7 +387,7 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
     import torch
 
     from llmtrain.data_pack.loader import open_windows
-    from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
+    from llmtrain.train_loop.loss import IGNORE, bits_per_byte, cross_entropy_sum
 
     model, info, step = load_model(args.checkpoint, args.step, ctx.plugins)
     seq_len = args.seq_len or info.get("data", {}).get("seq_len")
@@ -417,9 +417,9 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
             total += loss_fn(model(tokens[:, :-1], **inputs), targets).item()
             count += int((targets != IGNORE).sum())
     loss = total / count
-    print(
-        json.dumps(
-            {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
-        )
-    )
+    result = {"step": step, "loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+    bpb = bits_per_byte(loss, data.sources[0].dataset)
+    if bpb is not None:  # datasets packed before bytes were counted have none
+        result["bits_per_byte"] = bpb
+    print(json.dumps(result))
     return 0

@@ -10,7 +10,9 @@ batch's logits (`linear_cross_entropy`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -18,6 +20,9 @@ import torch.nn.functional as F
 
 from llmtrain.core_mesh.interfaces import AuxiliaryLosses
 from llmtrain.train_loop.linear_cross_entropy import IGNORE, linear_cross_entropy_sum
+
+if TYPE_CHECKING:
+    from llmtrain.data_pack.store import PackedDataset
 
 __all__ = ["IGNORE", "AuxiliaryTerms", "CrossEntropySum", "cross_entropy_sum"]
 
@@ -95,3 +100,12 @@ class CrossEntropySum:
 
 def cross_entropy_sum(z_loss: float = 0.0, *, compile_chunks: bool = False) -> CrossEntropySum:
     return CrossEntropySum(z_loss, compile_chunks)
+
+
+def bits_per_byte(loss: float, dataset: PackedDataset) -> float | None:
+    """A mean loss (nats per target token) over `dataset` as bits per byte of its text: bits
+    per token times the dataset's tokens per byte, both as `llmtrain data pack` counted them.
+    None for a dataset packed without its byte count."""
+    if not dataset.n_bytes:
+        return None
+    return loss / math.log(2) * dataset.n_tokens / dataset.n_bytes

@@ -8,8 +8,11 @@ Checks that need several sections at once (batch arithmetic, steps or tokens) li
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
+from collections.abc import Callable
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Literal, Protocol, TypeVar, cast, runtime_checkable
@@ -85,25 +88,67 @@ def _name(instance: object, attribute: attrs.Attribute[str], value: str) -> None
         )
 
 
+def _metric_part(
+    instance: object, attribute: attrs.Attribute[str | None], value: str | None
+) -> None:
+    """A name that metric names carry (`eval/<name>/loss`): letters, digits, `_`, `-`, `.`."""
+    if value is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+        raise ValueError(
+            f"must be letters, digits, '_', '-' or '.' (it names metrics), got {value!r}"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class DatasetRef:
-    """A packed dataset (`llmtrain data pack`) and its share of a mixture."""
+    """A packed dataset (`llmtrain data pack`) and its share of a mixture; `name` is what
+    reports call it (default: the path's last part without its extension)."""
 
     path: str = attrs.field(validator=_not_blank)
     # 0 leaves the dataset out of the mixture (a sweep can switch datasets off)
     weight: float = attrs.field(default=1.0, validator=_non_negative)
+    name: str | None = attrs.field(default=None, validator=_metric_part)
 
 
 @attrs.frozen(kw_only=True)
 class EvalData:
     """A held-out packed dataset, read in order: `batches` global batches every `every` steps
     and, with `at_end`, after the last step (the loss a run ends at: what scaling-law fits and
-    compare's final_eval_loss read)."""
+    compare's final_eval_loss read). A named set logs `eval/<name>/loss`, `/ppl` and `/bpb`;
+    the one unnamed set `eval_loss`, `eval_ppl` and `eval_bpb`."""
 
     path: str = attrs.field(validator=_not_blank)
+    name: str | None = attrs.field(default=None, validator=_metric_part)
     every: int = attrs.field(default=100, validator=_positive)
     batches: int = attrs.field(default=10, validator=_positive)
     at_end: bool = True
+
+    def metric(self, what: str) -> str:
+        """This set's metric `what` (loss, ppl, bpb): `eval/<name>/loss`, or `eval_loss`."""
+        return f"eval_{what}" if self.name is None else f"eval/{self.name}/{what}"
+
+
+@attrs.frozen(kw_only=True)
+class MixturePhase:
+    """One phase of a mixture schedule (`data.phases`): the weight of each `data.train`
+    dataset, in order, until the phase ends at `until_step` or at `until_fraction` of the
+    run's steps; the last phase has no end (it goes on to the end of the run)."""
+
+    weights: list[float]
+    until_step: int | None = attrs.field(default=None, validator=_positive)
+    until_fraction: float | None = attrs.field(default=None)
+
+    @until_fraction.validator
+    def _check_fraction(
+        self, attribute: attrs.Attribute[float | None], value: float | None
+    ) -> None:
+        if value is not None and not 0 < value < 1:
+            raise ValueError(f"must be between 0 and 1 (a fraction of the run), got {value}")
+
+    def end_of(self, total_steps: int) -> int | None:
+        """The step this phase ends at in a run of `total_steps`; None for the last phase."""
+        if self.until_fraction is not None:
+            return round(self.until_fraction * total_steps)
+        return self.until_step
 
 
 @attrs.frozen(kw_only=True)
@@ -118,7 +163,8 @@ class DataConfig:
     grad_accum: int | None = attrs.field(default=None, validator=_positive)
     global_batch: int | None = attrs.field(default=None, validator=_positive)
     global_batch_tokens: int | None = attrs.field(default=None, validator=_positive)
-    eval: EvalData | None = None
+    eval: EvalData | list[EvalData] | None = None
+    phases: list[MixturePhase] = attrs.Factory(list)
     seed: int | None = attrs.field(default=None, validator=_seed)
     shuffle: bool = True
     cache_mib: int = attrs.field(default=512, validator=_positive)
@@ -134,15 +180,9 @@ class DataConfig:
                 "at least one dataset needs a positive weight (a weight of 0 leaves a dataset "
                 "out of the mixture)",
             )
-        total = sum(w for w in weights if w > 0)
-        for i, w in enumerate(weights):
-            if 0 < w < MIN_WEIGHT * total:
-                raise ConfigValueError(
-                    ("train", i, "weight"),
-                    f"{w:g} is below {MIN_WEIGHT:g} of the total weight {total:g}: the dataset "
-                    "would be sampled less than once per million samples; raise it, or 0 to "
-                    "leave the dataset out",
-                )
+        _check_weights(weights, lambda i: ("train", i, "weight"))
+        self._check_phases()
+        self._check_eval_names()
         given = [
             name
             for name in ("grad_accum", "global_batch", "global_batch_tokens")
@@ -161,6 +201,91 @@ class DataConfig:
                 f"seq_len={self.seq_len}",
             )
 
+    def _check_phases(self) -> None:
+        """A mixture schedule weights every dataset in each phase; every phase but the last
+        ends, in increasing order; the datasets' own weights are left at their default."""
+        if not self.phases:
+            return
+        if len(self.train) < 2:
+            raise ConfigValueError(
+                "phases", "a mixture schedule needs at least two data.train datasets"
+            )
+        given = [i for i, d in enumerate(self.train) if d.weight != 1.0]
+        if given:
+            raise ConfigValueError(
+                ("train", given[0], "weight"),
+                "with data.phases the weights are given per phase; leave data.train's weights out",
+            )
+        last = len(self.phases) - 1
+        for i, phase in enumerate(self.phases):
+            if len(phase.weights) != len(self.train):
+                raise ConfigValueError(
+                    ("phases", i, "weights"),
+                    f"lists {len(phase.weights)} weights for {len(self.train)} data.train datasets",
+                )
+            for j, w in enumerate(phase.weights):
+                if not math.isfinite(w) or w < 0:
+                    raise ConfigValueError(
+                        ("phases", i, "weights", j), f"must be at least 0, got {w}"
+                    )
+            if all(w == 0 for w in phase.weights):
+                raise ConfigValueError(
+                    ("phases", i, "weights"), "at least one weight must be positive"
+                )
+            _check_weights(phase.weights, functools.partial(_phase_weight_key, i))
+            ends = [k for k in ("until_step", "until_fraction") if getattr(phase, k) is not None]
+            if i < last and len(ends) != 1:
+                raise ConfigValueError(
+                    ("phases", i),
+                    "give where the phase ends: until_step (a step) or until_fraction (of the "
+                    "run's steps), one of them" + (", not both" if ends else ""),
+                )
+            if i == last and ends:
+                raise ConfigValueError(
+                    ("phases", i, ends[0]),
+                    "the last phase goes on to the end of the run: leave its end out",
+                )
+
+    def _check_eval_names(self) -> None:
+        if not isinstance(self.eval, list):
+            return
+        if not self.eval:
+            raise ConfigValueError("eval", "an empty list: give held-out sets, or leave eval out")
+        seen: set[str] = set()
+        for i, entry in enumerate(self.eval):
+            if entry.name is None:
+                raise ConfigValueError(
+                    ("eval", i, "name"),
+                    "each eval set of a list needs a name (its metrics are eval/<name>/loss)",
+                )
+            if entry.name in seen:
+                raise ConfigValueError(("eval", i, "name"), f"{entry.name!r} names two eval sets")
+            seen.add(entry.name)
+
+    @property
+    def eval_sets(self) -> list[EvalData]:
+        """The held-out sets, the single form as a list of one."""
+        if self.eval is None:
+            return []
+        return self.eval if isinstance(self.eval, list) else [self.eval]
+
+    def phase_ends(self, total_steps: int) -> list[int | None]:
+        """The step each phase of `data.phases` ends at in a run of `total_steps` (None for the
+        last); every end inside the run and after the one before."""
+        ends = [phase.end_of(total_steps) for phase in self.phases]
+        before = 0
+        for i, (phase, end) in enumerate(zip(self.phases, ends[:-1], strict=False)):
+            key = "until_step" if phase.until_step is not None else "until_fraction"
+            if end is None or not before < end < total_steps:
+                raise ConfigValueError(
+                    ("phases", i, key),
+                    f"ends at step {end}, outside steps {before + 1}..{total_steps - 1} of a "
+                    f"{total_steps}-step run after the phase before: every phase needs at least "
+                    "one step",
+                )
+            before = end
+        return ends
+
     def batch_sizes(self, dp: int) -> tuple[int, int]:
         """(global batch in sequences, gradient accumulation steps) for `dp` data ranks."""
         key = "global_batch"
@@ -178,6 +303,23 @@ class DataConfig:
                 f"ranks x micro_batch {self.micro_batch}; use a multiple of {per_step}",
             )
         return global_batch, global_batch // per_step
+
+
+def _phase_weight_key(phase: int, i: int) -> PathParts:
+    return ("phases", phase, "weights", i)
+
+
+def _check_weights(weights: list[float], path: Callable[[int], PathParts]) -> None:
+    """No positive weight below MIN_WEIGHT of the total (`path(i)`: the config key of the i-th)."""
+    total = sum(w for w in weights if w > 0)
+    for i, w in enumerate(weights):
+        if 0 < w < MIN_WEIGHT * total:
+            raise ConfigValueError(
+                path(i),
+                f"{w:g} is below {MIN_WEIGHT:g} of the total weight {total:g}: the dataset "
+                "would be sampled less than once per million samples; raise it, or 0 to "
+                "leave the dataset out",
+            )
 
 
 @attrs.frozen(kw_only=True)

@@ -15,7 +15,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -67,12 +67,13 @@ from llmtrain.core_mesh.world import (
     shutdown_distributed,
 )
 from llmtrain.data_pack.loader import WindowDataset, open_windows
-from llmtrain.data_pack.sampling import BatchPlan
+from llmtrain.data_pack.sampling import BatchPlan, Phase
 from llmtrain.train_loop import callbacks, observe, warm_start
 from llmtrain.train_loop.builtin_callbacks import builtin_callbacks
 from llmtrain.train_loop.downstream_eval import METRIC_PREFIX as DOWNSTREAM_PREFIX
-from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
+from llmtrain.train_loop.loss import IGNORE, bits_per_byte, cross_entropy_sum
 from llmtrain.train_loop.metrics import MetricRecorder, StepMetrics, combine_over
+from llmtrain.train_loop.mixture_schedule import on_resume, sampler_phases, schedule_of
 from llmtrain.train_loop.prefetch import Prefetcher
 from llmtrain.train_loop.run_config import (
     RunConfig,
@@ -129,9 +130,8 @@ class Trainer:
         if device_type == "cuda" and not torch.cuda.is_available():
             raise UserError("device: cuda, but no CUDA GPU is available; use device: cpu")
         spec = self._check_layout(device_type)
+        self.total_steps = c.training.total_steps(self.global_batch * c.data.seq_len)
         self._open_data()
-        tokens_per_step = self.global_batch * c.data.seq_len
-        self.total_steps = c.training.total_steps(tokens_per_step)
         # process group, logs, seeds; from here on a failure also stops the process group
         if device_type == "cuda":
             observe.flight_recorder_env(c.debug, self.run_dir / "logs")
@@ -176,19 +176,24 @@ class Trainer:
     def _open_data(self) -> None:
         """Every dataset opens (and its tokenizer matches the model's) before heavy work."""
         c = self.config
+        self.mixture = schedule_of(c.data, self.total_steps)
         self.train_data = self._open(
-            [d.path for d in c.data.train], [d.weight for d in c.data.train]
+            [d.path for d in c.data.train],
+            [d.weight for d in c.data.train],
+            phases=sampler_phases(self.mixture, self.global_batch),
         )
-        self.eval_data: WindowDataset | None = None
-        if c.data.eval:
-            self.eval_data = self._open([c.data.eval.path], None, shuffle=False)
-            packed = self.eval_data.sources[0].dataset.fingerprint
-            trained = self.train_data.sources[0].dataset.fingerprint
+        self.eval_data: list[WindowDataset] = []
+        trained = self.train_data.sources[0].dataset.fingerprint
+        for i, evaluation in enumerate(c.data.eval_sets):
+            data = self._open([evaluation.path], None, shuffle=False)
+            packed = data.sources[0].dataset.fingerprint
             if packed != trained:
+                key = "data.eval" + (f"[{i}]" if isinstance(c.data.eval, list) else "")
                 raise UserError(
-                    f"data.eval.path: {c.data.eval.path} was packed with another tokenizer "
+                    f"{key}.path: {evaluation.path} was packed with another tokenizer "
                     f"({packed}) than the training data ({trained}); pack it with the same one"
                 )
+            self.eval_data.append(data)
 
     def _build(self, spec: MeshSpec, console: TextIO | None, resume: bool | None) -> None:
         """The recipe after the process group: logs, seeds, model, optimizers, callbacks, resume,
@@ -212,6 +217,8 @@ class Trainer:
             self.info["init"] = init
         self.step = int(self.counters["step"])
         self.saved_step = self.step if self.step else None
+        # the order the run reads from here on, for `llmtrain which`
+        log.debug("data.mixture", schedule=self.mixture)
         self._start_loggers()
 
     def _start_logs(self, spec: MeshSpec, console: TextIO | None) -> None:
@@ -334,6 +341,7 @@ class Trainer:
                 "global_batch": self.global_batch,
                 "seq_len": c.data.seq_len,
                 "chat": self._chat(),
+                "mixture": self.mixture,
             },
             "lr_schedule": self.lr_schedule,
         }
@@ -371,13 +379,19 @@ class Trainer:
         return next((s.dataset.chat for s in sources if s.dataset.chat is not None), None)
 
     def _open(
-        self, paths: list[str], weights: list[float] | None, *, shuffle: bool | None = None
+        self,
+        paths: list[str],
+        weights: list[float] | None,
+        *,
+        phases: list[Phase] | None = None,
+        shuffle: bool | None = None,
     ) -> WindowDataset:
         c = self.config
         data = open_windows(
             paths,
             c.data.seq_len,
-            weights=weights,
+            weights=None if phases else weights,
+            phases=phases,
             seed=c.seed if c.data.seed is None else c.data.seed,
             doc_starts=self.doc_masking,
             shuffle=c.data.shuffle if shuffle is None else shuffle,
@@ -422,6 +436,8 @@ class Trainer:
                 "keep the sequence length to resume (start a new run, with init.from, to change it)"
             )
         step = self.checkpoints.load(self.state, step=latest)
+        if data.get("mixture") is not None:
+            self._resume_mixture(step, data["mixture"])
         trained = self.checkpoints.info(step).get("info", {}).get("lr_schedule")
         if trained is not None and trained != self.lr_schedule:
             self._resume_schedule(step, trained)
@@ -429,6 +445,19 @@ class Trainer:
         self.callbacks.load_state(saved, self.checkpoints.step_url(step))
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
         self.callbacks.emit("on_load", self.view, step)
+
+    def _resume_mixture(self, step: int, trained: list[dict[str, Any]]) -> None:
+        """A resume at `step` goes on with the configured mixture schedule where it gives the
+        trained steps the same data; otherwise `training.on_extend` keeps the trained one or
+        the resume is refused (`mixture_schedule.on_resume`)."""
+        resumed = on_resume(trained, self.mixture, step, self.config.training.on_extend)
+        if resumed.schedule != self.mixture:
+            self.mixture = self.info["data"]["mixture"] = resumed.schedule
+            phases = sampler_phases(resumed.schedule, self.global_batch)
+            weights = resumed.schedule[0]["weights"] if phases is None else None
+            self.train_data.sampler.remix(weights=weights, phases=phases)
+        if resumed.event is not None and self.world.is_main:
+            log.warning(resumed.event, message=resumed.message)
 
     def _resume_schedule(self, step: int, trained: dict[str, Any]) -> None:
         """A resume at `step` whose configured lr schedule is not the one the checkpoint was
@@ -570,7 +599,7 @@ class Trainer:
         return (
             self.step % self.config.training.log_every == 0
             or self.step == self.total_steps
-            or "eval_loss" in metrics
+            or any(name == "eval_loss" or name.startswith("eval/") for name in metrics)
             or any(name.startswith(DOWNSTREAM_PREFIX) for name in metrics)
         )
 
@@ -587,11 +616,15 @@ class Trainer:
         assert data_step == self.step, (data_step, self.step)
         metrics = self.train_step(batch)
         self.callbacks.emit("after_step", self.view, self.step, metrics)
-        evaluation = self.config.data.eval
-        last = evaluation is not None and evaluation.at_end and self.step == self.total_steps
-        if evaluation and (self.step % evaluation.every == 0 or last):
+        last = self.step == self.total_steps
+        due = [
+            i
+            for i, evaluation in enumerate(self.config.data.eval_sets)
+            if self.step % evaluation.every == 0 or (last and evaluation.at_end)
+        ]
+        if due:
             self.callbacks.emit("before_eval", self.view, self.step)
-            metrics.update(self.evaluate())
+            metrics.update(self.evaluate(due))
             self.callbacks.emit("after_eval", self.view, self.step, metrics)
         return metrics
 
@@ -765,25 +798,43 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Loss and perplexity over the first `data.eval.batches` global batches of the eval set."""
-        evaluation, eval_data = self.config.data.eval, self.eval_data
-        if evaluation is None or eval_data is None:
+    def evaluate(self, due: Sequence[int] | None = None) -> dict[str, float]:
+        """Loss, perplexity and, where the set records its bytes, bits per byte over the first
+        `batches` global batches of each held-out set (`due`: which of `data.eval`'s sets;
+        default all). One read of the device for all of them."""
+        sets = self.config.data.eval_sets
+        if not sets:
             raise UserError("data.eval is not set: this run has no held-out data to evaluate")
+        chosen = range(len(sets)) if due is None else due
+        self.model.train(False)
+        try:
+            sums = [self._eval_sums(sets[i].batches, self.eval_data[i]) for i in chosen]
+        finally:
+            self.model.train(True)
+        totals = self.model.sum_over_data(torch.stack([x for pair in sums for x in pair]))
+        values = totals.double().tolist()  # the one read
+        metrics = {}
+        for n, i in enumerate(chosen):
+            loss = values[2 * n] / values[2 * n + 1]
+            metrics[sets[i].metric("loss")] = loss
+            metrics[sets[i].metric("ppl")] = math.exp(min(loss, 50.0))
+            bpb = bits_per_byte(loss, self.eval_data[i].sources[0].dataset)
+            if bpb is not None:  # datasets packed before bytes were counted have none
+                metrics[sets[i].metric("bpb")] = bpb
+        return metrics
+
+    def _eval_sums(self, batches: int, data: WindowDataset) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, counted targets) of this rank's share of a held-out set's first
+        `batches` global batches, on the device."""
         plan = BatchPlan(self.global_batch, self.model.data_world, self.model.data_rank)
         total = torch.zeros((), device=self.device)
         count = torch.zeros((), device=self.device)
-        self.model.train(False)
-        try:
-            for step in range(evaluation.batches):
-                batch = eval_data.read(np.concatenate(plan.step(step)))
-                inputs, targets, doc_starts = self._to_device(batch)
-                total += self.model.evaluate(inputs, targets, self.loss_fn, doc_starts=doc_starts)
-                count += (targets != IGNORE).sum()
-        finally:
-            self.model.train(True)
-        loss = (self.model.sum_over_data(total) / self.model.sum_over_data(count)).item()
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+        for step in range(batches):
+            batch = data.read(np.concatenate(plan.step(step)))
+            inputs, targets, doc_starts = self._to_device(batch)
+            total += self.model.evaluate(inputs, targets, self.loss_fn, doc_starts=doc_starts)
+            count += (targets != IGNORE).sum()
+        return total, count
 
     def save(self, *, blocking: bool | None = None) -> None:
         """Save this step (in the background when checkpoint.async_save; `blocking` overrides),

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from llmtrain.core_mesh.plugins import PluginManager
     from llmtrain.data_pack.loader import WindowDataset
     from llmtrain.data_pack.provenance import DocumentSpan, SampleDocuments
+    from llmtrain.train_loop.mixture_schedule import Schedule
 
 SECTIONS = ("seed", "data", "mesh", "training")
 START_LOG = "logs/rank0.jsonl"
@@ -149,15 +150,42 @@ def data_ranks(run_dir: Path, order: DataOrder, step: int, given: int | None) ->
     )
 
 
-def _open(order: DataOrder) -> WindowDataset:
-    """The training windows, opened with the arguments the Trainer gives `open_windows`."""
+def _logged_schedule(log: Path) -> Schedule | None:
+    """The mixture schedule the run's last start went on with (`data.mixture` in the rank-0
+    log); None without one (a run from before the log recorded it)."""
+    schedule = None
+    try:
+        lines = log.open(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    with lines:
+        for line in lines:
+            if '"data.mixture"' not in line:
+                continue
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a killed process
+            if event.get("event") == "data.mixture" and isinstance(event.get("schedule"), list):
+                schedule = event["schedule"]
+    return schedule
+
+
+def _open(order: DataOrder, run_dir: Path, batch: StepBatch) -> WindowDataset:
+    """The training windows, opened with the arguments the Trainer gives `open_windows`, mixed
+    by the schedule the run logged (a resume may have kept one its config no longer says), else
+    the config's."""
     from llmtrain.data_pack.loader import open_windows
+    from llmtrain.train_loop.mixture_schedule import sampler_phases, schedule_of
 
     data = order.data
+    schedule = _logged_schedule(run_dir / START_LOG) or schedule_of(data, batch.total_steps)
+    phases = sampler_phases(schedule, batch.global_batch)
     return open_windows(
         [d.path for d in data.train],
         data.seq_len,
-        weights=[d.weight for d in data.train],
+        weights=schedule[0]["weights"] if phases is None else None,
+        phases=phases,
         seed=order.data_seed,
         shuffle=data.shuffle,
         cache_bytes=data.cache_mib << 20,
@@ -302,7 +330,7 @@ def trace(
 
     order = read_order(run_dir)
     batch = step_batch(run_dir, order, step, rank, data_ranks_given)
-    data = _open(order)
+    data = _open(order, run_dir, batch)
     _check_provenance(order, data, set(data.sampler.lookup(batch.samples)[0].tolist()))
     first_words = FirstWords(data, words, plugins)
     return {
