@@ -3,8 +3,9 @@
 Rows are runs that differ in more than their seed; runs that differ only in `seed` (or
 `data.seed`) are one row with mean ± sample std over the seeds and the mean's confidence
 interval (t, 1 - alpha). Results come from each run's `metrics.jsonl` and `summary.json`.
-Besides the fixed columns, any logged metric (`--metric`; every `downstream/<task>/<metric>`
-with `--downstream`) gets a final and a best column. `--baseline` adds each row's difference to
+Besides the fixed columns, any logged metric (`--metric`; the loss of every named held-out
+set, `eval/<name>/loss`; every `downstream/<task>/<metric>` with `--downstream`) gets a final
+and a best column. `--baseline` adds each row's difference to
 one row, with its interval and Holm-adjusted p-value (`llmtrain.ablate.baseline`).
 """
 
@@ -30,6 +31,7 @@ from llmtrain.ablate.runs import (
     STDERR,
     Run,
     downstream_metrics,
+    eval_set_losses,
     find_runs,
     group_by_settings,
     higher_is_better,
@@ -797,8 +799,9 @@ def comparison_of(
 
 
 def metrics_of(args: argparse.Namespace, runs: Sequence[Run]) -> list[str]:
-    """The metrics named by --metric (each logged by some run) and, with --downstream, every
-    downstream metric logged."""
+    """The metrics named by --metric (each logged by some run), then the loss of every named
+    held-out set logged (`eval/<name>/loss`) and, with --downstream, every downstream metric
+    logged."""
     for metric in args.metric:
         if metric.endswith(STDERR):
             raise UserError(
@@ -812,4 +815,4 @@ def metrics_of(args: argparse.Namespace, runs: Sequence[Run]) -> list[str]:
     found = downstream_metrics(runs) if args.downstream else []
     if args.downstream and not found:
         print("--downstream: none of the runs logged a downstream/ metric yet", file=sys.stderr)
-    return list(dict.fromkeys([*args.metric, *found]))
+    return list(dict.fromkeys([*args.metric, *eval_set_losses(runs), *found]))

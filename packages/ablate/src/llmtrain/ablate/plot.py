@@ -1,8 +1,8 @@
 """`llmtrain plot`: loss curves of runs or sweeps, one line per run, labelled by what varies.
 
-One panel per metric (train `loss` and, where runs have it, `eval_loss`; any logged metric
-with `--metric`, every `downstream/<task>/<metric>` with `--downstream`), against steps or
-tokens, three panels a row. Runs that differ only in their seed share a colour and one legend
+One panel per metric (train `loss` and, where runs have them, `eval_loss` and each named
+held-out set's `eval/<name>/loss`; any logged metric with `--metric`, every
+`downstream/<task>/<metric>` with `--downstream`), against steps or tokens, three panels a row. Runs that differ only in their seed share a colour and one legend
 entry: their mean at the x values every seed logged, with the mean's 95% t-interval as a band
 (each seed drawn thin behind it; `--per-run` draws one line per run instead). A single run's
 metric logged with a `<metric>_stderr` gets a ± stderr band. matplotlib is an optional
@@ -26,6 +26,7 @@ from llmtrain.ablate.runs import (
     STDERR,
     Run,
     downstream_metrics,
+    eval_set_losses,
     find_runs,
     group_by_settings,
     label,
@@ -134,7 +135,8 @@ def plot(
     for ax, metric in zip(axes, drawn, strict=True):
         for (settings, members), colour in zip(groups, colours, strict=True):
             name = label(settings, short) if keys else None
-            marker = "o" if metric == "eval_loss" or metric.startswith(DOWNSTREAM) else None
+            evaluated = metric == "eval_loss" or metric.startswith(("eval/", DOWNSTREAM))
+            marker = "o" if evaluated else None
             seeds = band(members, metric, x, smoothing=smoothing, confidence=confidence)
             if bands and seeds is not None:  # a group of seeds: its mean and the mean's band
                 for run in members:
@@ -290,7 +292,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             "(e.g. --x optimizer.lr)"
         )
     runs = find_runs(args.paths)
-    metrics = args.metric or ["loss", "eval_loss"]
+    metrics = args.metric or ["loss", "eval_loss", *eval_set_losses(runs)]
     if args.downstream:
         found = downstream_metrics(runs)
         if not found:
@@ -323,9 +325,10 @@ def _run_against_setting(args: argparse.Namespace) -> int:
             )
     output = _matplotlib(args.output)
     runs = find_runs(args.paths)
-    metrics = args.metric or [
-        "eval_loss" if any("eval_loss" in m for run in runs for m in run.metrics) else "loss"
-    ]
+    metrics = args.metric or (
+        ["eval_loss"] if any("eval_loss" in m for run in runs for m in run.metrics) else []
+    )
+    metrics = metrics or eval_set_losses(runs) or ["loss"]
     if args.downstream:
         metrics = list(dict.fromkeys([*metrics, *downstream_metrics(runs)]))
     found = settings_plot.panels(runs, args.x, args.group, metrics)

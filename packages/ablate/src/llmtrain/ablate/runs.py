@@ -215,6 +215,19 @@ def is_number(value: object) -> TypeGuard[float]:  # int or float, not bool
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def eval_set_losses(runs: Sequence[Run]) -> list[str]:
+    """The `eval/<name>/loss` of each named held-out set any of the runs logged, sorted (a run
+    with `data.eval` as a list logs one per set)."""
+    names = {
+        key
+        for run in runs
+        for m in run.metrics
+        for key, value in m.items()
+        if key.startswith("eval/") and key.endswith("/loss") and is_number(value)
+    }
+    return sorted(names)
+
+
 def downstream_metrics(runs: Sequence[Run]) -> list[str]:
     """The `downstream/<task>/<metric>` names any of the runs logged, sorted. Left out: the
     `_stderr` companions (they go beside their metric) and the bookkeeping (`BOOKKEEPING`,
