@@ -106,6 +106,15 @@ def test_console_prints_a_plain_line_when_not_a_terminal(tmp_path, capsys):
     assert (out + err).splitlines() == [f"step 5 {SHOWN}", "step 10 loss=inf lr=1.00e-03"]
 
 
+def test_console_shows_each_named_eval_sets_loss_beside_eval_loss(tmp_path, capsys):
+    sink = ConsoleSink(ConsoleOptions(), run_info(tmp_path))
+    metrics = {"loss": 2.5, "eval/web/loss": 2.25, "eval/web/bpb": 1.5, "eval/code/loss": 1.75}
+    sink.log(5, {**metrics, "lr": 1e-3})
+    sink.close()
+    _, err = capsys.readouterr()
+    assert err.splitlines() == ["step 5 loss=2.5 code_loss=1.75 web_loss=2.25 lr=1.00e-03"]
+
+
 def test_console_progress_goes_to_stderr(tmp_path, capsys):
     """Progress is chosen by whether stderr is a terminal and belongs there: stdout carries a
     command's output (quickstart's sample), which progress lines must not mix into."""

@@ -46,6 +46,14 @@ def _fmt(key: str, value: float) -> str:
 SHOWN = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "mfu")
 
 
+def _short(key: str) -> str:
+    """How the console names a metric: `eval/web/loss` as `web_loss`, others as they are."""
+    if key.startswith("eval/") and key.count("/") == 2:
+        _, name, what = key.split("/")
+        return f"{name}_{what}"
+    return key
+
+
 class ConsoleSink:
     def __init__(self, options: ConsoleOptions, run: RunInfo):
         self.bar = None
@@ -58,7 +66,10 @@ class ConsoleSink:
         self.last = run.start_step
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        shown = {k: _fmt(k, metrics[k]) for k in SHOWN if k in metrics}
+        # the named held-out sets' losses go beside eval_loss (`eval/web/loss` as `web_loss`)
+        named = sorted(k for k in metrics if k.startswith("eval/") and k.endswith("/loss"))
+        keys = [*SHOWN[:2], *named, *SHOWN[2:]]
+        shown = {_short(k): _fmt(k, metrics[k]) for k in keys if k in metrics}
         if self.bar is not None:
             self.bar.update(step - self.last)
             self.bar.set_postfix(shown, refresh=True)
