@@ -284,3 +284,18 @@ def test_phase_ends_resolve_against_the_run_and_must_fit_it():
     with pytest.raises(ConfigValueError, match="ends at step 0") as caught:
         data.phase_ends(1)
     assert caught.value.field == "phases[0].until_fraction"
+
+
+def test_bad_phases_are_one_line_exit_2_from_the_commands(run_cli, two_datasets, tmp_path):
+    """A bad phase in the file names its file:line and key; an end outside the run (known only
+    once the run's length is) is refused before the run starts."""
+    path = write_config(tmp_path, two_datasets)
+    bad = [{"weights": [1, 1, 1], "until_step": 3}, {"weights": [1, 2]}]
+    code, _, err = run_cli("config", "validate", path, f"data.phases={json.dumps(bad)}")
+    line = error_line(code, err)
+    assert "data.phases[0].weights: lists 3 weights for 2 data.train datasets" in line
+    late = [{"weights": [1, 1], "until_step": 10}, {"weights": [1, 2]}]
+    code, _, err = run_cli("run", path, f"data.phases={json.dumps(late)}")
+    line = error_line(code, err)
+    assert "data.phases[0].until_step: ends at step 10, outside steps 1..9" in line
+    assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
