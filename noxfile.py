@@ -43,7 +43,7 @@ SYSTEM_PROGRAMS = {
     "integration": {"chromium": "chromium"},
 }
 # optional extras a package's own tests exercise, and extra test-only dependency groups
-EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot]"}
+EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot,mixture]"}
 TEST_GROUPS = {
     "data-pack": ["object-store", "formats"],
     "downstream": ["object-store"],
