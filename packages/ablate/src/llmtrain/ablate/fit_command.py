@@ -7,17 +7,23 @@ loss (the final logged `eval_loss`, or train `loss` with `--loss loss`). The poi
 `--isoflop`, to `fit.fit_isoflop` (per-budget optima and N_opt, D_opt ∝ C^a). Prints tables,
 writes JSON (`-o`) and a plot (`--plot`, matplotlib imported only then). scipy is imported only
 when the command runs, so loading the plugin stays cheap for every other command.
+
+`--mixture` fits a data-mixture sweep instead: each finished run's `data.train` weights against
+a target (`--target`, a weighted sum of metrics), regressions chosen by cross-validation, the
+mixture they predict best and the target at `--at` mixtures (`mixture_runs.py` reads the runs,
+`mixture_fit.py` fits them; LightGBM, the `[mixture]` extra, imported only then).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import attrs
 
@@ -30,11 +36,23 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
     from llmtrain.ablate.fit import IsoFlopFit, ParametricFit, Prediction
+    from llmtrain.ablate.mixture_runs import MixtureStudy
 
 LOSSES = ("eval_loss", "loss")
 PARAM_COUNTS = {"non_embedding": "non_embedding_params", "all": "params"}
 PLOT_FORMATS = (".png", ".svg", ".pdf")
 LEGEND_SIZES = 8  # more model sizes than this get a colour bar instead of legend entries
+# the options of the scaling-law fits only, and of the mixture fit only (dest: flag)
+SCALING_ONLY = {
+    "isoflop": "--isoflop",
+    "predict": "--predict",
+    "loss": "--loss",
+    "params": "--params",
+    "bootstrap": "--bootstrap",
+    "include_unfinished": "--include-unfinished",
+}
+MIXTURE_ONLY = {"target": "--target", "at": "--at"}
+EDGE = 0.02  # a best weight this near the lowest or highest weight the runs tried is at its edge
 
 
 @attrs.frozen
@@ -51,7 +69,8 @@ class RunPoint:
         return attrs.asdict(self)
 
 
-def _listed(names: Sequence[str], limit: int = 8) -> str:
+def listed(names: Sequence[str], limit: int = 8) -> str:
+    """The first `limit` names, and how many more."""
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -61,7 +80,7 @@ def check_finished(runs: Sequence[Run], include_unfinished: bool) -> None:
     unfinished = [f"{run.name} ({run.status})" for run in runs if not run.finished]
     if unfinished and not include_unfinished:
         raise UserError(
-            f"runs that did not finish: {_listed(unfinished)}; their losses are not the final "
+            f"runs that did not finish: {listed(unfinished)}; their losses are not the final "
             f"ones; leave them out, or pass --include-unfinished to fit them as they are"
         )
 
@@ -97,7 +116,7 @@ def check_tokenizers(runs: Sequence[Run], allow_mixed: bool) -> None:
         if tokenizer is not None:
             by_tokenizer.setdefault(tokenizer, []).append(run.name)
     if len(by_tokenizer) > 1 and not allow_mixed:
-        groups = "; ".join(f"{tok}: {_listed(names, 4)}" for tok, names in by_tokenizer.items())
+        groups = "; ".join(f"{tok}: {listed(names, 4)}" for tok, names in by_tokenizer.items())
         raise UserError(
             f"the runs use {len(by_tokenizer)} tokenizers, so their losses per token are not "
             f"comparable ({groups}); fit each tokenizer's runs apart, or pass "
@@ -116,26 +135,26 @@ def read_points(runs: Sequence[Run], loss_key: str, params: str) -> list[RunPoin
     no_summary = [run.name for run in runs if run.summary is None]
     if no_summary:
         raise UserError(
-            f"runs without summary.json: {_listed(no_summary)}; N and D are read from it "
+            f"runs without summary.json: {listed(no_summary)}; N and D are read from it "
             f"(written when a run ends)"
         )
     summaries = [(run, run.summary) for run in runs if run.summary is not None]  # every run's
     missing = [run.name for run, summary in summaries if not is_number(summary.get(params_key))]
     if missing:
         raise UserError(
-            f"summary.json of {_listed(missing)} has no {params_key} (older llmtrain): re-run "
+            f"summary.json of {listed(missing)} has no {params_key} (older llmtrain): re-run "
             f"them with this version, which records params, non_embedding_params and "
             f"flops_per_token"
         )
     missing = [run.name for run, summary in summaries if not is_number(summary.get("tokens"))]
     if missing:
-        raise UserError(f"summary.json of {_listed(missing)} has no tokens count")
+        raise UserError(f"summary.json of {listed(missing)} has no tokens count")
     losses = {run.name: final_value(run, loss_key) for run in runs}
     missing = [name for name, loss in losses.items() if loss is None]
     if missing:
         other = "loss" if loss_key == "eval_loss" else "eval_loss"
         raise UserError(
-            f"runs that logged no {loss_key}: {_listed(missing)}; fit them on --loss {other}?"
+            f"runs that logged no {loss_key}: {listed(missing)}; fit them on --loss {other}?"
         )
     final_losses = {name: loss for name, loss in losses.items() if loss is not None}  # all
     points = []
@@ -418,13 +437,16 @@ def _draw_isoflop(
 
 
 def _plain(value: Any) -> object:
-    """JSON-ready: numpy numbers as floats, NaN and inf (no interval) as null."""
+    """JSON-ready: numpy numbers as floats (integers as ints), NaN and inf (no interval) as
+    null."""
     if isinstance(value, dict):
         return {key: _plain(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(item) for item in value]
     if isinstance(value, (str, bool)) or value is None:
         return value
+    if isinstance(value, int) or getattr(getattr(value, "dtype", None), "kind", "") in ("i", "u"):
+        return int(value)  # counts stay whole numbers
     number = float(value)
     return number if math.isfinite(number) else None
 
@@ -436,13 +458,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--loss",
         choices=LOSSES,
-        default="eval_loss",
+        default=None,
         help="each run's final logged eval_loss or train loss (default: eval_loss)",
     )
     parser.add_argument(
         "--params",
         choices=tuple(PARAM_COUNTS),
-        default="non_embedding",
+        default=None,
         help="N: non-embedding parameters or all (default: non_embedding)",
     )
     parser.add_argument(
@@ -462,11 +484,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bootstrap",
         type=int,
-        default=200,
+        default=None,
         metavar="K",
         help="bootstrap refits for the 95%% intervals (default 200; 0: none)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's seed (default: 0)")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the bootstrap's seed; with --mixture the folds', LightGBM's and the search's "
+        "(default: 0)",
+    )
+    parser.add_argument(
+        "--mixture",
+        action="store_true",
+        help="fit a data-mixture sweep instead: the target against each run's data.train "
+        "weights, the mixture predicted best (needs the [mixture] extra) (default: off)",
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="METRIC=W,...",
+        help="with --mixture, the weighted sum of final metrics to optimise, e.g. "
+        "'eval/web/loss=0.5,eval/code/loss=0.5' (default: the mean of the eval/<name>/loss "
+        "metrics logged, else eval_loss)",
+    )
+    parser.add_argument(
+        "--at",
+        action="append",
+        default=[],
+        metavar="W0,W1,...",
+        help="with --mixture, the predicted target at this mixture (one weight per data.train "
+        "dataset, in order); repeatable (default: none)",
+    )
     parser.add_argument(
         "-o", "--output", default=None, help="write the fits as JSON here (default: none)"
     )
@@ -577,32 +627,310 @@ def draw_fits(fits: Fits, output: Path) -> None:
     draw(fits.points, fits.parametric, fits.isoflop, fits.targets, output)
 
 
+# --- --mixture ---
+
+
+def parse_at(text: str) -> list[float]:
+    """'0.5,0.3,0.2': a mixture, one weight per data.train dataset (their count is checked
+    against the runs'); negative weights, or all of them 0, refused."""
+    try:
+        weights = [float(part) for part in text.split(",")]
+    except ValueError:
+        weights = [math.nan]
+    if not all(math.isfinite(w) for w in weights):
+        raise UserError(f"--at {text}: give one weight per data.train dataset, e.g. 0.5,0.3,0.2")
+    if any(w < 0 for w in weights):
+        raise UserError(f"--at {text}: a weight below 0; a mixture's weights are 0 or more")
+    if not any(w > 0 for w in weights):
+        raise UserError(f"--at {text}: every weight is 0; at least one dataset must be mixed in")
+    return weights
+
+
+class AtPrediction(TypedDict):
+    """An --at mixture (normalised), its predicted target and interval, and the datasets it
+    weights beyond the range the runs covered."""
+
+    weights: list[float]
+    predicted: float
+    interval: list[float]
+    outside: list[str]
+
+
+def mixture_at(study: MixtureStudy, given: Sequence[list[float]]) -> list[AtPrediction]:
+    """Each --at mixture (normalised to sum 1) with its predicted target and interval, and the
+    sources it weights beyond the range the runs covered."""
+    import numpy as np
+
+    sources = study.runs.sources
+    x = study.fit.data.weights
+    out = []
+    for weights in given:
+        text = ",".join(f"{w:g}" for w in weights)
+        if len(weights) != len(sources):
+            names = ", ".join(s.name for s in sources)
+            raise UserError(
+                f"--at {text}: {len(weights)} weights for {len(sources)} datasets ({names}); "
+                f"give one per data.train dataset, in order"
+            )
+        at = np.array(weights) / sum(weights)
+        for i in np.flatnonzero(~study.fit.data.varying):
+            if abs(at[i] - x[0, i]) > 1e-9:
+                raise UserError(
+                    f"--at {text}: {sources[i].name} has weight {x[0, i]:g} in every run; the "
+                    f"fit cannot tell what another weight of it does"
+                )
+        outside = [
+            s.name
+            for s, w, low, high in zip(sources, at, x.min(axis=0), x.max(axis=0), strict=True)
+            if not low - 1e-9 <= w <= high + 1e-9
+        ]
+        predicted = study.fit.predict(at)
+        out.append(  # numbers, for JSON
+            AtPrediction(
+                weights=[float(w) for w in at],
+                predicted=predicted.value,
+                interval=[predicted.low, predicted.high],
+                outside=outside,
+            )
+        )
+    return out
+
+
+def _share(value: float) -> str:
+    """A weight of the answer (hundredths) as the ready line writes it: 0.47, 0.5, 0, 1."""
+    return f"{value:.6g}"
+
+
+def ready_line(weights: Iterable[float]) -> str:
+    """`data.weights=[w0,w1,...]`, as `llmtrain sweep --grid` takes a mixture."""
+    return "data.weights=[" + ",".join(_share(w) for w in weights) + "]"
+
+
+def mixture_answer(study: MixtureStudy) -> str:
+    """The answer: the mixture, its predicted target and interval."""
+    fit, sources = study.fit, study.runs.sources
+    mixture = ", ".join(f"{s.name} {_share(w)}" for s, w in zip(sources, fit.weights, strict=True))
+    best = fit.predicted
+    return (
+        f"{mixture}; predicted {study.runs.target.text} = "
+        f"{_predicted(best.value, best.low, best.high)}"
+    )
+
+
+def _predicted(value: float, low: float, high: float) -> str:
+    """A predicted target with its interval: `3.2915 (95% interval 3.2101 - 3.3729)`."""
+    return f"{value:.4f} (95% interval {low:.4f} - {high:.4f})"
+
+
+def mixture_edges(study: MixtureStudy) -> list[str]:
+    """A sentence for each source whose best weight sits at the lowest or highest weight any
+    run gave it (not 0 or 1): the best may lie beyond what the runs tried."""
+    x = study.fit.data.weights
+    lines = []
+    for source, w, low, high in zip(
+        study.runs.sources, study.fit.weights, x.min(axis=0), x.max(axis=0), strict=True
+    ):
+        for bound, word, edge in ((low, "lowest", 0.0), (high, "highest", 1.0)):
+            if abs(w - bound) <= EDGE and abs(bound - edge) > EDGE:
+                lines.append(
+                    f"{source.name} is at the {word} weight any run gave it ({bound:.3g}): the "
+                    f"best may lie beyond what the runs tried"
+                )
+    return lines
+
+
+Table = tuple[list[str], list[list[str]]]  # (header, body)
+
+
+def mixture_tables(study: MixtureStudy) -> tuple[Table, Table]:
+    """(each dataset's best weight beside the range of weights the runs gave it; every
+    model's cross-validated RMSE and Spearman correlation, the chosen one marked)."""
+    fit, x = study.fit, study.fit.data.weights
+    sources = [
+        [s.name, _share(w), f"{low:.3g} - {high:.3g}", s.path]
+        for s, w, low, high in zip(
+            study.runs.sources, fit.weights, x.min(axis=0), x.max(axis=0), strict=True
+        )
+    ]
+    models = [
+        [
+            s.name,
+            _number(s.rmse),
+            f"{s.spearman:.3f}" if math.isfinite(s.spearman) else "-",
+            "chosen" if s.name == fit.model else s.error,
+        ]
+        for s in fit.scores
+    ]
+    return (
+        (["dataset", "best", "runs' range", "path"], sources),
+        (["model", "cv rmse", "cv spearman", ""], models),
+    )
+
+
+def mixture_method(study: MixtureStudy) -> str:
+    fit = study.fit
+    return (
+        f"{fit.folds}-fold cross-validation (seed {fit.seed}): each run predicted by the model "
+        f"fitted without it; the lowest cv rmse is chosen. The best mixture is the mean of the "
+        f"{fit.top} best of {fit.searched:,} mixtures searched within the runs' range; the "
+        f"interval is +- {fit.radius:.4g}, the 95% conformal quantile of the chosen model's "
+        f"absolute cv residuals."
+    )
+
+
+def render_mixture(study: MixtureStudy, how: str, at: Sequence[AtPrediction]) -> list[str]:
+    """The answer first (the mixture, its predicted target, the ready line), then the datasets'
+    table, every model's cross-validation, and the --at predictions."""
+    fit, points = study.fit, study.runs
+    direction = "higher" if fit.data.higher_is_better else "lower"
+    target = points.target.text + (f" ({how})" if how else "")
+    sources, models = mixture_tables(study)
+    lines = [
+        f"mixture fit: {len(points.names)} runs, {len(points.sources)} datasets; target "
+        f"{target}, {direction} is better",
+        f"best mixture: {mixture_answer(study)}",
+        ready_line(fit.weights),
+        *mixture_edges(study),
+        "",
+        *_table(*sources),
+        "",
+        *_table(*models),
+        mixture_method(study),
+    ]
+    if points.left_out:
+        lines.append(f"left out, not finished: {', '.join(points.left_out)}")
+    for row in at:
+        mixture = ", ".join(
+            f"{s.name} {w:.3g}" for s, w in zip(points.sources, row["weights"], strict=True)
+        )
+        beyond = row["outside"] and f"; beyond the runs' range of {', '.join(row['outside'])}"
+        predicted = _predicted(row["predicted"], *row["interval"])
+        lines.append(f"at {mixture}: predicted {predicted}{beyond or ''}")
+    return lines
+
+
+def mixture_json(study: MixtureStudy, how: str, at: Sequence[AtPrediction]) -> dict[str, object]:
+    """What --json prints and -o writes: the answer first, then how it was reached."""
+    fit, points = study.fit, study.runs
+    predicted = fit.predicted
+    document: dict[str, object] = {
+        "weights": [float(w) for w in fit.weights],
+        "predicted": predicted.value,
+        "interval": [predicted.low, predicted.high],
+        "cv_spearman": fit.score.spearman,
+        "cv_rmse": fit.score.rmse,
+        "model": fit.model,
+        "data_weights": ready_line(fit.weights),
+        "sources": [s.name for s in points.sources],
+        "paths": [s.path for s in points.sources],
+        "target": points.target.spec,
+        "target_chosen": how,
+        "higher_is_better": fit.data.higher_is_better,
+        "models": {
+            s.name: {"cv_rmse": s.rmse, "cv_spearman": s.spearman, "error": s.error or None}
+            for s in fit.scores
+        },
+        "folds": fit.folds,
+        "seed": fit.seed,
+        "searched": fit.searched,
+        "radius": fit.radius,
+        "runs": [
+            {"name": name, "weights": list(w), "target": y, "cv_predicted": p}
+            for name, w, y, p in zip(
+                points.names, fit.data.weights, fit.data.target, fit.score.predicted, strict=True
+            )
+        ],
+        "left_out": points.left_out,
+    }
+    if at:
+        document["at"] = list(at)
+    return document
+
+
+def _given(value: object) -> bool:
+    """Whether an option was given: its default is None, False or [] (and 0 is a value)."""
+    return value is not None and value is not False and value != []
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """--mixture with a scaling-law option, or a mixture option without it, is refused."""
+    flags = {**SCALING_ONLY, **MIXTURE_ONLY}
+    given = [flag for dest, flag in flags.items() if _given(getattr(args, dest))]
+    if args.mixture and (clash := [f for f in given if f in SCALING_ONLY.values()]):
+        raise UserError(
+            f"{', '.join(clash)}: for the scaling-law fits only; --mixture fits the target "
+            f"against the runs' data mixtures (its options: --target, --at)"
+        )
+    if not args.mixture and (lonely := [f for f in given if f in MIXTURE_ONLY.values()]):
+        raise UserError(f"{', '.join(lonely)}: for the mixture fit only; add --mixture")
+
+
+@attrs.frozen
+class Outcome:
+    """What `llmtrain fit` prints (`lines`, or `document` as JSON), writes (`document`) and
+    draws, whichever fit it ran."""
+
+    document: dict[str, object]
+    lines: list[str]
+    draw: Callable[[Path], None]
+    runs: int
+
+
+def run_mixture(args: argparse.Namespace) -> Outcome:
+    from llmtrain.ablate import mixture_report, mixture_runs
+
+    target = None if args.target is None else mixture_runs.parse_target(args.target)
+    given = [parse_at(text) for text in args.at]
+    runs = find_runs(args.paths)
+    check_tokenizers(runs, args.allow_mixed_tokenizers)
+    study, how = mixture_runs.study(runs, target, args.seed)
+    at = mixture_at(study, given)
+    return Outcome(
+        mixture_json(study, how, at),
+        render_mixture(study, how, at),
+        functools.partial(mixture_report.draw, study),
+        len(study.runs.names),
+    )
+
+
 def run(args: argparse.Namespace, ctx: Context) -> int:
-    if args.bootstrap < 0:
-        raise UserError(f"--bootstrap {args.bootstrap}: give 0 or more refits")
+    check_flags(args)
     if args.plot and Path(args.plot).suffix.lower() not in PLOT_FORMATS:
         raise UserError(f"--plot {args.plot}: use a suffix of {', '.join(PLOT_FORMATS)}")
+    if args.mixture:
+        outcome = run_mixture(args)
+    else:
+        fits = scaling_fits(args)
+        draw = functools.partial(draw_fits, fits)
+        outcome = Outcome(fits.to_json(), render_fits(fits), draw, len(fits.points))
+    document = json.dumps(_plain(outcome.document), indent=2) + "\n"
+    print(document if args.json else "\n".join(outcome.lines), end="" if args.json else "\n")
+    if args.output:
+        path = write_atomically(args.output, document)
+        print(f"fits of {outcome.runs} runs -> {path}", file=sys.stderr)
+    if args.plot:
+        outcome.draw(Path(args.plot))
+        print(f"plot -> {args.plot}", file=sys.stderr)
+    return 0
+
+
+def scaling_fits(args: argparse.Namespace) -> Fits:
+    """The scaling-law fits the flags ask for."""
+    bootstrap = 200 if args.bootstrap is None else args.bootstrap
+    if bootstrap < 0:
+        raise UserError(f"--bootstrap {bootstrap}: give 0 or more refits")
     targets = [parse_target(text) for text in args.predict]
     if any(t.compute is not None for t in targets) and not args.isoflop:
         raise UserError("--predict C=...: the compute-optimal N and D come from --isoflop; add it")
     fits = fit_runs(
         find_runs(args.paths),
-        loss_key=args.loss,
-        params=args.params,
-        bootstrap=args.bootstrap,
+        loss_key=args.loss or "eval_loss",
+        params=args.params or "non_embedding",
+        bootstrap=bootstrap,
         seed=args.seed,
         include_unfinished=args.include_unfinished,
         allow_mixed_tokenizers=args.allow_mixed_tokenizers,
     )
     if args.isoflop:
         fits = with_isoflop(fits)
-    fits = with_predictions(fits, targets)
-    document = json.dumps(_plain(fits.to_json()), indent=2) + "\n"
-    print(document if args.json else "\n".join(render_fits(fits)), end="" if args.json else "\n")
-    if args.output:
-        path = write_atomically(args.output, document)
-        print(f"fits of {len(fits.points)} runs -> {path}", file=sys.stderr)
-    if args.plot:
-        draw_fits(fits, Path(args.plot))
-        print(f"plot -> {args.plot}", file=sys.stderr)
-    return 0
+    return with_predictions(fits, targets)
