@@ -9,9 +9,12 @@ folded second table, the loss and metric curves (a group of seeds as its mean wi
 confidence band), where the runs vary a learning rate at several widths the final loss
 against it (one curve per width, the best marked: the µP transfer figure), the scaling-law fits and their extrapolation where the runs vary model size
 and tokens (`llmtrain fit`'s; a sweep that cannot be fitted says why instead), and each run's
-settings and status. Wide tables scroll inside their own box, so the page never scrolls
-sideways. It is self-contained: the styles are inline, the figures are PNGs in data: URLs, and
-there is no script, so it opens from a file, an e-mail or an artifact store without a network.
+settings and status. On a data-mixture sweep (the same datasets in every run, their weights
+differing) the verdict names the mixture `llmtrain fit --mixture` predicts best, and a section
+after it shows how the fit got there (mixture_report.py). Wide tables scroll inside their own
+box, so the page never scrolls sideways. It is self-contained: the styles are inline, the
+figures are PNGs in data: URLs, and there is no script, so it opens from a file, an e-mail or
+an artifact store without a network.
 matplotlib draws the figures (the `[plot]` extra).
 """
 
@@ -247,9 +250,12 @@ def report_html(
     x: str = "step",
     loss_key: str = "eval_loss",
     predict: Sequence[str] = (),
+    target: str | None = None,
 ) -> str:
-    """The page: the verdict sentences, the compare table, curves, fits (extrapolated to
-    `predict`), the runs."""
+    """The page: the verdict sentences (and a mixture sweep's best mixture, for `target`), the
+    mixture fit, the compare table, curves, fits (extrapolated to `predict`), the runs."""
+    from llmtrain.ablate.mixture_report import mixture_context
+
     generated = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     compare_part, verdicts = compare_context(runs, metrics, baseline, on, alpha)
     return render_page(
@@ -260,6 +266,7 @@ def report_html(
         verdicts=verdicts,
         no_verdict="No baseline named: with --baseline ROW (e.g. --baseline lr=0.001) each "
         "other row is tested against it here, in one sentence each.",
+        mixture=mixture_context(runs, target),
         compare=compare_part,
         curves=curves_context(runs, metrics, x, alpha),
         transfer=transfer_context(runs, loss_key),
@@ -292,6 +299,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="extrapolate the fits to N=..,D=.. or C=.. (as llmtrain fit; repeatable; "
         "default: none)",
     )
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="METRIC=W,...",
+        help="on a data-mixture sweep, the weighted sum of final metrics the mixture fit "
+        "optimises, as llmtrain fit --mixture (default: the mean of the eval/<name>/loss "
+        "metrics logged, else eval_loss)",
+    )
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -300,9 +315,12 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if not 0 < args.alpha < 1:
         raise UserError(f"--alpha {args.alpha}: a significance level between 0 and 1, e.g. 0.05")
     from llmtrain.ablate.fit_command import parse_target
+    from llmtrain.ablate.mixture_runs import parse_target as parse_mixture_target
 
     for text in args.predict:
         parse_target(text)  # a bad target is refused before anything is read
+    if args.target is not None:
+        parse_mixture_target(args.target)
     runs = find_runs(args.paths)
     metrics = compare.metrics_of(args, runs)
     title = args.title or "llmtrain report: " + ", ".join(Path(p).name for p in args.paths)
@@ -316,6 +334,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         x=args.x,
         loss_key=args.loss,
         predict=args.predict,
+        target=args.target,
     )
     path = write_atomically(args.output, page)
     print(f"{len(runs)} runs -> {path}", file=sys.stderr)
