@@ -150,18 +150,35 @@ def test_the_text_names_the_answer_first_and_plots(swarm, run_cli, tmp_path):
 
 
 def test_lightgbm_is_chosen_where_no_law_fits():
-    """One metric with a bowl-shaped optimum at (0.55, 0.45, 0): the mixing law (monotone in
-    the weights for one metric) and the linear model cannot bend; the trees can."""
+    """One metric with cliffs: a unit worse wherever web or code has less than 0.25. No smooth
+    law (mixing, log-linear, linear) follows a step; the trees do, and stay off both cliffs."""
     w = dirichlet(48)
+    w = w / w.sum(1, keepdims=True)
     rng = np.random.default_rng(3)
-    bowl = 3 + 2 * ((w[:, 0] - 0.5) ** 2 + (w[:, 1] - 0.4) ** 2) + 0.5 * w[:, 2]
-    data = MixtureData(
-        w / w.sum(1, keepdims=True), (bowl + rng.normal(0, 0.005, 48))[:, None], np.array([1.0])
-    )
+    cliffs = 3 + 1.0 * (w[:, 0] < 0.25) + 1.0 * (w[:, 1] < 0.25) + 0.5 * w[:, 2]
+    data = MixtureData(w, (cliffs + rng.normal(0, 0.005, 48))[:, None], np.array([1.0]))
     fit = mixture_fit.fit_mixture(data, seed=0)
     assert fit.model == "lightgbm"
     assert fit.score.spearman >= 0.9
-    assert np.abs(fit.weights - [0.55, 0.45, 0.0]).max() <= 0.1
+    assert fit.weights[0] >= 0.25 and fit.weights[1] >= 0.25 and fit.weights[2] <= 0.1
+
+
+def test_the_log_linear_law_is_chosen_where_a_small_share_costs_most():
+    """Each loss falls with the log of its own source's share (diminishing returns, and a
+    steep cost near 0, as small proxy runs show): the log-linear law recovers the best mixture
+    of the mean, w_web = 0.6 / (0.6 + 0.4) when each loss is -b log(w + 0.01)."""
+    w = dirichlet(24)
+    w = w / w.sum(1, keepdims=True)
+    web = 4.0 - 0.6 * np.log(w[:, 0] + 0.01) + 0.3 * w[:, 2]
+    code = 3.0 - 0.4 * np.log(w[:, 1] + 0.01) + 0.3 * w[:, 2]
+    rng = np.random.default_rng(5)
+    metrics = np.column_stack([web, code]) + rng.normal(0, 0.005, (24, 2))
+    fit = mixture_fit.fit_mixture(MixtureData(w, metrics, np.array([0.5, 0.5])), seed=0)
+    assert fit.model == "log_linear"
+    assert fit.score.spearman >= 0.95
+    # the optimum on w_web + w_code = 1 - junk, junk 0: 0.6 / (w + .01) = 0.4 / (1 - w + .01)
+    best_web = (0.6 * 1.01 - 0.4 * 0.01) / 1.0
+    assert np.abs(fit.weights - [best_web, 1 - best_web, 0.0]).max() <= TOLERANCE
 
 
 def test_a_higher_is_better_target_is_maximised():
@@ -333,7 +350,7 @@ def test_the_report_names_the_mixture_first(swarm, run_cli, tmp_path):
     assert page.index('id="mixture"') < page.index("<h2>Compare</h2>")
     assert "(given with --target), lower is better" in mixture
     models = section(page, "table", "mixture-models")
-    assert models.count("<tr>") == 1 + 3 and "chosen" in models
+    assert models.count("<tr>") == 1 + len(mixture_fit.MODELS) and "chosen" in models
     weights = section(page, "table", "mixture-weights")
     assert all(f"<td>{name}</td>" in weights for name in fit["sources"])
     image = re.search(

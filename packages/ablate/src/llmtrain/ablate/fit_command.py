@@ -93,7 +93,13 @@ def tokenizer_of(run: Run) -> str | None:
     for given in (data.get("tokenizer"), run.config.get("tokenizer")):
         if given is not None:
             return given if isinstance(given, str) else json.dumps(given, sort_keys=True)
-    paths = [(data.get("eval") or {}).get("path")]
+    # data.eval is one held-out set or a list of named ones
+    evals = data.get("eval") or []
+    paths = [
+        e.get("path")
+        for e in (evals if isinstance(evals, list) else [evals])
+        if isinstance(e, dict)
+    ]
     paths += [source.get("path") for source in data.get("train") or [] if isinstance(source, dict)]
     for path in paths:
         if not isinstance(path, str) or "://" in path:

@@ -14,6 +14,11 @@ arXiv 2403.16952). Three models, each of the weights of the sources that vary be
   metric m of the target (least squares, `scipy.optimize.least_squares` from several starts),
   the target their weighted sum. t of the first varying source is 0 (the weights sum to 1, so
   only differences of t count): |varying sources| + 1 parameters per metric.
+- `log_linear`: each metric m of the target linear in the logs of the weights, L_m(w) = c_m +
+  sum_j b_mj log(w_j + 0.01) (least squares), the target their weighted sum: diminishing
+  returns of a source's share, and the steep loss of a source that gets almost none, which a
+  small proxy run shows (the log-linear mixing law of Aioli, arXiv 2411.05735). The floor
+  0.01 keeps a weight of 0 finite.
 - `linear`: the target linear in the weights (least squares).
 
 Each model is scored by k-fold cross-validation, k = min(5, runs), folds drawn by the seed:
@@ -45,7 +50,7 @@ from llmtrain.core_mesh.errors import UserError
 Array = npt.NDArray[np.float64]
 Predictor = Callable[[Array], Array]  # (candidates, sources) weights -> the target per candidate
 
-MODELS = ("lightgbm", "mixing_law", "linear")
+MODELS = ("lightgbm", "mixing_law", "log_linear", "linear")
 MAX_FOLDS = 5
 MIN_RUNS = 4  # an out-of-fold Spearman correlation of 3 runs takes 4 values only
 CANDIDATES = 50_000
@@ -74,6 +79,7 @@ LIGHTGBM = {
 }
 LIGHTGBM_ROUNDS = 300
 MAX_EXPONENT = 50.0  # exp() of the mixing law's exponent is clipped here (a runaway start)
+LOG_FLOOR = 0.01  # log_linear's log(w + floor): a weight of 0 stays finite
 
 
 @attrs.frozen(eq=False)
@@ -134,6 +140,17 @@ def _linear(x: Array, y: Array) -> Callable[[Array], Array]:
     return lambda at: np.asarray(at @ coefficients, dtype=np.float64)
 
 
+def _log_linear(x: Array, metrics: Array, coefficients: Array) -> Callable[[Array], Array]:
+    """Each metric linear in log(w + LOG_FLOOR) (least squares), the target their weighted sum:
+    one linear fit of the summed metrics, since least squares is linear in the targets."""
+
+    def design(at: Array) -> Array:
+        return np.column_stack([np.ones(len(at)), np.log(at + LOG_FLOOR)])
+
+    fitted = np.linalg.lstsq(design(x), metrics @ coefficients, rcond=None)[0]
+    return lambda at: np.asarray(design(at) @ fitted, dtype=np.float64)
+
+
 def _law(theta: Array, z: Array, sign: float) -> tuple[Array, Array]:
     """(c + sign exp(log_k + z @ t), its exponential term) for theta = (c, log_k, t...)."""
     term = sign * np.exp(np.minimum(theta[1] + z @ theta[2:], MAX_EXPONENT))
@@ -185,6 +202,8 @@ def fit_model(name: str, data: MixtureData, seed: int, varying: npt.NDArray[np.b
         predict = _lightgbm(x, data.target, seed)
     elif name == "linear":
         predict = _linear(x, data.target)
+    elif name == "log_linear":
+        predict = _log_linear(x, data.metrics, data.coefficients)
     elif name == "mixing_law":
         predict = _mixing_law(x, data.metrics, data.coefficients)
     else:
