@@ -516,3 +516,22 @@ def test_fit_runs_without_torch(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "6 runs" in proc.stdout
+
+
+def test_fit_command_fits_a_named_eval_sets_loss(tmp_path, run_cli):
+    """Runs with data.eval as a list log eval/<name>/loss: `--loss eval/web/loss` fits it."""
+    sweep = tmp_path / "sweep"
+    for i, size in enumerate((1e7, 4e7, 1.6e8)):
+        for j, count in enumerate((1e9, 4e9, 1.6e10)):
+            path = write_run(sweep, f"n{i}-d{j}", size, count, 9.0)  # eval_loss useless
+            web = float(fit.chinchilla_loss(size, count, CHINCHILLA))
+            with (path / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps({"step": 2, "eval/web/loss": web}) + "\n")
+    out = tmp_path / "fit.json"
+    code, _, err = run_cli("fit", sweep, "--loss", "eval/web/loss", "--bootstrap", "0", "-o", out)
+    assert code == 0, err
+    fitted = [json.loads(out.read_text())["parametric"]["params"][k] for k in fit.PARAMETERS]
+    assert fitted == pytest.approx(CHINCHILLA, rel=1e-3)
+    with pytest.raises(SystemExit) as caught:  # argparse's usage error
+        run_cli("fit", sweep, "--loss", "eval/web")
+    assert caught.value.code == 2

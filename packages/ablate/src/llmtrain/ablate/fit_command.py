@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -83,6 +84,15 @@ def check_finished(runs: Sequence[Run], include_unfinished: bool) -> None:
             f"runs that did not finish: {listed(unfinished)}; their losses are not the final "
             f"ones; leave them out, or pass --include-unfinished to fit them as they are"
         )
+
+
+def loss_key(text: str) -> str:
+    """`--loss`: eval_loss, loss, or a named held-out set's `eval/<name>/loss`."""
+    if text in LOSSES or re.fullmatch(r"eval/[A-Za-z0-9_.-]+/loss", text):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: give eval_loss, loss, or a named eval set's eval/<name>/loss"
+    )
 
 
 def tokenizer_of(run: Run) -> str | None:
@@ -463,9 +473,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--loss",
-        choices=LOSSES,
+        type=loss_key,
         default=None,
-        help="each run's final logged eval_loss or train loss (default: eval_loss)",
+        metavar="{eval_loss,loss,eval/NAME/loss}",
+        help="each run's final logged eval_loss, train loss, or the loss of a named held-out "
+        "set (default: eval_loss)",
     )
     parser.add_argument(
         "--params",

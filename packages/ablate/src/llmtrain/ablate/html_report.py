@@ -276,6 +276,8 @@ def report_html(
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from llmtrain.ablate.fit_command import loss_key
+
     parser.add_argument(
         "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
     )
@@ -288,8 +290,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--loss",
+        type=loss_key,
         default="eval_loss",
-        help="the loss the fits use, eval_loss or loss (default: eval_loss)",
+        help="the loss the fits use: eval_loss, loss or a named eval set's eval/NAME/loss "
+        "(default: eval_loss)",
     )
     parser.add_argument(
         "--predict",

@@ -49,7 +49,8 @@ def llmtrain_commands(register: Register) -> None:
         "fit",
         lambda _: Command(
             help="scaling-law fits of runs varying model size and tokens: L(N, D) with "
-            "bootstrap intervals, IsoFLOP optima, predictions",
+            "bootstrap intervals, IsoFLOP optima, predictions; --mixture: the best data "
+            "mixture of a mixture sweep",
             configure=fit_command.configure,
             run=fit_command.run,
         ),
@@ -58,7 +59,8 @@ def llmtrain_commands(register: Register) -> None:
         "report",
         lambda _: Command(
             help="one self-contained HTML page of runs or sweeps: the verdict, the compare "
-            "table with intervals and significance, curves, scaling-law fits, each run's settings",
+            "table with intervals and significance, curves, scaling-law fits, the best data "
+            "mixture of a mixture sweep, each run's settings",
             configure=html_report.configure,
             run=html_report.run,
         ),
