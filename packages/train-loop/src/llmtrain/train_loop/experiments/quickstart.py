@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 
 from llmtrain.core_mesh.cli import Context
+from llmtrain.train_loop.experiments import mixture_demo
 
 SUBJECTS = ["the cat", "a dog", "the model", "our team", "the river", "a student", "the city"]
 VERBS = ["sees", "likes", "builds", "follows", "crosses", "reads", "trains"]
@@ -67,13 +68,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dir", default="quickstart", help="where everything goes (default: quickstart)"
     )
     parser.add_argument(
-        "--steps", type=int, default=600, help="training steps (default: 600, a few minutes)"
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps (default: 600, a few minutes; with --mixture each proxy run's, "
+        f"default {mixture_demo.STEPS})",
     )
     parser.add_argument(
         "--documents",
         type=int,
-        default=4000,
-        help="documents in the generated corpus (default: 4000)",
+        default=None,
+        help="documents in the generated corpus (default: 4000; with --mixture per domain, "
+        f"default {mixture_demo.DOCUMENTS})",
+    )
+    parser.add_argument(
+        "--mixture",
+        action="store_true",
+        help="make three data domains (prose, arith, noise) and a base config for a mixture "
+        "study instead, and print its steps: the swarm, the fit, the report",
     )
     parser.add_argument(
         "--prompt", default="The cat", help="the text the sample goes on from (default: The cat)"
@@ -81,6 +93,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    if args.mixture:
+        return mixture_demo.run(args, ctx)
+    args.steps = 600 if args.steps is None else args.steps
+    args.documents = 4000 if args.documents is None else args.documents
+    return _quickstart(args, ctx)
+
+
+def _quickstart(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.core_mesh.config import load_config
     from llmtrain.core_mesh.logs import configure_logging
     from llmtrain.data_pack.pack import pack
