@@ -179,3 +179,23 @@ def test_find_baseline_matches_numbers_by_value(lr_sweep):
     assert find_baseline(keys, rows, "optimizer.lr=0.0020") == 1
     with pytest.raises(UserError, match="3 rows match"):
         find_baseline(["optimizer.lr"], [rows[0]] * 3, "lr=0.001")
+
+
+def test_a_mixture_baseline_is_named_as_the_sweep_sets_it(tmp_path, make_run):
+    """`--baseline 'data.weights=[1,1,1]'` names the row whose datasets have those weights
+    (`llmtrain sweep --grid data.weights=...` sets each data.train.<i>.weight)."""
+    for weights in ([0.2, 0.7, 0.1], [1, 1, 1]):
+        for seed in (0, 1):
+            name = f"w={weights[0]},seed={seed}"
+            run = config(name, 1e-3, seed)
+            run["data"] = {"train": [{"path": f"d{i}", "weight": w} for i, w in enumerate(weights)]}
+            make_run(tmp_path, name, run, [4.0, 3.0], [None, 3.0])
+    keys, rows = compare.table(runs.find_runs([tmp_path]))
+    assert "data.train.0.weight" in keys
+    found = find_baseline(keys, rows, "data.weights=[1,1,1]")
+    assert rows[found].settings["data.train.1.weight"] == 1
+    assert rows[1 - found].settings["data.train.1.weight"] == 0.7
+    with pytest.raises(UserError, match=r"write the mixture as data.weights=\[w0,w1,...\]"):
+        find_baseline(keys, rows, "data.weights=[1,x")
+    with pytest.raises(UserError, match="no row matches"):
+        find_baseline(keys, rows, "data.weights=[0.5,0.5,0]")

@@ -14,13 +14,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import yaml
 
-from llmtrain.ablate.runs import SEED_KEYS, Run, short_keys, shown
+from llmtrain.ablate.runs import SEED_KEYS, Run, is_number, short_keys, shown
 from llmtrain.ablate.significance import Difference, difference, holm
 from llmtrain.core_mesh.errors import UserError
 
 if TYPE_CHECKING:
     from llmtrain.ablate.compare import Result, Row
+
+WEIGHTS = "data.weights="  # a mixture as `llmtrain sweep --grid data.weights=[...]` sets it
 
 
 @attrs.frozen
@@ -55,10 +58,11 @@ class Comparison:
 def find_baseline(keys: Sequence[str], rows: Sequence[Row], spec: str) -> int:
     """The index of the one row `spec` names: the name of one of its runs (a sweep's run ids
     look like settings: `lr=0.001,seed=0`), or `key=value` pairs (comma-separated) that all
-    match its settings."""
+    match its settings; `data.weights=[w0,w1,...]` names a mixture as `llmtrain sweep` sets it
+    (each dataset's `data.train.<i>.weight`)."""
     found = [i for i, row in enumerate(rows) if any(run.name == spec for run in row.runs)]
     if not found and "=" in spec:
-        wanted = _pairs(spec, keys)
+        wanted = _weights(spec, keys) if spec.startswith(WEIGHTS) else _pairs(spec, keys)
         found = [i for i, row in enumerate(rows) if _matches(row.settings, wanted)]
     if len(found) != 1:
         short = short_keys(keys)
@@ -66,6 +70,18 @@ def find_baseline(keys: Sequence[str], rows: Sequence[Row], spec: str) -> int:
         what = "no row matches" if not found else f"{len(found)} rows match"
         raise UserError(f"--baseline {spec}: {what}; the rows: {shown_rows}")
     return found[0]
+
+
+def _weights(spec: str, keys: Sequence[str]) -> dict[str, str]:
+    """`data.weights=[w0,w1,...]` as the settings it sets that vary between the rows."""
+    try:
+        values = yaml.safe_load(spec.removeprefix(WEIGHTS))
+    except yaml.YAMLError:
+        values = None
+    if not isinstance(values, list) or not all(is_number(v) for v in values):
+        raise UserError(f"--baseline {spec}: write the mixture as data.weights=[w0,w1,...]")
+    wanted = {f"data.train.{i}.weight": shown(v) for i, v in enumerate(values)}
+    return {key: value for key, value in wanted.items() if key in keys}
 
 
 def _pairs(spec: str, keys: Sequence[str]) -> dict[str, str]:
