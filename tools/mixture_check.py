@@ -3,7 +3,8 @@ code, and noise that no model can learn), through the commands a user runs:
 
 1. a swarm of `--mixtures N` tiny proxy runs (`llmtrain sweep`);
 2. `llmtrain fit --mixture --json` of the target that weights prose and code, with `--at` the
-   uniform mixture and `--further` more random mixtures;
+   uniform mixture and 200 fresh random mixtures within the swarm's range, of which `--further`
+   are picked at evenly spaced quantiles of their predicted targets;
 3. the predicted mixture and uniform weights trained with `--seeds S` each (one sweep, so
    `llmtrain compare --baseline` pairs them by seed);
 4. the further mixtures trained, and their trained ranking against the fit's.
@@ -30,6 +31,7 @@ from scipy import stats
 from llmtrain.train_loop.experiments.mixture_demo import DOMAINS
 from llmtrain.train_loop.experiments.mixture_demo import TARGET as TARGET_TEXT
 
+DRAWN = 200  # random mixtures the fit predicts, of which `--further` are trained
 TARGET = {
     metric: float(weight) for metric, weight in (t.split("=") for t in TARGET_TEXT.split(","))
 }
@@ -69,18 +71,38 @@ def main() -> int:
     base, sweeps = str(work / "mixture.yaml"), str(work / "sweeps")
     llmtrain("sweep", base, "--mixtures", str(args.mixtures), "--dir", sweeps, "--name", "swarm")
 
-    rng = np.random.default_rng(12345)  # other draws than the swarm's
-    further = [[round(float(w), 3) for w in rng.dirichlet([1.0] * 3)] for _ in range(args.further)]
-    further = [[*w[:2], round(1 - w[0] - w[1], 3)] for w in further]
-    target = TARGET_TEXT
-    at = [arg for w in [[1 / 3] * 3, *further] for arg in ("--at", ",".join(f"{x:g}" for x in w))]
+    # the further mixtures: fresh Dirichlet(1) draws (not the swarm's), the ones the fit puts at
+    # evenly spaced quantiles of its predictions, so that they span the targets the fit expects
+    # rather than fall within one run's noise of each other, and
+    # within the range of weights the swarm tried (the fit trusts itself nowhere else)
+    swarm = json.loads((Path(sweeps) / "swarm" / "manifest.json").read_text())
+    tried = np.array([run["settings"]["data.weights"] for run in swarm["runs"]])
+    rng = np.random.default_rng(12345)
+    drawn: list[list[float]] = []
+    while len(drawn) < DRAWN:
+        w = [round(float(x), 3) for x in rng.dirichlet([1.0] * 3)]
+        w = [*w[:2], round(1 - w[0] - w[1], 3)]
+        if np.all((tried.min(axis=0) <= w) & (w <= tried.max(axis=0))):
+            drawn.append(w)
+    at = [arg for w in [[1 / 3] * 3, *drawn] for arg in ("--at", ",".join(f"{x:g}" for x in w))]
     fit = json.loads(
         llmtrain(
-            "fit", f"{sweeps}/swarm", "--mixture", "--target", target, *at, "--json", capture=True
+            "fit",
+            f"{sweeps}/swarm",
+            "--mixture",
+            "--target",
+            TARGET_TEXT,
+            *at,
+            "--json",
+            capture=True,
         )
     )
     chosen = [float(w) for w in fit["weights"]]
-    predicted_further = [float(a["predicted"]) for a in fit["at"][1:]]
+    predictions = np.array([float(a["predicted"]) for a in fit["at"][1:]])
+    order = np.argsort(predictions)
+    picked = [order[int((i + 0.5) / args.further * DRAWN)] for i in range(args.further)]
+    further = [drawn[i] for i in picked]
+    predicted_further = [float(predictions[i]) for i in picked]
 
     uniform = [1.0, 1.0, 1.0]
     llmtrain(
