@@ -153,8 +153,59 @@ class _LinedList(list[object]):
     lines: list[int]
 
 
+# What a config may hold, bounded before anything expands it: values once aliases are expanded
+# (a "billion laughs" of nested aliases would otherwise expand past any memory while the config
+# is structured), levels of nesting (Python's recursion ends near a few hundred), digits of a
+# number (no option takes more than 2**64, 20 digits)
+MAX_VALUES = 100_000
+MAX_DEPTH = 100
+MAX_DIGITS = 100
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """YAML that parses but is refused: too many values, too deep, a number too large."""
+
+
 class _Loader(yaml.SafeLoader):
-    pass
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        # each composed node's size with its aliases expanded (id: the node stays in the tree)
+        self._sizes: dict[int, int] = {}
+
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):  # a node composed before, its size known
+            return super().compose_node(parent, index)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _Refused(
+                    None,
+                    None,
+                    f"nested more than {MAX_DEPTH} levels deep; no config needs that many",
+                    None if parent is None else parent.start_mark,
+                )
+            node = super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+        if node is None:
+            return None
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        size = 1 + sum(self._sizes.get(id(child), 1) for child in children)
+        if size > MAX_VALUES:
+            raise _Refused(
+                None,
+                None,
+                f"this value holds more than {MAX_VALUES} values once its aliases (*name) are "
+                "expanded (nested aliases, a YAML alias bomb?); write the values out instead",
+                node.start_mark,
+            )
+        self._sizes[id(node)] = size
+        return node
 
 
 # PyYAML follows YAML 1.1, where `3e-4` is a string; people mean a float.
@@ -193,6 +244,34 @@ def _construct_sequence(loader: _Loader, node: yaml.SequenceNode) -> _LinedList:
     return out
 
 
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
+    digits = sum(c.isdigit() for c in str(node.value))
+    if digits > MAX_DIGITS:
+        raise _Refused(
+            None,
+            None,
+            f"a number of {digits} digits; no option takes more than {MAX_DIGITS}",
+            node.start_mark,
+        )
+    value: int = loader.construct_yaml_int(node)
+    return value
+
+
+def _construct_float(loader: _Loader, node: yaml.ScalarNode) -> float:
+    value: float = loader.construct_yaml_float(node)
+    if math.isinf(value) and "inf" not in str(node.value).lower():
+        shown = node.value if len(node.value) <= 20 else f"{node.value[:20]}..."
+        raise _Refused(
+            None,
+            None,
+            f"{shown} is beyond the largest number a float holds (about 1.8e308)",
+            node.start_mark,
+        )
+    return value
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_SEQUENCE_TAG, _construct_sequence)
 
@@ -205,6 +284,9 @@ def parse_yaml(text: str, source: str = "<string>") -> object:
         line = text.count("\n", 0, exc.position) + 1
         problem = f"character {exc.character!r} is not allowed in YAML (a binary file?)"
         raise ConfigError([Problem((), problem, f"{source}:{line}")], source) from None
+    except _Refused as exc:
+        where = f"{source}:{exc.problem_mark.line + 1}" if exc.problem_mark else source
+        raise ConfigError([Problem((), str(exc.problem), where)], source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
