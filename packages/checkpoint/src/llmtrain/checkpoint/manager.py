@@ -89,7 +89,14 @@ R = TypeVar("R")
 # what a rank tells the others of a failed check: (rank, message, a UserError, file, problem)
 _Verdict = tuple[int, str, bool, str | None, str]
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
+# a step's directory: `step-<n>` as `step_url` writes it (ASCII digits, no leading zero), so a
+# name is one step's and the step it names is the one its files must record
+STEP_DIR = re.compile(r"^step-(0|[1-9][0-9]*)$")
+# what a checkpoint directory is, for a path given as one that is not
+HOLDS = (
+    "; give a checkpoint directory (runs/<name>/checkpoints), which holds one step-<n> "
+    "directory per saved step, each with llmtrain.json, .metadata and COMMITTED"
+)
 
 
 @attrs.frozen
@@ -271,12 +278,19 @@ class Checkpointer:
         return f"{self.url}/step-{step}"
 
     @_on_storage("read")
-    def _step_dirs(self) -> dict[int, bool]:
-        """Every step directory, and whether it is committed."""
+    def _step_dirs(self, *, existing: bool = False) -> dict[int, bool]:
+        """Every step directory, and whether it is committed. `existing`: the checkpoint
+        directory must be one (`llmtrain checkpoints --verify`): a path that does not exist or
+        is a file is a `CheckpointError` saying what a checkpoint directory holds; otherwise it
+        has no steps yet (a run that has not saved)."""
         try:
             self.fs.invalidate_cache(self.root)
+            if existing and self.fs.isfile(self.root):
+                raise CheckpointError(f"{self.url} is a file, not a checkpoint directory{HOLDS}")
             names = [n.rstrip("/").rsplit("/", 1)[-1] for n in self.fs.ls(self.root, detail=False)]
         except FileNotFoundError:
+            if existing:
+                raise CheckpointError(f"{self.url} does not exist{HOLDS}") from None
             return {}
         steps = {int(m.group(1)) for n in names if (m := STEP_DIR.match(n))}
         return {s: self.fs.exists(self._path(s, COMMIT_FILE)) for s in sorted(steps)}

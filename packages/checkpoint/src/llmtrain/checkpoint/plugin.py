@@ -84,7 +84,7 @@ def _list(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.checkpoint.manager import Checkpointer, CheckpointError
 
     checkpoints = Checkpointer(args.checkpoints)
-    dirs = checkpoints._step_dirs()
+    dirs = checkpoints._step_dirs(existing=args.verify)  # --verify: it must be one
     # each committed step's files against its commit (sizes and the small files' hashes; with
     # --verify every byte): a damaged step is shown, never removed
     damage = {s: checkpoints.damage(s, full=args.verify) for s, done in dirs.items() if done}
