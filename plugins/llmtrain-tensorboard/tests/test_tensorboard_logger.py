@@ -396,7 +396,7 @@ def test_the_web_view_serves_every_logged_metric_and_the_config(finished_run):
         # are every loss curve; memory, optimizer and throughput follow
         tags = get(url, "/data/plugin/timeseries/tags", {})["scalars"]["runTagInfo"][RUN]
         order = tensorboard_order(tags)
-        assert order[0] == ("loss", ["loss/eval", "loss/eval_ppl", "loss/train"])
+        assert order[0] == ("loss", ["loss/eval", "loss/eval_bpb", "loss/eval_ppl", "loss/train"])
         assert [group for group, _ in order] == ["loss", "memory", "optim", "perf", "progress"]
         texts = config_texts(served_texts(url, RUN))
     assert texts == [(1, yaml.safe_load((finished_run / "config.yaml").read_text()))]

@@ -2,10 +2,11 @@
 logged step: one mapping, so both show the same charts under the same names.
 
 TensorBoard and W&B group charts by the part of a name before its first `/` and order groups and
-charts by name. The names put the loss first: `loss/train`, `loss/eval` and `loss/eval_ppl` are the
-first section, and every other metric llmtrain logs has its own section after it:
+charts by name. The names put the loss first: `loss/train`, `loss/eval`, `loss/eval_ppl` and
+`loss/eval_bpb` are the first section, and every other metric llmtrain logs has its own section
+after it (named held-out sets keep their `eval/<name>/...` names, a section of their own):
 
-    loss/      train, eval, eval_ppl
+    loss/      train, eval, eval_ppl, eval_bpb
     memory/    peak_mib, active_mib, reserved_mib
     optim/     lr, grad_norm, loss_spike, loss_spike_ratio, loss_spikes
     perf/      tokens_per_s, step_time_s, mfu, data_wait, sync_wait, data_wait_max, slowest_rank
@@ -36,6 +37,7 @@ DASHBOARD_NAMES: dict[str, str] = {
     "loss": "loss/train",
     "eval_loss": "loss/eval",
     "eval_ppl": "loss/eval_ppl",
+    "eval_bpb": "loss/eval_bpb",
     "peak_memory_mib": "memory/peak_mib",
     "active_memory_mib": "memory/active_mib",
     "reserved_memory_mib": "memory/reserved_mib",
