@@ -129,6 +129,44 @@ def test_bad_options(tmp_path, dataset, run_cli, argv, message):
     assert len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: CONFIG, --widths"),
+        (["{config}"], "the following arguments are required: --widths"),
+        (["{config}", "--widths", "32,64", "--steps", "abc"], "argument --steps: invalid int"),
+        (["{config}", "--widths", "32,64", "--parametrization", "x"], "invalid choice: 'x'"),
+    ],
+)
+def test_argument_errors_are_one_line(tmp_path, dataset, run_cli, argv, message):
+    config = write_config(tmp_path, dataset)
+    code, out, err = run_cli("mup-check", *(a.format(config=config) for a in argv))
+    assert (code, out) == (2, "")
+    [line] = err.splitlines()  # not argparse's usage block
+    assert line.startswith("error: llmtrain mup-check: ") and message in line
+    assert line.endswith("(`llmtrain mup-check --help` lists the options)")
+
+
+def test_an_output_that_cannot_be_the_figure_file_is_refused_before_the_check(
+    tmp_path, dataset, run_cli
+):
+    config = write_config(tmp_path, dataset)
+    folder = tmp_path / "figure.png"
+    folder.mkdir()
+    code, out, err = run_cli("mup-check", config, "--widths", "32,64", "-o", folder)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"error: -o {folder} is a directory; -o names the figure file to write, e.g. "
+        f"{folder / 'coord.png'}"
+    ]
+    assert list(folder.iterdir()) == []
+    code, out, err = run_cli("mup-check", config, "--widths", "32,64", "-o", config / "f.png")
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"error: -o {config / 'f.png'}: {config} is a file, not a directory to write the figure in"
+    ]
+
+
 def test_sgd_under_mup_is_refused(tmp_path, dataset, run_cli):
     config = write_config(tmp_path, dataset)
     code, _out, err = run_cli(

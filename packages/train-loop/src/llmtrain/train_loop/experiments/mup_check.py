@@ -27,7 +27,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
 
@@ -395,7 +395,33 @@ def figure(checks: Sequence[Check], output: Path, steps: int) -> None:
     tmp.replace(output)
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """`parser`'s argument errors (CONFIG or --widths missing, `--steps abc`, a choice that is
+    not one) as one `error:` line naming what is wrong, exit 2 (a `UserError`, as every refusal
+    of the command), not argparse's usage block."""
+
+    def error(message: str) -> NoReturn:
+        raise UserError(f"{parser.prog}: {message} (`{parser.prog} --help` lists the options)")
+
+    parser.error = error  # type: ignore[method-assign]  # this parser's errors only
+
+
+def check_output(output: Path) -> None:
+    """`-o`: the figure file to write, refused before anything runs unless it can be one."""
+    if output.is_dir():
+        raise UserError(
+            f"-o {output} is a directory; -o names the figure file to write, e.g. "
+            f"{output / 'coord.png'}"
+        )
+    if output.suffix.lower() not in FORMATS:
+        raise UserError(f"-o {output}: use a file ending in {', '.join(FORMATS)}")
+    parent = next((p for p in output.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise UserError(f"-o {output}: {parent} is a file, not a directory to write the figure in")
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
+    one_line_errors(parser)
     main_object(parser, "config", metavar="CONFIG", help="the run config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=1e-2")
     parser.add_argument(
@@ -425,8 +451,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.steps < 1:
         raise UserError(f"--steps must be at least 1, got {args.steps}")
     output = Path(args.output) if args.output else None
-    if output is not None and output.suffix.lower() not in FORMATS:
-        raise UserError(f"-o {output}: use a file ending in {', '.join(FORMATS)}")
+    if output is not None:
+        check_output(output)
     config = load_run_config(args.config, ctx.plugins, args.overrides)
     kinds = PARAMETRIZATIONS if args.parametrization == "both" else (args.parametrization,)
     checks = coordinate_check(
