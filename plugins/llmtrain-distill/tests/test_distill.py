@@ -134,6 +134,26 @@ def test_a_missing_teacher_is_one_error_line(teacher_run, run_cli):
     assert "training.objective.teacher" in lines[0] and str(tmp / "no") in lines[0]
 
 
+def test_a_teacher_with_shorter_positions_than_the_students_seq_len_is_refused(
+    teacher_run, run_cli
+):
+    tmp, config = teacher_run  # the teacher: model.max_seq_len 64
+    student = {**config, "name": "longer", "run_dir": str(tmp / "longer")}
+    student["model"] = {**config["model"], "max_seq_len": 128}
+    student["data"] = {**config["data"], "seq_len": 96}
+    teacher = tmp / "runs" / "teacher"
+    student["training"] = {"steps": 2, "objective": {"kind": "distill", "teacher": str(teacher)}}
+    code, _, err = run_cli("run", ts.write_config(tmp / "longer.yaml", student))
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0] == (
+        f"error: training.objective.teacher: the teacher {teacher} takes at most 64 tokens "
+        "(its model.max_seq_len), fewer than the student's data.seq_len (96); distill from a "
+        "teacher trained with max_seq_len of at least 96, or lower data.seq_len"
+    )
+    assert not (tmp / "longer" / "longer" / "checkpoints").exists()
+
+
 def test_pipeline_parallelism_is_refused_naming_the_config_path():
     from llmtrain_distill.objective import build
 

@@ -11,7 +11,9 @@ device) scores them there.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +119,23 @@ def build(options: DistillOptions, context: ObjectiveContext) -> Distill:
             f"{WHERE}.teacher: the teacher's vocabulary ({vocab}) differs from the student's "
             f"model.vocab_size ({student}); distill needs the same tokenizer"
         )
+    check_positions(options.teacher, teacher.options.max_seq_len, context.config)
     teacher.to(context.device).eval().requires_grad_(False)
     return Distill(teacher, options, context.record_metric)
+
+
+def check_positions(teacher: str, longest: int, config: Mapping[str, Any]) -> None:
+    """The teacher sees the student's windows, so it must take `data.seq_len` tokens (its
+    learned positions or rope tables end at its `max_seq_len`): refused here, when the
+    objective is built, not as a crash at the first step."""
+    seq_len = (config.get("data") or {}).get("seq_len")
+    if isinstance(seq_len, int) and seq_len > longest:
+        raise UserError(
+            f"{WHERE}.teacher: the teacher {teacher} takes at most {longest} tokens (its "
+            f"model.max_seq_len), fewer than the student's data.seq_len ({seq_len}); distill "
+            f"from a teacher trained with max_seq_len of at least {seq_len}, or lower "
+            "data.seq_len"
+        )
 
 
 def teacher_location(path: str) -> tuple[str, int | None]:
