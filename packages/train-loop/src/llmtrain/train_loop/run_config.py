@@ -382,6 +382,16 @@ class TrainingConfig:
             raise ConfigValueError(
                 "steps", "give exactly one of training.steps and training.tokens"
             )
+        if self.z_loss and self.objective != _default_objective():
+            # which one weighs the z-loss would be a guess: the deprecated key is moved into
+            # the default objective only (`without_deprecated`)
+            raise ConfigValueError(
+                "z_loss",
+                "the deprecated training.z_loss and training.objective are both given; write "
+                f"the weight in the objective (training.objective: {{kind: "
+                f"{self.objective.kind}, z_loss: {self.z_loss}}}, where it takes one) and "
+                "remove training.z_loss",
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -487,6 +497,10 @@ def _default_loggers() -> list[Choice]:
     return [logger(kind="console"), logger(kind="jsonl")]
 
 
+# optimizers without a µP rule: a model with `parametrization: mup` cannot be trained by them
+MUP_WITHOUT_RULE = frozenset({"sgd"})
+
+
 @attrs.frozen(kw_only=True)
 class RunConfig:
     name: str = attrs.field(validator=_name)
@@ -509,6 +523,18 @@ class RunConfig:
     init: InitConfig | None = None
     # plugin callbacks, called after the built-in ones in this order (train-loop README)
     callbacks: list[Choice.of("callback")] = attrs.Factory(list)  # type: ignore[valid-type]
+
+    def __attrs_post_init__(self) -> None:
+        # the optimizer's µP rule (optim.multiplier_groups) is Adam's; sgd refuses a µP model
+        # when it is built, which is when the run starts: said here, at validation, instead
+        parametrization = getattr(self.model.options, "parametrization", None)
+        if parametrization == "mup" and self.optimizer.kind in MUP_WITHOUT_RULE:
+            raise ConfigValueError(
+                ("optimizer", "kind"),
+                f"{self.optimizer.kind} has no µP learning-rate rule, and model.parametrization "
+                "is mup; use adamw, adam or muon with parametrization: mup, or "
+                f"parametrization: standard with {self.optimizer.kind}",
+            )
 
 
 def warmup_outlasts(schedule: object, total_steps: int) -> str | None:
@@ -542,7 +568,9 @@ def without_deprecated(config: RunConfig, plugins: PluginManager) -> tuple[RunCo
     if choice.kind != "cross_entropy" or options.z_loss:
         return config, [message]
     moved = attrs.evolve(choice, options=attrs.evolve(options, z_loss=training.z_loss))
-    return attrs.evolve(config, training=attrs.evolve(training, objective=moved)), [message]
+    # moved, not copied: the written config.yaml reads back without the deprecated key
+    training = attrs.evolve(training, objective=moved, z_loss=0.0)
+    return attrs.evolve(config, training=training), [message]
 
 
 @runtime_checkable

@@ -1,0 +1,124 @@
+"""Inputs that ran, or never returned, without saying what they did (issue 52), through the
+real CLI: each is one `error:` line and exit 2 before anything is trained, or one warning that
+says what the run did instead of what the config asked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LR = 1e-3
+
+
+def write_config(tmp_path: Path, dataset: Path | str, **sections: Any) -> Path:
+    config: dict[str, Any] = {
+        "name": "r",
+        "run_dir": str(tmp_path / "runs"),
+        "device": "cpu",
+        "model": {"kind": "tiny", "max_seq_len": 32, "d_model": 16, "n_layers": 1},
+        "data": {"train": [{"path": str(dataset)}], "seq_len": 32, "micro_batch": 4},
+        "optimizer": {"kind": "adamw", "lr": LR},
+        "loggers": [{"kind": "jsonl"}],
+        "training": {"steps": 4, "log_every": 1},
+    }
+    for key, value in sections.items():
+        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def error_line(code: int, err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1, err
+    assert "Traceback" not in err and "this is a bug" not in err, err
+    return lines[0]
+
+
+# -- 1. YAML that never returned -----------------------------------------------------------------
+
+
+def test_config_validate_refuses_an_alias_bomb_in_one_line(tmp_path):
+    lines = ["name: r", "a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        lines.append(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    # a process that does not return is the failure (it did not, before)
+    done = subprocess.run(
+        [sys.executable, "-m", "llmtrain", "config", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    line = error_line(done.returncode, done.stderr)
+    assert line.startswith(f"error: {path}:7: this value holds more than 100000 values"), line
+
+
+def test_deep_nesting_and_huge_numbers_are_one_line_each(run_cli, tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: r\nx: " + "[" * 10_000 + "]" * 10_000 + "\n")
+    line = error_line(*run_cli("config", "validate", deep)[::2])
+    assert line == f"error: {deep}:2: nested more than 100 levels deep; no config needs that many"
+
+    path = write_config(tmp_path, "train.zarr")
+    code, _, err = run_cli("config", "validate", path, "training.steps=1e400")
+    assert "1e400 is beyond the largest number a float holds" in error_line(code, err)
+    huge = tmp_path / "huge.yaml"
+    huge.write_text(path.read_text().replace("steps: 4", "steps: " + "9" * 10_000))
+    line = error_line(*run_cli("config", "validate", huge)[::2])
+    assert line.endswith(": a number of 10000 digits; no option takes more than 100"), line
+
+
+# -- 2. µP ---------------------------------------------------------------------------------------
+
+
+def test_sgd_with_a_mup_model_is_refused_at_validation(run_cli, tmp_path):
+    path = write_config(
+        tmp_path,
+        "train.zarr",
+        model={"parametrization": "mup", "mup_base_width": 8},
+        optimizer={"kind": "sgd", "lr": 0.1},
+    )
+    code, _, err = run_cli("config", "validate", path)
+    line = error_line(code, err)
+    assert line.startswith(f"error: {path}:")
+    assert "optimizer.kind: sgd has no µP learning-rate rule, and model.parametrization is mup" in (
+        line
+    )
+
+
+# -- 3. ambiguity --------------------------------------------------------------------------------
+
+
+def test_objective_with_the_deprecated_z_loss_is_refused(run_cli, tmp_path):
+    path = write_config(
+        tmp_path,
+        "train.zarr",
+        training={"objective": {"kind": "cross_entropy", "z_loss": 1e-4}, "z_loss": 1e-3},
+    )
+    code, _, err = run_cli("config", "validate", path)
+    line = error_line(code, err)
+    assert line.endswith(
+        "training.z_loss: the deprecated training.z_loss and training.objective are both "
+        "given; write the weight in the objective (training.objective: {kind: cross_entropy, "
+        "z_loss: 0.001}, where it takes one) and remove training.z_loss"
+    ), line
+
+
+def test_the_deprecated_z_loss_alone_still_runs_and_is_written_moved(run_cli, dataset, tmp_path):
+    path = write_config(tmp_path, dataset, training={"z_loss": 1e-3, "steps": 2})
+    code, _, err = run_cli("run", path)
+    assert code == 0, err
+    assert "training.z_loss is deprecated" in err
+    written = yaml.safe_load((tmp_path / "runs" / "r" / "config.yaml").read_text())
+    assert written["training"]["z_loss"] == 0.0
+    assert written["training"]["objective"]["z_loss"] == 1e-3
+    # the written config reads back (a resume from it, or a sweep's copy)
+    code, _, err = run_cli("config", "validate", tmp_path / "runs" / "r" / "config.yaml")
+    assert code == 0, err
