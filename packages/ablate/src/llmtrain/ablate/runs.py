@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -34,6 +35,28 @@ EVAL_TASKS_SETTINGS = ("shots", "seed", "limit", "max_len")
 STDERR = "_stderr"  # `<metric>_stderr`: the standard error of `<metric>`, logged beside it
 # logged beside a task's metrics, not results: items whose context was cut, time taken
 BOOKKEEPING = ("truncated", "items", "seconds")
+# summary.json's numbers (train-loop's summary callback): each a number or null; any other value
+# makes the run damaged (left out, named), not a crash in `compare` or `fit` later on
+SUMMARY_NUMBERS = (
+    "step",
+    "total_steps",
+    "tokens",
+    "wall_time_s",
+    "world_size",
+    "params",
+    "non_embedding_params",
+    "flops_per_token",
+)
+
+
+class DamagedFile(UserError):
+    """A run's or a sweep's file that cannot be read as what it should hold: `file`, and
+    `problem`, what is wrong with it (a `UserError`: alone, its message is one clean line)."""
+
+    def __init__(self, file: Path, problem: str) -> None:
+        super().__init__(f"{file}: {problem}")
+        self.file = file
+        self.problem = problem
 
 
 @attrs.frozen
@@ -79,16 +102,53 @@ class Run:
 
 
 def read_run(path: str | Path) -> Run:
+    """The run in `path`. A file that is there but cannot be read (not UTF-8, not YAML or JSON,
+    a folder, the wrong shape: `read_config`, `read_metrics`, `checked_summary`) raises
+    `DamagedFile` naming it."""
     path = Path(path)
-    config_file = path / "config.yaml"
-    try:
-        config = yaml.safe_load(config_file.read_text(encoding="utf-8")) or {}
-    except OSError as exc:
-        raise UserError(f"{path}: not a run directory (cannot read config.yaml: {exc})") from None
-    except yaml.YAMLError as exc:
-        raise UserError(f"{config_file}: not valid YAML ({exc})") from None
+    config = read_config(path)
     metrics = read_metrics(path / "metrics.jsonl")
-    return Run(path, config, with_eval_tasks(metrics, read_eval_tasks(path)), read_summary(path))
+    return Run(path, config, with_eval_tasks(metrics, read_eval_tasks(path)), checked_summary(path))
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The run's config.yaml: a mapping (empty: {})."""
+    config_file = path / "config.yaml"
+    if not config_file.exists():
+        raise UserError(f"{path}: not a run directory (it has no config.yaml)")
+    try:
+        config = yaml.safe_load(read_text(config_file)) or {}
+    except yaml.YAMLError as exc:
+        problem = " ".join(str(exc).split())  # one line
+        raise DamagedFile(config_file, f"not valid YAML ({problem})") from None
+    if not isinstance(config, dict):
+        raise DamagedFile(config_file, f"holds {_kind(config)}, not a mapping of settings")
+    return config
+
+
+def read_text(file: Path) -> str:
+    """`file`'s text (UTF-8); `DamagedFile` when it cannot be read (a folder, not UTF-8)."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DamagedFile(file, f"cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise DamagedFile(file, f"not UTF-8 text (byte {exc.start})") from None
+
+
+def read_json(file: Path) -> object:
+    """`file`'s JSON document; `DamagedFile` when it cannot be read or is not JSON (cut short)."""
+    text = read_text(file)
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise DamagedFile(file, f"not valid JSON, cut short? ({exc})") from None
+
+
+def _kind(value: object) -> str:
+    """'a list', 'a string', ...: what a JSON or YAML document holds instead."""
+    kinds = {list: "a list", str: "a string", bool: "true/false", type(None): "null"}
+    return kinds.get(type(value), "a number" if is_number(value) else type(value).__name__)
 
 
 def read_eval_tasks(path: Path) -> list[dict[str, Any]]:
@@ -148,13 +208,24 @@ def _before(step: object, other: object) -> bool:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The logged lines in order; a half-written last line (a killed run) is left out."""
+    """The logged lines in order; a half-written last line (a killed run) is left out, and so
+    is a line that is not JSON (a resumed run appends after its half-written line). A file that
+    cannot be read, or whose lines before the last are not UTF-8, raises `DamagedFile`."""
     if not path.exists():
         return []
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise DamagedFile(path, f"cannot be read ({exc.strerror or exc})") from None
+    lines = data.splitlines()
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for at, raw in enumerate(lines):
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            if at == len(lines) - 1:
+                continue  # cut in the middle of a character
+            raise DamagedFile(path, f"not UTF-8 text (line {at + 1}, byte {exc.start})") from None
         except ValueError:
             continue
         if isinstance(row, dict) and "step" in row:
@@ -163,17 +234,62 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def read_summary(path: Path) -> dict[str, Any] | None:
+    """`path`'s summary.json, None when absent or not a JSON object (lenient: for `sweep`,
+    which reads whether a run finished; the analysis commands read `checked_summary`)."""
     try:
-        summary: dict[str, Any] = json.loads((path / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        summary = read_json(path / "summary.json")
+    except DamagedFile:
         return None
-    return summary  # the JSON object train-loop writes
+    return summary if isinstance(summary, dict) else None
+
+
+def checked_summary(path: Path) -> dict[str, Any] | None:
+    """`path`'s summary.json, None when absent (running or killed); `DamagedFile` when it cannot
+    be read, is not a JSON object or holds a non-number in one of `SUMMARY_NUMBERS`."""
+    file = path / "summary.json"
+    if not file.exists():
+        return None
+    summary = read_json(file)
+    if not isinstance(summary, dict):
+        raise DamagedFile(file, f"holds {_kind(summary)}, not a JSON object")
+    wrong = [
+        f"{key} {summary[key]!r}"
+        for key in SUMMARY_NUMBERS
+        if summary.get(key) is not None and not is_number(summary[key])
+    ]
+    if wrong:
+        raise DamagedFile(file, f"not a number: {', '.join(wrong)}")
+    return summary
+
+
+def read_manifest(path: Path) -> list[str]:
+    """The run ids of the sweep in `path`, in order: manifest.json's `runs`, each `{"id": ...}`.
+    A manifest that cannot be read, or is not of that shape, is a `UserError`."""
+    file = path / "manifest.json"
+    try:
+        manifest = read_json(file)
+    except DamagedFile as exc:
+        raise UserError(f"{exc}; the sweep's list of runs is lost: {_MANIFEST_FIX}") from None
+    runs = manifest.get("runs", []) if isinstance(manifest, dict) else None
+    if not isinstance(runs, list) or not all(
+        isinstance(run, dict) and isinstance(run.get("id"), str) and run["id"] for run in runs
+    ):
+        raise UserError(
+            f'{file}: not a sweep manifest ({{"runs": [{{"id": "<run>"}}, ...]}}): {_MANIFEST_FIX}'
+        )
+    return [run["id"] for run in runs]
+
+
+_MANIFEST_FIX = "restore it, or give the run directories (or the sweep's folder without it)"
 
 
 def find_runs(paths: Sequence[str | Path]) -> list[Run]:
     """The runs named by `paths`: a run directory, a sweep (its manifest's runs, in order), or
-    a folder whose sub-folders are runs (sorted by name)."""
+    a folder whose sub-folders are runs (sorted by name). A damaged run (a file of it that
+    cannot be read: `DamagedFile`) is left out, and all of them named in one `warning:` line on
+    stderr; none readable left, or a damaged manifest.json, is a `UserError`."""
     runs: list[Run] = []
+    damaged: list[DamagedFile] = []
     seen: set[Path] = set()
     for given in paths:
         path = Path(given)
@@ -182,8 +298,7 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
         if (path / "config.yaml").exists():
             found = [path]
         elif (path / "manifest.json").exists():
-            manifest = json.loads((path / "manifest.json").read_text(encoding="utf-8"))
-            found = [path / run["id"] for run in manifest.get("runs", [])]
+            found = [path / run for run in read_manifest(path)]
             found = [p for p in found if (p / "config.yaml").exists()]
         else:
             found = sorted(p for p in path.iterdir() if (p / "config.yaml").exists())
@@ -194,7 +309,18 @@ def find_runs(paths: Sequence[str | Path]) -> list[Run]:
         for run_path in found:
             if run_path.resolve() not in seen:
                 seen.add(run_path.resolve())
-                runs.append(read_run(run_path))
+                try:
+                    runs.append(read_run(run_path))
+                except DamagedFile as exc:
+                    damaged.append(exc)
+    if damaged and not runs:
+        raise UserError(
+            f"no readable run: {'; '.join(map(str, damaged))}; repair or remove these files "
+            "(or re-run those runs)"
+        )
+    if damaged:
+        left_out = "; ".join(map(str, damaged))
+        print(f"warning: {len(damaged)} damaged run(s) left out: {left_out}", file=sys.stderr)
     return runs
 
 
