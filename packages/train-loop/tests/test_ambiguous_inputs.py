@@ -4,6 +4,7 @@ says what the run did instead of what the config asked."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,18 @@ def error_line(code: int, err: str) -> str:
     assert code == 2 and len(lines) == 1, err
     assert "Traceback" not in err and "this is a bug" not in err, err
     return lines[0]
+
+
+def lrs(tmp_path: Path) -> dict[int, float]:
+    lines = (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m["lr"] for m in map(json.loads, lines) if "lr" in m}
+
+
+def steps_logged(tmp_path: Path) -> list[int]:
+    metrics = tmp_path / "runs" / "r" / "metrics.jsonl"
+    if not metrics.exists():
+        return []
+    return [m["step"] for m in map(json.loads, metrics.read_text().splitlines()) if "loss" in m]
 
 
 # -- 1. YAML that never returned -----------------------------------------------------------------
@@ -93,6 +106,22 @@ def test_sgd_with_a_mup_model_is_refused_at_validation(run_cli, tmp_path):
     )
 
 
+def test_a_mup_checkpoint_does_not_resume_as_standard(run_cli, dataset, tmp_path):
+    mup = {"parametrization": "mup", "mup_base_width": 8}
+    path = write_config(tmp_path, dataset, model=mup)
+    code, _, err = run_cli("run", path)
+    assert code == 0, err
+    code, _, err = run_cli("run", path, "training.steps=6", "model.parametrization=standard")
+    line = error_line(code, err)
+    assert line == (
+        "error: model.parametrization: checkpoint step 4 was trained with parametrization "
+        "mup, the config says standard: the same weights would be another model; set "
+        "model.parametrization: mup to resume, or start a new run (another name, or "
+        "init.from) to change it"
+    )
+    assert steps_logged(tmp_path) == [1, 2, 3, 4]  # nothing trained
+
+
 # -- 3. ambiguity --------------------------------------------------------------------------------
 
 
@@ -121,4 +150,53 @@ def test_the_deprecated_z_loss_alone_still_runs_and_is_written_moved(run_cli, da
     assert written["training"]["objective"]["z_loss"] == 1e-3
     # the written config reads back (a resume from it, or a sweep's copy)
     code, _, err = run_cli("config", "validate", tmp_path / "runs" / "r" / "config.yaml")
+    assert code == 0, err
+
+
+def test_extending_with_another_lr_refuses_keeps_or_recomputes_saying_so(
+    run_cli, dataset, tmp_path
+):
+    path = write_config(tmp_path, dataset)
+    code, _, err = run_cli("run", path)
+    assert code == 0, err
+    said = "optimizer.lr: checkpoint step 4 was trained at lr 1.00e-03, the config says 2.00e-03"
+
+    code, _, err = run_cli("run", path, "training.steps=6", "optimizer.lr=0.002")
+    assert error_line(code, err) == (
+        f"error: {said}. Set optimizer.lr: 0.001 to resume as trained, "
+        "training.on_extend=keep to go on at 1.00e-03 or training.on_extend=recompute to train "
+        "at 2.00e-03 from step 5"
+    )
+    assert steps_logged(tmp_path) == [1, 2, 3, 4]
+
+    # keep: the trained lr (the optimizer state's), said; before, the config's was dropped unsaid
+    code, _, err = run_cli(
+        "run", path, "training.steps=6", "training.on_extend=keep", "optimizer.lr=0.002"
+    )
+    assert code == 0, err
+    assert f"{said}; training.on_extend=keep goes on at 1.00e-03" in err
+    assert lrs(tmp_path)[5] == LR
+
+    # recompute: the configured lr from the next step
+    code, _, err = run_cli(
+        "run", path, "training.steps=8", "training.on_extend=recompute", "optimizer.lr=0.002"
+    )
+    assert code == 0, err
+    said = said.replace("step 4", "step 6")
+    assert f"{said}; training.on_extend=recompute goes on at 2.00e-03 from step 7" in err
+    assert lrs(tmp_path)[7] == 2 * LR
+
+
+def test_rerunning_a_finished_run_with_fewer_steps_is_refused(run_cli, dataset, tmp_path):
+    path = write_config(tmp_path, dataset)
+    code, _, err = run_cli("run", path)
+    assert code == 0, err
+    code, _, err = run_cli("run", path, "training.steps=2")
+    assert error_line(code, err) == (
+        "error: training.steps: checkpoint step 4 is past the 2 steps the config asks for: "
+        "nothing would be trained; set training.steps for more than 4 steps to train on, or "
+        "choose another run name to start over"
+    )
+    # the same steps again: finished already, nothing to train, exit 0 as before
+    code, _, err = run_cli("run", path)
     assert code == 0, err

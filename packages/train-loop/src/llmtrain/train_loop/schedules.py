@@ -202,6 +202,34 @@ def on_extend(
     )
 
 
+def on_lr_change(mode: str, step: int, trained: float, configured: float) -> Extension:
+    """`training.on_extend` on a resume whose `optimizer.lr` is not the one the checkpoint was
+    trained at (its optimizer state holds that one): keep it, take the configured one
+    (recompute) or refuse (a one-line `UserError`). Said either way."""
+    from llmtrain.core_mesh.errors import UserError
+
+    said = (
+        f"optimizer.lr: checkpoint step {step} was trained at lr {trained:.2e}, the config "
+        f"says {configured:.2e}"
+    )
+    if mode == "keep":
+        return Extension(
+            True, "lr.base_kept", f"{said}; training.on_extend=keep goes on at {trained:.2e}"
+        )
+    if mode == "recompute":
+        return Extension(
+            False,
+            "lr.base_changed",
+            f"{said}; training.on_extend=recompute goes on at {configured:.2e} from step "
+            f"{step + 1}",
+        )
+    raise UserError(
+        f"{said}. Set optimizer.lr: {trained:g} to resume as trained, training.on_extend=keep "
+        f"to go on at {trained:.2e} or training.on_extend=recompute to train at "
+        f"{configured:.2e} from step {step + 1}"
+    )
+
+
 def described(record: dict[str, Any], options: bool) -> str:
     """'a cosine lr schedule over 600 steps' (with its options, when `options`)."""
     choice = record["lr_scheduler"] or {"kind": "constant"}

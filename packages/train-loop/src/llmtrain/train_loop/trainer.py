@@ -90,6 +90,7 @@ from llmtrain.train_loop.schedules import (
     constant,
     decay_start,
     on_extend,
+    on_lr_change,
     schedule_change,
 )
 from llmtrain.train_loop.step_gate import step_where
@@ -435,7 +436,10 @@ class Trainer:
                 f"run uses {self.config.data.seq_len}: the windows and their order would differ; "
                 "keep the sequence length to resume (start a new run, with init.from, to change it)"
             )
+        self._check_resumable(latest)
+        configured = [group["base_lr"] for group in self._param_groups()]
         step = self.checkpoints.load(self.state, step=latest)
+        self._resume_lr(step, configured)
         if data.get("mixture") is not None:
             self._resume_mixture(step, data["mixture"])
         trained = self.checkpoints.info(step).get("info", {}).get("lr_schedule")
@@ -445,6 +449,52 @@ class Trainer:
         self.callbacks.load_state(saved, self.checkpoints.step_url(step))
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
         self.callbacks.emit("on_load", self.view, step)
+
+    def _check_resumable(self, latest: int) -> None:
+        """Refuse a resume that would train another model than the checkpoint's (another
+        parametrization: the same weights, other multipliers) or train nothing (a checkpoint
+        past the configured steps)."""
+        c = self.config
+        recorded = self.checkpoints.info(latest).get("info", {}).get("model", {})
+        was = recorded.get("parametrization")
+        now = self.info["model"].get("parametrization")
+        if was is not None and now is not None and was != now:
+            raise UserError(
+                f"model.parametrization: checkpoint step {latest} was trained with "
+                f"parametrization {was}, the config says {now}: the same weights would be "
+                f"another model; set model.parametrization: {was} to resume, or start a new run "
+                "(another name, or init.from) to change it"
+            )
+        if latest > self.total_steps:
+            key = "training.steps" if c.training.steps is not None else "training.tokens"
+            raise UserError(
+                f"{key}: checkpoint step {latest} is past the {self.total_steps} steps the "
+                f"config asks for: nothing would be trained; set {key} for more than "
+                f"{latest} steps to train on, or choose another run name to start over"
+            )
+
+    def _param_groups(self) -> Iterator[dict[str, Any]]:
+        for opt in self._all_optimizers():
+            yield from opt.param_groups
+
+    def _resume_lr(self, step: int, configured: list[float]) -> None:
+        """A resume whose configured lr (`configured`: each group's `base_lr` before the
+        checkpoint's optimizer state replaced it) is not the trained one: keep the trained one,
+        take the configured one or refuse, as `training.on_extend` says; never silently."""
+        groups = list(self._param_groups())
+        changed = [
+            (group["base_lr"], lr)
+            for group, lr in zip(groups, configured, strict=True)
+            if not math.isclose(group["base_lr"], lr, rel_tol=1e-9)
+        ]
+        if not changed:
+            return
+        decision = on_lr_change(self.config.training.on_extend, step, *changed[0])
+        if not decision.keep_trained:
+            for group, lr in zip(groups, configured, strict=True):
+                group["base_lr"] = lr
+        if self.world.is_main:
+            log.warning(decision.event, message=decision.message)
 
     def _resume_mixture(self, step: int, trained: list[dict[str, Any]]) -> None:
         """A resume at `step` goes on with the configured mixture schedule where it gives the
