@@ -7,9 +7,11 @@ line, the other runs go on (exit 0); a damaged manifest.json, or no readable run
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
@@ -224,3 +226,34 @@ def _not_utf8(data: bytes) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def test_fit_mixture_goes_on_without_the_damaged_runs(tmp_path, run_cli):
+    """`fit --mixture` reads its runs with the same readers: two damaged runs of eight are named
+    in one warning, and the mixture is fitted on the other six."""
+    pytest.importorskip("lightgbm")
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    datasets = ("/data/web.zarr", "/data/code.zarr", "/data/junk.zarr")
+    ids = []
+    mixtures = np.random.default_rng(1).dirichlet([1.0, 1.0, 1.0], 8)
+    for k, weights in enumerate(mixtures):
+        run = sweep / f"mix={k:03d}"
+        ids.append({"id": run.name})
+        run.mkdir()
+        train = [{"path": p, "weight": float(w)} for p, w in zip(datasets, weights, strict=True)]
+        config = {"name": run.name, "seed": 0, "data": {"train": train, "seq_len": 64}}
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        web, code = 3.0 + 0.8 * math.exp(-3 * weights[0]), 3.2 + 1.2 * math.exp(-4 * weights[1])
+        line = {"step": 2, "loss": 4.0, "eval/web/loss": web, "eval/code/loss": code}
+        (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        (run / "summary.json").write_text('{"status": "finished", "step": 2, "tokens": 200}')
+    (sweep / "manifest.json").write_text(json.dumps({"runs": ids}))
+    (sweep / "mix=002" / "summary.json").write_text('{"status": "finished", "tokens": "many"}')
+    (sweep / "mix=005" / "metrics.jsonl").write_bytes(b"\xff\xfe\n" * 2)
+    code, out, err = run_cli("fit", sweep, "--mixture")
+    assert code == 0, err
+    (warning,) = lines_of(err, "warning:")
+    assert str(sweep / "mix=002" / "summary.json") in warning
+    assert str(sweep / "mix=005" / "metrics.jsonl") in warning
+    assert "6 runs, 3 datasets" in out
