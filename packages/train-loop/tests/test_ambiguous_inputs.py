@@ -8,29 +8,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 LR = 1e-3
-
-
-def write_config(tmp_path: Path, dataset: Path | str, **sections: Any) -> Path:
-    config: dict[str, Any] = {
-        "name": "r",
-        "run_dir": str(tmp_path / "runs"),
-        "device": "cpu",
-        "model": {"kind": "tiny", "max_seq_len": 32, "d_model": 16, "n_layers": 1},
-        "data": {"train": [{"path": str(dataset)}], "seq_len": 32, "micro_batch": 4},
-        "optimizer": {"kind": "adamw", "lr": LR},
-        "loggers": [{"kind": "jsonl"}],
-        "training": {"steps": 4, "log_every": 1},
-    }
-    for key, value in sections.items():
-        config[key] = {**config.get(key, {}), **value} if isinstance(value, dict) else value
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
 
 
 def error_line(code: int, err: str) -> str:
@@ -73,13 +54,13 @@ def test_config_validate_refuses_an_alias_bomb_in_one_line(tmp_path):
     assert line.startswith(f"error: {path}:7: this value holds more than 100000 values"), line
 
 
-def test_deep_nesting_and_huge_numbers_are_one_line_each(run_cli, tmp_path):
+def test_deep_nesting_and_huge_numbers_are_one_line_each(run_cli, tiny_run_config, tmp_path):
     deep = tmp_path / "deep.yaml"
     deep.write_text("name: r\nx: " + "[" * 10_000 + "]" * 10_000 + "\n")
     line = error_line(*run_cli("config", "validate", deep)[::2])
     assert line == f"error: {deep}:2: nested more than 100 levels deep; no config needs that many"
 
-    path = write_config(tmp_path, "train.zarr")
+    path = tiny_run_config()
     code, _, err = run_cli("config", "validate", path, "training.steps=1e400")
     assert "1e400 is beyond the largest number a float holds" in error_line(code, err)
     huge = tmp_path / "huge.yaml"
@@ -91,10 +72,8 @@ def test_deep_nesting_and_huge_numbers_are_one_line_each(run_cli, tmp_path):
 # -- 2. µP ---------------------------------------------------------------------------------------
 
 
-def test_sgd_with_a_mup_model_is_refused_at_validation(run_cli, tmp_path):
-    path = write_config(
-        tmp_path,
-        "train.zarr",
+def test_sgd_with_a_mup_model_is_refused_at_validation(run_cli, tiny_run_config, tmp_path):
+    path = tiny_run_config(
         model={"parametrization": "mup", "mup_base_width": 8},
         optimizer={"kind": "sgd", "lr": 0.1},
     )
@@ -106,9 +85,9 @@ def test_sgd_with_a_mup_model_is_refused_at_validation(run_cli, tmp_path):
     )
 
 
-def test_a_mup_checkpoint_does_not_resume_as_standard(run_cli, dataset, tmp_path):
+def test_a_mup_checkpoint_does_not_resume_as_standard(run_cli, tiny_run_config, tmp_path):
     mup = {"parametrization": "mup", "mup_base_width": 8}
-    path = write_config(tmp_path, dataset, model=mup)
+    path = tiny_run_config(model=mup)
     code, _, err = run_cli("run", path)
     assert code == 0, err
     code, _, err = run_cli("run", path, "training.steps=6", "model.parametrization=standard")
@@ -125,10 +104,8 @@ def test_a_mup_checkpoint_does_not_resume_as_standard(run_cli, dataset, tmp_path
 # -- 3. ambiguity --------------------------------------------------------------------------------
 
 
-def test_objective_with_the_deprecated_z_loss_is_refused(run_cli, tmp_path):
-    path = write_config(
-        tmp_path,
-        "train.zarr",
+def test_objective_with_the_deprecated_z_loss_is_refused(run_cli, tiny_run_config, tmp_path):
+    path = tiny_run_config(
         training={"objective": {"kind": "cross_entropy", "z_loss": 1e-4}, "z_loss": 1e-3},
     )
     code, _, err = run_cli("config", "validate", path)
@@ -140,8 +117,10 @@ def test_objective_with_the_deprecated_z_loss_is_refused(run_cli, tmp_path):
     ), line
 
 
-def test_the_deprecated_z_loss_alone_still_runs_and_is_written_moved(run_cli, dataset, tmp_path):
-    path = write_config(tmp_path, dataset, training={"z_loss": 1e-3, "steps": 2})
+def test_the_deprecated_z_loss_alone_still_runs_and_is_written_moved(
+    run_cli, tiny_run_config, tmp_path
+):
+    path = tiny_run_config(training={"z_loss": 1e-3, "steps": 2})
     code, _, err = run_cli("run", path)
     assert code == 0, err
     assert "training.z_loss is deprecated" in err
@@ -154,9 +133,9 @@ def test_the_deprecated_z_loss_alone_still_runs_and_is_written_moved(run_cli, da
 
 
 def test_extending_with_another_lr_refuses_keeps_or_recomputes_saying_so(
-    run_cli, dataset, tmp_path
+    run_cli, tiny_run_config, tmp_path
 ):
-    path = write_config(tmp_path, dataset)
+    path = tiny_run_config()
     code, _, err = run_cli("run", path)
     assert code == 0, err
     said = "optimizer.lr: checkpoint step 4 was trained at lr 1.00e-03, the config says 2.00e-03"
@@ -187,8 +166,8 @@ def test_extending_with_another_lr_refuses_keeps_or_recomputes_saying_so(
     assert lrs(tmp_path)[7] == 2 * LR
 
 
-def test_rerunning_a_finished_run_with_fewer_steps_is_refused(run_cli, dataset, tmp_path):
-    path = write_config(tmp_path, dataset)
+def test_rerunning_a_finished_run_with_fewer_steps_is_refused(run_cli, tiny_run_config, tmp_path):
+    path = tiny_run_config()
     code, _, err = run_cli("run", path)
     assert code == 0, err
     code, _, err = run_cli("run", path, "training.steps=2")

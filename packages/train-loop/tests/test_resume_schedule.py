@@ -7,32 +7,26 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from llmtrain.train_loop.schedules import WarmupOptions, WSDOptions, cosine, wsd
 
 LR = 1e-3
 
 
-def write_config(tmp_path: Path, dataset: Path, schedule: dict[str, Any]) -> Path:
-    config = {
-        "name": "r",
-        "run_dir": str(tmp_path / "runs"),
-        "device": "cpu",
-        "model": {"kind": "tiny", "max_seq_len": 32, "d_model": 16, "n_layers": 1},
-        "data": {"train": [{"path": str(dataset)}], "seq_len": 32, "micro_batch": 4},
-        "optimizer": {"kind": "adamw", "lr": LR},
-        "lr_scheduler": schedule,
-        "loggers": [{"kind": "jsonl"}],
-        "training": {"steps": 12, "log_every": 1, "checkpoint_every": 6},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return path
+@pytest.fixture
+def write_config(tiny_run_config: Callable[..., Path]) -> Callable[[dict[str, Any]], Path]:
+    """A 12-step run config with the lr schedule `schedule`, a checkpoint every 6 steps."""
+
+    def write(schedule: dict[str, Any]) -> Path:
+        training = {"steps": 12, "log_every": 1, "checkpoint_every": 6}
+        return tiny_run_config(optimizer={"lr": LR}, lr_scheduler=schedule, training=training)
+
+    return write
 
 
 def lrs(tmp_path: Path) -> dict[int, float]:
@@ -54,8 +48,8 @@ def error_line(code: int, err: str) -> str:
 COSINE = {"kind": "cosine", "warmup_steps": 2, "min_ratio": 0.1}
 
 
-def test_a_resumed_run_has_the_uninterrupted_runs_lr_at_every_step(run_cli, dataset, tmp_path):
-    path = write_config(tmp_path, dataset, COSINE)
+def test_a_resumed_run_has_the_uninterrupted_runs_lr_at_every_step(run_cli, write_config, tmp_path):
+    path = write_config(COSINE)
     code, _, err = run_cli("run", path)
     assert code == 0, err
     whole = lrs(tmp_path)
@@ -70,9 +64,9 @@ def test_a_resumed_run_has_the_uninterrupted_runs_lr_at_every_step(run_cli, data
 
 
 def test_an_extended_cosine_run_refuses_naming_the_jump_then_keeps_or_recomputes(
-    run_cli, dataset, tmp_path
+    run_cli, write_config, tmp_path
 ):
-    path = write_config(tmp_path, dataset, COSINE)
+    path = write_config(COSINE)
     code, _, err = run_cli("run", path)
     assert code == 0, err
     whole = lrs(tmp_path)
@@ -112,9 +106,9 @@ def test_an_extended_cosine_run_refuses_naming_the_jump_then_keeps_or_recomputes
     assert lrs(tmp_path)[25] == pytest.approx(LR * again(24), rel=1e-12)
 
 
-def test_an_extended_wsd_run_keeps_its_lr_continuous(run_cli, dataset, tmp_path):
+def test_an_extended_wsd_run_keeps_its_lr_continuous(run_cli, write_config, tmp_path):
     schedule = {"kind": "wsd", "warmup_steps": 2, "decay_fraction": 0.25}
-    path = write_config(tmp_path, dataset, schedule)
+    path = write_config(schedule)
     code, _, err = run_cli("run", path)
     assert code == 0, err
     assert lrs(tmp_path)[12] == pytest.approx(LR / 3, rel=1e-12)  # decays over steps 10..12
@@ -134,9 +128,9 @@ def test_an_extended_wsd_run_keeps_its_lr_continuous(run_cli, dataset, tmp_path)
     assert [got[s] for s in range(3, 19)] == [LR] * 16  # no jump at step 7: flat until 18
 
 
-def test_wsd_decay_steps_extend_by_a_fixed_decay(run_cli, dataset, tmp_path):
+def test_wsd_decay_steps_extend_by_a_fixed_decay(run_cli, write_config, tmp_path):
     schedule = {"kind": "wsd", "decay_steps": 4}
-    path = write_config(tmp_path, dataset, schedule)
+    path = write_config(schedule)
     code, _, err = run_cli("run", path)
     assert code == 0, err
     back_to_step_6(tmp_path)
