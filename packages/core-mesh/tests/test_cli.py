@@ -112,6 +112,13 @@ def test_a_mistyped_command_gets_the_closest_names_in_one_line(capsys):
     )
 
 
+def test_an_unknown_flag_of_a_command_is_one_line_pointing_at_its_help(capsys):
+    assert main(["plugins", "--bogus", "-x"], plugins=manager()) == 2
+    assert capsys.readouterr().err == (
+        "error: llmtrain plugins: unrecognized arguments: --bogus -x; see llmtrain plugins --help\n"
+    )
+
+
 def test_console_script_version():
     out = subprocess.run(
         ["llmtrain", "--version"], capture_output=True, text=True, check=True

@@ -144,6 +144,12 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespa
     if late and isinstance(getattr(args, "overrides", None), list):
         args.overrides.extend(late)
         extra = [word for word in extra if word not in late]
+    if extra and getattr(args, "command", None):
+        # one line, as every other bad input: the command's usage is a --help away
+        raise UserError(
+            f"llmtrain {args.command}: unrecognized arguments: {' '.join(extra)}; see "
+            f"llmtrain {args.command} --help"
+        )
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
