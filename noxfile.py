@@ -8,6 +8,7 @@ depends on) into a fresh venv, so a missing dependency declaration fails here, n
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import shutil
 from pathlib import Path
@@ -42,6 +43,10 @@ SYSTEM_PROGRAMS = {
     "ablate": {"chromium": "chromium"},
     "integration": {"chromium": "chromium"},
 }
+# shared libraries outside Python that a session's tests load, by session: {library (as
+# ctypes.util.find_library names it): Debian package}. LightGBM's wheel (ablate's `mixture`
+# extra, `fit --mixture`) links the system's OpenMP runtime rather than bringing its own.
+SYSTEM_LIBRARIES = {"ablate": {"gomp": "libgomp1"}}
 # optional extras a package's own tests exercise, and extra test-only dependency groups
 EXTRAS = {"data-pack": "[all]", "checkpoint": "[s3]", "ablate": "[plot,mixture]"}
 TEST_GROUPS = {
@@ -166,14 +171,20 @@ def typecheck(session: nox.Session) -> None:
 
 
 def ensure_programs(session: nox.Session, tests_of: str | None = None) -> None:
-    """The programs outside Python that this session's tests run (SYSTEM_PROGRAMS; `tests_of`:
-    the session whose tests these are, default this one), installed with Debian's apt where the
-    machine lacks them: each session installs its own, whatever ran before it, so a session
-    passes alone on a new machine."""
+    """The programs and shared libraries outside Python that this session's tests run
+    (SYSTEM_PROGRAMS, SYSTEM_LIBRARIES; `tests_of`: the session whose tests these are, default
+    this one), installed with Debian's apt where the machine lacks them: each session installs
+    its own, whatever ran before it, so a session passes alone on a new machine."""
+    name = tests_of or session.name
     missing = [
         package
-        for program, package in SYSTEM_PROGRAMS.get(tests_of or session.name, {}).items()
+        for program, package in SYSTEM_PROGRAMS.get(name, {}).items()
         if not shutil.which(program)
+    ]
+    missing += [
+        package
+        for library, package in SYSTEM_LIBRARIES.get(name, {}).items()
+        if not ctypes.util.find_library(library)
     ]
     if not missing:
         return

@@ -296,6 +296,23 @@ def test_without_lightgbm_the_extra_is_named(swarm, run_cli, monkeypatch):
     assert "pip install './packages/ablate[mixture]'" in line
 
 
+def test_lightgbm_without_its_openmp_runtime_says_what_to_install(swarm, run_cli, monkeypatch):
+    """lib_lightgbm.so links libgomp.so.1, which a bare machine may lack: ctypes then raises
+    OSError while `import lightgbm` runs."""
+
+    class NoRuntime:
+        def find_spec(self, name, path=None, target=None):
+            if name == "lightgbm":
+                raise OSError("libgomp.so.1: cannot open shared object file")
+            return None
+
+    monkeypatch.delitem(sys.modules, "lightgbm", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [NoRuntime(), *sys.meta_path])
+    line = one_line_error(run_cli, "fit", swarm, "--mixture")
+    assert "LightGBM is installed but cannot load its library (libgomp.so.1" in line
+    assert "apt install libgomp1" in line
+
+
 def test_the_mixture_fit_runs_without_torch_and_the_plugin_loads_no_lightgbm(swarm, tmp_path):
     """In a child whose `import torch` finds a package that raises ImportError (first on
     PYTHONPATH, as if torch were not installed): loading ablate's plugin imports neither scipy

@@ -128,6 +128,11 @@ def _lightgbm(x: Array, y: Array, seed: int) -> Callable[[Array], Array]:
         import lightgbm
     except ImportError:
         raise UserError(f"llmtrain fit --mixture needs LightGBM: {EXTRA}") from None
+    except OSError as exc:  # its library links the system's OpenMP runtime, which may be absent
+        raise UserError(
+            f"LightGBM is installed but cannot load its library ({exc}); it needs the OpenMP "
+            "runtime: on Debian or Ubuntu apt install libgomp1, on macOS brew install libomp"
+        ) from None
     params = {**LIGHTGBM, "seed": seed}
     booster = lightgbm.train(
         params, lightgbm.Dataset(x, y, params={"min_data_in_bin": 1}), LIGHTGBM_ROUNDS
