@@ -5,11 +5,11 @@ deprecated spelling; held-out eval stays plain cross-entropy."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from llmtrain.core_mesh.interfaces import ObjectiveContext
 from llmtrain.train_loop.loss import IGNORE, cross_entropy_sum
@@ -27,32 +27,21 @@ def test_cross_entropy_objective_is_the_summed_loss_and_passes_targets_through(i
 
 
 def losses(
-    run_cli: Any, tmp_path: Path, dataset: Path, training: dict[str, Any]
+    run_cli: Any, write: Callable[..., Path], name: str, training: dict[str, Any]
 ) -> tuple[list[Any], str]:
-    config = {
-        "name": "r",
-        "run_dir": str(tmp_path / "runs"),
-        "device": "cpu",
-        "model": {"kind": "tiny", "max_seq_len": 32, "d_model": 16, "n_layers": 1},
-        "data": {"train": [{"path": str(dataset)}], "seq_len": 32, "micro_batch": 4},
-        "optimizer": {"kind": "adamw", "lr": 1e-3},
-        "loggers": [{"kind": "jsonl"}],
-        "training": {"steps": 4, "log_every": 1, **training},
-    }
-    tmp_path.mkdir()
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    code, _, err = run_cli("run", path)
+    """(loss, grad_norm) of each step of a 4-step run `name` (`tiny_run_config`), and stderr."""
+    config = write(name=name, training=training)
+    code, _, err = run_cli("run", config)
     assert code == 0, err
-    lines = (tmp_path / "runs" / "r" / "metrics.jsonl").read_text().splitlines()
+    lines = (config.parent / "runs" / name / "metrics.jsonl").read_text().splitlines()
     return [(m["loss"], m["grad_norm"]) for m in map(json.loads, lines) if "loss" in m], err
 
 
-def test_deprecated_z_loss_trains_as_the_objective_option(run_cli, dataset, tmp_path):
-    plain, _ = losses(run_cli, tmp_path / "a", dataset, {})
+def test_deprecated_z_loss_trains_as_the_objective_option(run_cli, tiny_run_config):
+    plain, _ = losses(run_cli, tiny_run_config, "a", {})
     objective = {"objective": {"kind": "cross_entropy", "z_loss": 0.01}}
-    new, quiet = losses(run_cli, tmp_path / "b", dataset, objective)
-    old, said = losses(run_cli, tmp_path / "c", dataset, {"z_loss": 0.01})
+    new, quiet = losses(run_cli, tiny_run_config, "b", objective)
+    old, said = losses(run_cli, tiny_run_config, "c", {"z_loss": 0.01})
     assert "training.z_loss is deprecated" in said
     assert "training.z_loss is deprecated" not in quiet
     assert len(new) == 4

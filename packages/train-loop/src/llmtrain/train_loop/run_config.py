@@ -223,8 +223,8 @@ class DataConfig:
                     ("phases", i, "weights"),
                     f"lists {len(phase.weights)} weights for {len(self.train)} data.train datasets",
                 )
-            for j, w in enumerate(phase.weights):
-                if not math.isfinite(w) or w < 0:
+            for j, w in enumerate(phase.weights):  # a float option is finite already
+                if w < 0:
                     raise ConfigValueError(
                         ("phases", i, "weights", j), f"must be at least 0, got {w}"
                     )
