@@ -26,6 +26,10 @@ from llmtrain.checkpoint.manager import Checkpointer, CheckpointError, load_fail
 from llmtrain.checkpoint.safe_io import SafeLoadPlanner
 
 MODEL_KEY = re.compile(r"^([^.]+)\.model\.")
+# where train-loop's `ema` callback saves its moving average of the trainable weights, by the
+# same names as the model's tensors (the other tensors, buffers among them, are the model's)
+EMA_PREFIX = "ema.weights."
+WEIGHTS = ("model", "ema")
 OPTIONS_FILE = "model_options.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,30 +53,57 @@ def load_model_weights(
     step: int | None = None,
     prefix: str | None = None,
     storage_options: Mapping[str, object] | None = None,
+    weights: str = "model",
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
-    """(weights by module name, the stored info, the step) from a committed checkpoint."""
+    """(weights by module name, the stored info, the step) from a committed checkpoint;
+    `weights="ema"`: the `ema` callback's moving average in place of the trainable weights."""
+    if weights not in WEIGHTS:
+        raise CheckpointError(f"weights {weights!r}: choose one of {', '.join(WEIGHTS)}")
     checkpoints = Checkpointer(url, storage_options=storage_options)
     step = checkpoints.resolve_step(step)
     if step is None:
         raise CheckpointError(f"{url} has no committed checkpoint")
     reader, metadata = checkpoints.open_step(step)  # every file it reads checked first
-    stored = metadata.state_dict_metadata
-    prefix = model_prefix(list(stored), prefix)
-    tensors = {
-        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in stored.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    stored = {
+        key: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
     }
-    if not tensors:
+    prefix = model_prefix(list(stored), prefix)
+    wanted = [key for key in stored if key.startswith(prefix)]
+    if not wanted:
         raise CheckpointError(f"{checkpoints.step_url(step)} has no tensors under {prefix!r}")
+    averaged = [key for key in stored if key.startswith(EMA_PREFIX)]
+    if weights == "ema":
+        if not averaged:
+            raise CheckpointError(
+                f"{checkpoints.step_url(step)} holds no moving average of the weights: the run "
+                "had no `ema` callback, or saved this step before the callback's start step; "
+                "use --weights model"
+            )
+        wanted += averaged
+    tensors = {
+        key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
+        for key in wanted
+    }
     with warnings.catch_warnings():  # one process on purpose; DCP warns that it assumes so
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
             dcp_load(tensors, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
         except CheckpointException as exc:
             raise load_failure(exc, checkpoints.step_url(step)) from exc
-    weights = {key.removeprefix(prefix): value for key, value in tensors.items()}
-    return weights, checkpoints.info(step), step
+    found = {key.removeprefix(prefix): tensors[key] for key in wanted if key.startswith(prefix)}
+    if weights == "ema":
+        for key in averaged:
+            name = key.removeprefix(EMA_PREFIX)
+            if name not in found:
+                raise CheckpointError(
+                    f"{checkpoints.step_url(step)}: the moving average holds {name!r}, which "
+                    "the model's weights do not"
+                )
+            # float32 average into the weight's own dtype, as the model held it
+            found[name] = tensors[key].to(found[name].dtype)
+    return found, checkpoints.info(step), step
 
 
 def export(
@@ -84,13 +115,14 @@ def export(
     dtype: str = "float32",
     overwrite: bool = False,
     storage_options: Mapping[str, object] | None = None,
+    weights: str = "model",
 ) -> dict[str, object]:
     from safetensors.torch import save as save_safetensors
 
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
-    weights, info, step = load_model_weights(
-        url, step=step, prefix=prefix, storage_options=storage_options
+    tensors, info, step = load_model_weights(
+        url, step=step, prefix=prefix, storage_options=storage_options, weights=weights
     )
     fs, path = fsspec.core.url_to_fs(output, **dict(storage_options or {}))
     if fs.exists(f"{path}/config.json"):
@@ -107,7 +139,7 @@ def export(
     data = save_safetensors(
         {
             k: (v.to(DTYPES[dtype]) if v.is_floating_point() else v).contiguous().clone()
-            for k, v in weights.items()
+            for k, v in tensors.items()
         },
         metadata={"format": "pt", "source": f"{url.rstrip('/')}/step-{step}"},
     )
@@ -119,9 +151,10 @@ def export(
     summary = {
         "source": f"{url.rstrip('/')}/step-{step}",
         "step": step,
-        "tensors": len(weights),
-        "parameters": int(sum(v.numel() for v in weights.values())),
+        "tensors": len(tensors),
+        "parameters": int(sum(v.numel() for v in tensors.values())),
         "bytes": len(data),
+        "weights": weights,
     }
     with fs.open(f"{path}/llmtrain.json", "w") as f:
         json.dump(summary, f, indent=2)

@@ -12,6 +12,8 @@ from llmtrain.core_mesh.plugins import Register, hookimpl
 
 # what --dtype accepts, for `export` and `hf export` alike
 DTYPES = ("float32", "bfloat16", "float16")
+# what --weights accepts: `llmtrain.checkpoint.export.WEIGHTS`' keys (not imported: torch)
+WEIGHTS = ("model", "ema")
 
 
 def export_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +34,16 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: float32)",
     )  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export")
+    weights_option(parser)
+
+
+def weights_option(parser: argparse.ArgumentParser) -> None:
+    """`--weights`: the model's own weights or the exponential moving average that train-loop's
+    `ema` callback saved beside them (`export`, `hf export`, `eval-tasks`)."""
+    parser.add_argument(
+        "--weights", default="model", choices=WEIGHTS, help="which weights of the checkpoint: "
+        "the model's, or the moving average of the run's `ema` callback (default: model)",
+    )  # fmt: skip
 
 
 def output_option(parser: argparse.ArgumentParser, *, help: str) -> None:
@@ -57,6 +69,7 @@ def _export(args: argparse.Namespace, ctx: Context) -> int:
         prefix=args.prefix,
         dtype=args.dtype or "float32",
         overwrite=args.overwrite,
+        weights=args.weights,
     )
     print(
         f"{done['output']}: {done['tensors']} tensors, {done['parameters']:,} parameters from "
