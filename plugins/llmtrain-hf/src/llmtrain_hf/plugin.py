@@ -63,6 +63,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             with_tokenizer=not args.no_tokenizer,
             overwrite=args.overwrite,
             plugins=ctx.plugins,
+            weights=args.weights,
         )
     else:
         report = import_hf(args.hf_dir, args.output, plugins=ctx.plugins)

@@ -79,13 +79,15 @@ def export_checkpoint(
     overwrite: bool = False,
     architecture: str | None = None,
     plugins: PluginManager | None = None,
+    weights: str = "model",
 ) -> Report:
     """Write a committed llmtrain checkpoint (newest step, or `step`) as a transformers model
     directory: config.json, model.safetensors, generation_config.json and the tokenizer files.
 
     `tokenizer` is a tokenizer.json to use instead of the recorded path (it must be the same
     tokenizer); `with_tokenizer=False` writes the model only; `architecture` picks one of
-    those that compute the model (MistralForCausalLM for a Llama-shaped model, say)."""
+    those that compute the model (MistralForCausalLM for a Llama-shaped model, say);
+    `weights="ema"`: the moving average train-loop's `ema` callback saved with the step."""
     from llmtrain.train_loop.saved_model import load_model
 
     if dtype not in DTYPES:
@@ -98,7 +100,7 @@ def export_checkpoint(
         )
     plugins = _plugins(plugins)
     with _one_process():
-        model, info, step = load_model(checkpoint, step, plugins)
+        model, info, step = load_model(checkpoint, step, plugins, weights=weights)
     if type(model) is not Transformer and not (
         isinstance(model, Transformer) and moe.is_moe(model.cfg)
     ):
@@ -124,7 +126,11 @@ def export_checkpoint(
         portable_config(staging, cfg)
         save_tokenizer(tok, staging)
         with open(os.path.join(staging, "llmtrain.json"), "w", encoding="utf-8") as f:
-            json.dump({"source": source, "step": step, "model": info.get("model")}, f, indent=2)
+            json.dump(
+                {"source": source, "step": step, "weights": weights, "model": info.get("model")},
+                f,
+                indent=2,
+            )
     return Report(
         output=out,
         source=source,

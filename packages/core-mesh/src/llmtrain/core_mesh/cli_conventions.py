@@ -147,6 +147,13 @@ class DeprecatedMainOption(argparse.Action):
         return f"{prog}: {option} {name} is deprecated; use {prog} {name}"
 
 
+def positive_int(text: str) -> int:
+    """An option's value that counts something (`--last 4`): a whole number of at least 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
+
+
 def main_object(
     parser: argparse.ArgumentParser,
     dest: str,

@@ -410,7 +410,10 @@ class TrainingRun(Protocol):
       reads every recorded value at once; `metric_directions`: which way each logged metric
       improves (`"higher"` or `"lower"`);
     - `request_stop(reason)`: end the run after this step, without saving it; call it on every
-      rank alike (decide from numbers all ranks share).
+      rank alike (decide from numbers all ranks share);
+    - `evaluate(due)`: the held-out loss, perplexity and bits per byte of the model's current
+      weights on `data.eval`'s sets (`due`: their indices; default all), by metric name, read
+      from the device once; call it on every rank alike.
     """
 
     @property
@@ -484,6 +487,8 @@ class TrainingRun(Protocol):
     def metric_directions(self) -> Mapping[str, str]: ...
 
     def request_stop(self, reason: str, /) -> None: ...
+
+    def evaluate(self, due: Sequence[int] | None = None, /) -> dict[str, float]: ...
 
 
 # how a recorded metric combines the values of the ranks that read different data (the data

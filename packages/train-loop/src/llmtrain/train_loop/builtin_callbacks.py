@@ -68,7 +68,15 @@ class Summary(Callback):
     def __init__(self) -> None:
         self.last_eval: dict[str, float] = {}
 
-    def after_eval(self, run: TrainingRun, step: int, metrics: dict[str, float]) -> None:
+    def on_log(
+        self,
+        run: TrainingRun,
+        step: int,
+        metrics: dict[str, float],
+        rank_metrics: dict[str, float],
+    ) -> None:
+        # at the logged step, not after_eval: callbacks after this one add held-out metrics
+        # of their own (the ema callback's eval/ema/...), and a step that evaluates is logged
         self.last_eval.update(
             (name, float(value))
             for name, value in metrics.items()

@@ -103,6 +103,18 @@ class Callbacks:
                 ) from exc
         return states
 
+    def tensor_states(self, run: TrainingRun) -> dict[str, Any]:
+        """The tensors callbacks keep laid out like the model, by callback key: what a
+        callback's `tensor_state(run)` returns (a Stateful of tensors; None while it keeps
+        none), saved and loaded with the model's shards. Its step-independent facts go in
+        its plain `state_dict()`, which a resume restores first."""
+        states = {}
+        for named in self.named:
+            method = getattr(named.callback, "tensor_state", None)
+            if callable(method) and (state := method(run)) is not None:
+                states[named.key] = state
+        return states
+
     def load_state(self, states: Mapping[str, Any], where: str) -> None:
         """Give each stateful callback its saved state; one the checkpoint lacks starts fresh."""
         for named in self.named:

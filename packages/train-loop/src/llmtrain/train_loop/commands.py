@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmtrain.checkpoint.plugin import weights_option
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
 from llmtrain.core_mesh.config import run_paths
@@ -139,7 +140,8 @@ def _key_of_path(config: RunConfig, path: Path) -> str | None:
 
 def checkpoint_args(parser: argparse.ArgumentParser) -> None:
     """The main object of `eval`, `generate` and `eval-tasks`: a checkpoint, positional (the
-    `--checkpoint DIR` of 0.1 still works, with a deprecation line), and which step of it."""
+    `--checkpoint DIR` of 0.1 still works, with a deprecation line), which step of it, and
+    which of its weights (`--weights ema`: the `ema` callback's moving average)."""
     main_object(
         parser,
         "checkpoint",
@@ -150,6 +152,7 @@ def checkpoint_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--step", type=int, default=None, help="the step to load (default: the newest committed)"
     )
+    weights_option(parser)
 
 
 # --- llmtrain generate ---
@@ -333,7 +336,7 @@ def _earlier_turns(path: str) -> list[dict[str, str]]:
 
 
 def run_generate(args: argparse.Namespace, ctx: Context) -> int:
-    model, info, _ = load_model(args.checkpoint, args.step, ctx.plugins)
+    model, info, _ = load_model(args.checkpoint, args.step, ctx.plugins, weights=args.weights)
     tokenizer = tokenizer_of(info, args.tokenizer, ctx.plugins)
     sampling = {
         "max_new_tokens": args.max_new_tokens,
@@ -389,7 +392,7 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.data_pack.loader import open_windows
     from llmtrain.train_loop.loss import IGNORE, bits_per_byte, cross_entropy_sum
 
-    model, info, step = load_model(args.checkpoint, args.step, ctx.plugins)
+    model, info, step = load_model(args.checkpoint, args.step, ctx.plugins, weights=args.weights)
     seq_len = args.seq_len or info.get("data", {}).get("seq_len")
     if seq_len is None:
         raise UserError("the checkpoint does not record its seq_len; pass --seq-len")

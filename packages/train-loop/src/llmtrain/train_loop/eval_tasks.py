@@ -3,9 +3,12 @@
     llmtrain eval-tasks runs/x/checkpoints --tasks hellaswag=val.jsonl,arc_easy=ARC-Easy-Test.jsonl
 
 prints a table (value ± standard error per metric) and, with `-o/--output`, writes the same as
-JSON (with every item's log-likelihoods and result under `--per-item`). A checkpoint inside a
-run directory also gets its scores recorded there, in `eval_tasks.json` (`record_in_run`), where
-`llmtrain compare --downstream` finds them. Loading this module imports no torch.
+JSON (with every item's log-likelihoods and result under `--per-item`). `--steps` or `--last K`
+score several committed steps one after another (the tasks read once), which is what
+`llmtrain compare` measures each task's checkpoint-to-checkpoint noise from. A checkpoint inside
+a run directory also gets its scores recorded there, in `eval_tasks.json` (`record_in_run`),
+where `llmtrain compare --downstream` finds them; scores of `--weights ema` are recorded as the
+task `<task>@ema`. Loading this module imports no torch.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.cli_conventions import deprecated_alias
+from llmtrain.core_mesh.cli_conventions import deprecated_alias, positive_int
 from llmtrain.core_mesh.config import Choice, structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import TASK
@@ -26,7 +29,7 @@ from llmtrain.train_loop.commands import checkpoint_args
 from llmtrain.train_loop.saved_model import load_model, tokenizer_of
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Mapping, Sequence
 
     from llmtrain.core_mesh.interfaces import Task
     from llmtrain.downstream.evaluate import TaskResult
@@ -34,6 +37,19 @@ if TYPE_CHECKING:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     checkpoint_args(parser)
+    parser.add_argument(
+        "--steps",
+        default=None,
+        metavar="N,N,...",
+        help="score these committed steps, one after another (instead of --step)",
+    )
+    parser.add_argument(
+        "--last",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="score the newest K committed steps (instead of --step)",
+    )
     parser.add_argument(
         "--tasks",
         required=True,
@@ -95,15 +111,68 @@ def _build(options: dict[str, object], index: int, ctx: Context) -> Task:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    tasks = tasks_of(args.tasks, args, ctx)
+    for task in tasks:
+        task.items()  # every file read and checked before the model loads
+    steps = steps_of(args)
+    reports = [_score(args, ctx, tasks, step) for step in steps]
+    if args.output:
+        document = reports[0] if len(reports) == 1 else {"evaluations": reports}
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=1)
+    return 0
+
+
+def steps_of(args: argparse.Namespace) -> Sequence[int | None]:
+    """The steps to score: `--step`, `--steps` or the newest `--last` K committed ones (None:
+    the newest)."""
+    chosen = [args.step is not None, args.steps is not None, args.last is not None]
+    if sum(chosen) > 1:
+        raise UserError("--step, --steps and --last each choose the steps: give one of them")
+    if args.steps is None and args.last is None:
+        return [args.step]
+    from llmtrain.checkpoint.manager import Checkpointer
+
+    committed = Checkpointer(str(args.checkpoint)).committed_steps()
+    if not committed:
+        raise UserError(f"{args.checkpoint} has no committed checkpoint")
+    if args.last is not None:
+        if args.last > len(committed):
+            raise UserError(
+                f"--last {args.last}: {args.checkpoint} has {len(committed)} committed "
+                f"step{'s' * (len(committed) != 1)} ({_listed(committed)})"
+            )
+        return committed[-args.last :]
+    steps: list[int] = []
+    for part in (p.strip() for p in args.steps.split(",")):
+        if not part.isdigit():
+            raise UserError(f"--steps: {part!r} is not a step number (N,N,...)")
+        if int(part) not in committed:
+            raise UserError(
+                f"--steps: step {part} is not a committed step of {args.checkpoint} "
+                f"({_listed(committed)})"
+            )
+        steps.append(int(part))
+    if not steps or len(set(steps)) != len(steps):
+        raise UserError(f"--steps {args.steps!r}: name each step once")
+    return sorted(steps)
+
+
+def _listed(steps: list[int]) -> str:
+    shown = ", ".join(map(str, steps[-8:]))
+    return f"committed: {'..., ' if len(steps) > 8 else ''}{shown}"
+
+
+def _score(
+    args: argparse.Namespace, ctx: Context, tasks: list[Task], step: int | None
+) -> dict[str, object]:
+    """One checkpoint's scores: printed, recorded in its run, and returned as the JSON report."""
     import torch
 
     from llmtrain.downstream.evaluate import evaluate_task
     from llmtrain.downstream.scoring import Batching, module_runner
 
-    tasks = tasks_of(args.tasks, args, ctx)
-    for task in tasks:
-        task.items()  # every file read and checked before the model loads
-    model, info, step = load_model(args.checkpoint, args.step, ctx.plugins)
+    model, info, step = load_model(args.checkpoint, step, ctx.plugins, weights=args.weights)
     tokenizer = tokenizer_of(info, args.tokenizer, ctx.plugins)
     max_len = args.seq_len or info.get("data", {}).get("seq_len")
     if max_len is None:
@@ -123,28 +192,28 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         seconds = time.perf_counter() - started
         print(f"{task.name}: {len(result.items)} items in {seconds:.1f} s", file=sys.stderr)
         results.append(result)
+    averaged = " (the ema callback's moving average)" if args.weights == "ema" else ""
+    print(f"step {step}{averaged}")
     print(render(results), end="")
-    if args.output:
-        report = {
-            "checkpoint": str(args.checkpoint),
-            "step": step,
-            "max_len": max_len,
-            "shots": args.shots,
-            "seed": args.seed,
-            "tasks": {
-                r.name: {**r.summary(), **({"per_item": r.items} if args.per_item else {})}
-                for r in results
-            },
-        }
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
     run_dir = run_dir_of(str(args.checkpoint))
     if run_dir is not None:
         settings = {"shots": args.shots, "seed": args.seed, "limit": args.limit, "max_len": max_len}
-        scores = {r.name: {**r.summary(), **settings} for r in results}
+        suffix = "" if args.weights == "model" else f"@{args.weights}"
+        scores = {f"{r.name}{suffix}": {**r.summary(), **settings} for r in results}
         path = record_in_run(run_dir, step, scores)
         print(f"scores of step {step} -> {path} (llmtrain compare --downstream)", file=sys.stderr)
-    return 0
+    return {
+        "checkpoint": str(args.checkpoint),
+        "step": step,
+        "weights": args.weights,
+        "max_len": max_len,
+        "shots": args.shots,
+        "seed": args.seed,
+        "tasks": {
+            r.name: {**r.summary(), **({"per_item": r.items} if args.per_item else {})}
+            for r in results
+        },
+    }
 
 
 # the file of a run directory that holds the scores eval-tasks gave its checkpoints, which

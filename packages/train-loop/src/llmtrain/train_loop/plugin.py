@@ -24,6 +24,7 @@ from llmtrain.core_mesh.redact import redact
 from llmtrain.train_loop import (
     commands,
     downstream_eval,
+    ema,
     eval_tasks,
     loggers,
     loss_spike,
@@ -214,3 +215,4 @@ def llmtrain_objectives(register: Register) -> None:
 def llmtrain_callbacks(register: Register) -> None:
     loss_spike.register_callbacks(register)
     downstream_eval.register_callbacks(register)
+    ema.register_callbacks(register)

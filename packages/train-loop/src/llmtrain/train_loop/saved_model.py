@@ -32,17 +32,18 @@ def model_choice(
 
 
 def load_model(
-    checkpoint: str, step: int | None, plugins: PluginManager
+    checkpoint: str, step: int | None, plugins: PluginManager, *, weights: str = "model"
 ) -> tuple[Any, dict[str, Any], int]:
     """The whole model (one process, CPU, float32, eval mode) with the weights of a committed
     checkpoint (the newest, or `step`); returns (model, the checkpoint's info, step). The model
     keeps `LanguageModel`'s contract (refused with a message when it does not), and its state
-    dict is exactly the checkpoint's weights."""
+    dict is exactly the checkpoint's weights (`weights="ema"`: with the moving average of the
+    run's `ema` callback in place of the trainable ones)."""
     import torch
 
     from llmtrain.checkpoint.export import load_model_weights
 
-    weights, record, step = load_model_weights(checkpoint, step=step)
+    tensors, record, step = load_model_weights(checkpoint, step=step, weights=weights)
     info = record.get("info", {})
     if "model" not in info:
         raise UserError(f"{checkpoint}: the checkpoint does not say which model it holds")
@@ -50,7 +51,7 @@ def load_model(
     model = plugins.build(MODEL, choice)
     check_language_model(model, choice.kind, checkpoint)
     # buffers that are not weights are not persistent, so nothing may be missing
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
     if missing or unexpected:
         raise UserError(
             f"{checkpoint} step {step} does not fit its model: missing {missing[:5]}, "

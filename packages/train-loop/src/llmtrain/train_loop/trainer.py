@@ -438,15 +438,16 @@ class Trainer:
             )
         self._check_resumable(latest)
         configured = [group["base_lr"] for group in self._param_groups()]
-        step = self.checkpoints.load(self.state, step=latest)
+        # the callbacks' plain state first: it says which tensors of theirs the step holds
+        saved = self.checkpoints.info(latest).get("info", {}).get("callbacks", {})
+        self.callbacks.load_state(saved, self.checkpoints.step_url(latest))
+        step = self.checkpoints.load(self._checkpointed(), step=latest)
         self._resume_lr(step, configured)
         if data.get("mixture") is not None:
             self._resume_mixture(step, data["mixture"])
         trained = self.checkpoints.info(step).get("info", {}).get("lr_schedule")
         if trained is not None and trained != self.lr_schedule:
             self._resume_schedule(step, trained)
-        saved = self.checkpoints.info(step).get("info", {}).get("callbacks", {})
-        self.callbacks.load_state(saved, self.checkpoints.step_url(step))
         log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
         self.callbacks.emit("on_load", self.view, step)
 
@@ -891,9 +892,21 @@ class Trainer:
         with the callbacks' state."""
         self.callbacks.emit("before_save", self.view, self.step)
         info = {**self.info, "callbacks": self.callbacks.state()}
-        self.checkpoints.save(self.step, self.state, info=info, blocking=blocking)
+        self.checkpoints.save(self.step, self._checkpointed(), info=info, blocking=blocking)
         self.callbacks.emit("after_save", self.view, self.step)
         self.saved_step = self.step
+
+    def _checkpointed(self) -> dict[str, Any]:
+        """What a checkpoint's shards hold: the model parts with their optimizers, the
+        counters, and the tensors callbacks keep laid out like the model (the `ema` callback's
+        average), each under its callback's key."""
+        kept = self.callbacks.tensor_states(self.view)
+        if taken := kept.keys() & self.state.keys():
+            raise UserError(
+                f"callbacks {sorted(taken)}: a callback may not be named like the "
+                f"checkpoint's own state ({', '.join(self.state)})"
+            )
+        return {**self.state, **kept}
 
     def _log(self, metrics: dict[str, Any]) -> None:
         """A logged step: callbacks add to the record, then this rank's JSON log line (its own

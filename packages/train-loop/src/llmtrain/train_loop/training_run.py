@@ -8,7 +8,7 @@ recorder, its loop) stays its own to change. Each property reads the Trainer's c
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -139,3 +139,6 @@ class RunView:
 
     def request_stop(self, reason: str, /) -> None:
         self._trainer.request_stop(reason)
+
+    def evaluate(self, due: Sequence[int] | None = None, /) -> dict[str, float]:
+        return self._trainer.evaluate(due)
