@@ -144,7 +144,7 @@ def test_argument_errors_are_one_line(tmp_path, dataset, run_cli, argv, message)
     assert (code, out) == (2, "")
     [line] = err.splitlines()  # not argparse's usage block
     assert line.startswith("error: llmtrain mup-check: ") and message in line
-    assert line.endswith("(`llmtrain mup-check --help` lists the options)")
+    assert line.endswith("; see llmtrain mup-check --help")
 
 
 def test_an_output_that_cannot_be_the_figure_file_is_refused_before_the_check(

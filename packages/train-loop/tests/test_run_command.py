@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 BAD_CONFIG = """\
 name: bad
 device: cpu
@@ -18,11 +16,11 @@ MESSAGE = "modle: unknown key (did you mean 'model'?)"
 
 
 def test_run_without_arguments_says_the_config_is_missing(run_cli, capsys):
-    with pytest.raises(SystemExit) as info:
-        run_cli("run")
-    assert info.value.code == 2
-    last = capsys.readouterr().err.splitlines()[-1]
-    assert last == "llmtrain run: error: the following arguments are required: CONFIG"
+    code, _, err = run_cli("run")
+    assert code == 2
+    assert err.splitlines() == [
+        "error: llmtrain run: the following arguments are required: CONFIG; see llmtrain run --help"
+    ]
 
 
 def test_global_flags_may_follow_the_config(tmp_path, run_cli):

@@ -20,7 +20,7 @@ import argparse
 import difflib
 import sys
 from collections.abc import Iterable, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, NoReturn, TypeVar, overload
 
 from llmtrain.core_mesh.errors import UserError
 
@@ -215,6 +215,11 @@ class ConventionParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """A bad argument is one line, like every other bad input (`error: llmtrain CMD:
+        MESSAGE; see llmtrain CMD --help`, exit 2): the usage is a --help away."""
+        raise UserError(f"{self.prog}: {message}; see {self.prog} --help")
 
     @overload  # the overloads of `argparse.ArgumentParser.parse_known_args`
     def parse_known_args(

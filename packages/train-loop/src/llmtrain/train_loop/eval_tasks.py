@@ -111,10 +111,10 @@ def _build(options: dict[str, object], index: int, ctx: Context) -> Task:
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
+    steps = steps_of(args)
     tasks = tasks_of(args.tasks, args, ctx)
     for task in tasks:
         task.items()  # every file read and checked before the model loads
-    steps = steps_of(args)
     reports = [_score(args, ctx, tasks, step) for step in steps]
     if args.output:
         document = reports[0] if len(reports) == 1 else {"evaluations": reports}

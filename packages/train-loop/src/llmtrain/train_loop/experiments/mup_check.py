@@ -27,7 +27,7 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -395,17 +395,6 @@ def figure(checks: Sequence[Check], output: Path, steps: int) -> None:
     tmp.replace(output)
 
 
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """`parser`'s argument errors (CONFIG or --widths missing, `--steps abc`, a choice that is
-    not one) as one `error:` line naming what is wrong, exit 2 (a `UserError`, as every refusal
-    of the command), not argparse's usage block."""
-
-    def error(message: str) -> NoReturn:
-        raise UserError(f"{parser.prog}: {message} (`{parser.prog} --help` lists the options)")
-
-    parser.error = error  # type: ignore[method-assign]  # this parser's errors only
-
-
 def check_output(output: Path) -> None:
     """`-o`: the figure file to write, refused before anything runs unless it can be one."""
     if output.is_dir():
@@ -421,7 +410,6 @@ def check_output(output: Path) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    one_line_errors(parser)
     main_object(parser, "config", metavar="CONFIG", help="the run config (YAML)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="e.g. optimizer.lr=1e-2")
     parser.add_argument(
