@@ -253,6 +253,37 @@ class ParametricFit:
 _PERCENTILES = (100 * (1 - CONFIDENCE) / 2, 100 * (1 + CONFIDENCE) / 2)
 
 
+@attrs.frozen
+class Frontier:
+    """The compute-optimal N, D and loss of a law at compute C (arrays where the inputs were;
+    NaN for a law with alpha or beta <= 0, which has no optimum)."""
+
+    n: Any
+    d: Any
+    loss: Any
+
+
+def compute_optimal(params: npt.ArrayLike, compute: npt.ArrayLike, per_param: float) -> Frontier:
+    """Where L = E + A/N^alpha + B/D^beta is lowest on the budget C = k N D (k = `per_param`,
+    FLOPs per token per parameter: 6 for Chinchilla's C = 6ND): N_opt = G (C/k)^(beta/(alpha +
+    beta)) with G = (alpha A / (beta B))^(1/(alpha + beta)), D_opt = C / (k N_opt) (Hoffmann et
+    al. 2022, appendix D.2). `params`: one row (E, A, B, alpha, beta) or an array of rows (a
+    bootstrap: one result per row); `compute` broadcasts against the rows."""
+    rows = np.asarray(params, dtype=float)
+    tokens_params = np.log(np.asarray(compute, dtype=float) / per_param)  # log (N D)
+    # rows along a leading axis, against compute's axes after it
+    shape = (-1, *[1] * tokens_params.ndim) if rows.ndim == 2 else ()
+    big_e, big_a, big_b, alpha, beta = (rows[..., i].reshape(shape) for i in range(5))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ok = (alpha > 0) & (beta > 0) & (big_a > 0) & (big_b > 0)
+        log_n = (np.log(alpha * big_a / (beta * big_b)) + beta * tokens_params) / (alpha + beta)
+        log_n = np.where(ok, log_n, np.nan)
+    n = np.exp(log_n)
+    d = np.exp(tokens_params - log_n)
+    loss = big_e + big_a * np.exp(-alpha * log_n) + big_b / np.power(d, beta)
+    return Frontier(n, d, loss)
+
+
 def fit_parametric(
     n: npt.ArrayLike,
     d: npt.ArrayLike,

@@ -8,6 +8,9 @@ loss (the final logged `eval_loss`, or train `loss` with `--loss loss`). The poi
 writes JSON (`-o`) and a plot (`--plot`, matplotlib imported only then). scipy is imported only
 when the command runs, so loading the plugin stays cheap for every other command.
 
+`--compare BASELINE VARIANT` fits two ladders apart and compares them at the `--predict` targets
+and along the compute-optimal frontier (fit_compare.py).
+
 `--mixture` fits a data-mixture sweep instead: each finished run's `data.train` weights against
 a target (`--target`, a weighted sum of metrics), regressions chosen by cross-validation, the
 mixture they predict best and the target at `--at` mixtures (`mixture_runs.py` reads the runs,
@@ -469,7 +472,10 @@ def _plain(value: Any) -> object:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
+        "paths",
+        nargs="+",
+        metavar="RUN_OR_SWEEP",
+        help="run directories, sweeps or run folders (with --compare: BASELINE VARIANT)",
     )
     parser.add_argument(
         "--loss",
@@ -512,6 +518,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="the bootstrap's seed; with --mixture the folds', LightGBM's and the search's "
         "(default: 0)",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="fit two ladders apart, BASELINE then VARIANT, and print each fit's loss at the "
+        "--predict targets, the difference variant - baseline with its bootstrap interval, and "
+        "where the fits cross along the compute-optimal frontier (default: off)",
     )
     parser.add_argument(
         "--mixture",
@@ -881,6 +894,13 @@ def check_flags(args: argparse.Namespace) -> None:
         )
     if not args.mixture and (lonely := [f for f in given if f in MIXTURE_ONLY.values()]):
         raise UserError(f"{', '.join(lonely)}: for the mixture fit only; add --mixture")
+    clash = [flag for flag in ("--mixture", "--isoflop") if getattr(args, flag[2:])]
+    if args.compare and clash:
+        raise UserError(
+            f"--compare with {', '.join(clash)}: --compare fits each ladder's L = E + A/N^alpha "
+            f"+ B/D^beta and reads its compute-optimal frontier from that fit; run "
+            f"{' and '.join(clash)} on each sweep apart"
+        )
 
 
 @attrs.frozen
@@ -917,6 +937,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError(f"--plot {args.plot}: use a suffix of {', '.join(PLOT_FORMATS)}")
     if args.mixture:
         outcome = run_mixture(args)
+    elif args.compare:
+        outcome = run_compare(args)
     else:
         fits = scaling_fits(args)
         draw = functools.partial(draw_fits, fits)
@@ -930,6 +952,41 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         outcome.draw(Path(args.plot))
         print(f"plot -> {args.plot}", file=sys.stderr)
     return 0
+
+
+def run_compare(args: argparse.Namespace) -> Outcome:
+    """`--compare BASELINE VARIANT`: both ladders fitted and compared (fit_compare.py)."""
+    from llmtrain.ablate import fit_compare
+
+    fit_compare.check_paths(args.paths)
+    if not args.predict:
+        raise UserError(
+            "--compare needs --predict N=<params>,D=<tokens> or C=<FLOPs>: where to compare the "
+            "two fits (e.g. --predict C=1e22: each fit's compute-optimal N and D for 1e22 FLOPs)"
+        )
+    targets = [parse_target(text) for text in args.predict]
+    bootstrap = 200 if args.bootstrap is None else args.bootstrap
+    if bootstrap < 1:
+        raise UserError(
+            f"--bootstrap {bootstrap}: --compare's interval comes from the bootstrap refits; "
+            f"give 1 or more (default 200)"
+        )
+    comparison = fit_compare.compare_ladders(
+        args.paths,
+        targets,
+        loss_key=args.loss or "eval_loss",
+        params=args.params or "non_embedding",
+        bootstrap=bootstrap,
+        seed=args.seed,
+        include_unfinished=args.include_unfinished,
+        allow_mixed_tokenizers=args.allow_mixed_tokenizers,
+    )
+    return Outcome(
+        comparison.to_json(),
+        fit_compare.render(comparison),
+        functools.partial(fit_compare.draw, comparison),
+        sum(len(ladder.fits.points) for ladder in comparison.ladders),
+    )
 
 
 def scaling_fits(args: argparse.Namespace) -> Fits:
