@@ -153,6 +153,10 @@ def test_a_lower_variant_is_lower_beyond_the_interval(ladders, run_cli):
     assert frontier["crossings"] == []
     assert frontier["lower_at_low"] == frontier["lower_at_high"] == "variant"
     assert frontier["range"] == pytest.approx([6 * 1e7 * 1e9, 1e4 * 6 * 6.4e8 * 6.4e10])
+    # the difference's interval excludes 0 all along
+    (segment,) = frontier["segments"]
+    assert segment["lower"] == "variant"
+    assert [segment["low"], segment["high"]] == pytest.approx(frontier["range"])
     # swapped: the same difference with the other sign
     swapped = compare_json(run_cli, ladders["lower"], ladders["base"], "N=1e9,D=1e11")
     value, low, high = swapped["predictions"][0]["difference"]
@@ -167,6 +171,9 @@ def test_the_same_law_with_other_noise_is_within_the_interval(ladders, run_cli):
         assert low < 0 < high, row
         assert abs(value) < 0.02
         assert row["excludes_zero"] is False
+    # nowhere along the frontiers can the ladders tell the two apart
+    (segment,) = report["frontier"]["segments"]
+    assert segment["lower"] is None
 
 
 def test_the_frontiers_cross_where_the_laws_do(ladders, run_cli, tmp_path):
@@ -181,6 +188,10 @@ def test_the_frontiers_cross_where_the_laws_do(ladders, run_cli, tmp_path):
     )
     assert report["frontier"]["lower_at_low"] == "baseline"
     assert report["frontier"]["lower_at_high"] == "variant"
+    # exact losses: every refit is the law, the interval is the curve, and it changes side there
+    below, above = report["frontier"]["segments"]
+    assert (below["lower"], above["lower"]) == ("baseline", "variant")
+    assert below["high"] == above["low"] == pytest.approx(truth, rel=0.05)
     # the text says it
     code, out, err = run_cli(
         "fit",
@@ -233,7 +244,10 @@ def test_the_text_and_the_json(ladders, run_cli, tmp_path):
     assert len(verdicts) == 2
     assert "the variant's predicted eval_loss is lower than the baseline's by 0.0" in verdicts[0]
     assert "the interval excludes 0, the variant is lower there." in verdicts[0]
-    assert lines[-1].endswith("the curves do not cross; the variant is lower throughout.")
+    assert "the curves do not cross; the variant is lower throughout." in lines[-1]
+    assert lines[-1].endswith(
+        "The 95% interval of the difference excludes 0 with the variant lower over the whole range."
+    )
 
     report = json.loads(out_file.read_text())
     assert set(report) == {
@@ -277,6 +291,7 @@ def test_the_text_and_the_json(ladders, run_cli, tmp_path):
         "crossings",
         "lower_at_low",
         "lower_at_high",
+        "segments",
         "note",
     }
     # --json prints what -o writes

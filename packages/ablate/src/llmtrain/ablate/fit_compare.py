@@ -199,15 +199,31 @@ class Crossing:
 
 
 @attrs.frozen
+class Segment:
+    """A stretch of compute along the frontiers where the interval of variant - baseline lies
+    wholly below 0 (`lower` "variant"), wholly above ("baseline"), or around it (None: the
+    ladders cannot tell the two apart there)."""
+
+    low: float
+    high: float
+    lower: str | None
+
+    def to_json(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
 class Frontiers:
     """The two frontiers over compute `low` - `high`: where they cross, which side is lower at
-    each end, or why there is no frontier (`note`)."""
+    each end, where the difference's interval excludes 0 (`segments`), or why there is no
+    frontier (`note`)."""
 
     low: float
     high: float
     crossings: list[Crossing]
     lower_at_low: str | None
     lower_at_high: str | None
+    segments: list[Segment] = attrs.Factory(list)
     note: str = ""
 
     def to_json(self) -> dict[str, object]:
@@ -216,12 +232,44 @@ class Frontiers:
             "crossings": [c.to_json() for c in self.crossings],
             "lower_at_low": self.lower_at_low,
             "lower_at_high": self.lower_at_high,
+            "segments": [s.to_json() for s in self.segments],
             "note": self.note or None,
         }
 
 
 def _lower(gap: float) -> str | None:
     return "variant" if gap < 0 else "baseline" if gap > 0 else None
+
+
+def gap_band(baseline: Ladder, variant: Ladder, compute: np.ndarray) -> tuple[Any, Any]:
+    """The interval of variant - baseline along the frontiers at each `compute`: draw i of the
+    variant's refits minus draw i of the baseline's, each along its own frontier (NaN where
+    no pair of draws has a frontier)."""
+    ours, theirs = variant.frontier_draws(compute), baseline.frontier_draws(compute)
+    pairs = min(len(ours), len(theirs))
+    if not pairs:
+        nothing = np.full(np.shape(compute), np.nan)
+        return nothing, nothing
+    return _percentiles(ours[:pairs] - theirs[:pairs], axis=0)
+
+
+def _segments(grid: np.ndarray, band: tuple[Any, Any]) -> list[Segment]:
+    """Runs of grid points with the same side beyond the interval; a segment ends where the
+    next begins."""
+    low, high = band
+    sides = [
+        "variant" if h < 0 else "baseline" if lo > 0 else None
+        for lo, h in zip(low, high, strict=True)
+    ]
+    segments: list[Segment] = []
+    start = 0
+    for i in range(1, len(grid) + 1):
+        if i == len(grid) or sides[i] != sides[start]:
+            segments.append(
+                Segment(float(grid[start]), float(grid[min(i, len(grid) - 1)]), sides[start])
+            )
+            start = i
+    return segments
 
 
 def frontiers(baseline: Ladder, variant: Ladder) -> Frontiers:
@@ -239,7 +287,7 @@ def frontiers(baseline: Ladder, variant: Ladder) -> Frontiers:
             for x in without
         )
         note = f"no compute-optimal frontier ({why}; both must be above 0)"
-        return Frontiers(low, high, [], None, None, note)
+        return Frontiers(low, high, [], None, None, note=note)
 
     def gap(log_c: float | np.ndarray) -> Any:
         compute = np.exp(log_c)
@@ -255,7 +303,15 @@ def frontiers(baseline: Ladder, variant: Ladder) -> Frontiers:
         assert above is not None  # a sign change: nonzero on both sides
         loss = float(baseline.frontier(np.array(compute)))
         crossings.append(Crossing(compute, loss, above))
-    return Frontiers(low, high, crossings, _lower(float(gaps[0])), _lower(float(gaps[-1])))
+    grid = np.exp(log_grid)
+    return Frontiers(
+        low,
+        high,
+        crossings,
+        _lower(float(gaps[0])),
+        _lower(float(gaps[-1])),
+        _segments(grid, gap_band(baseline, variant, grid)),
+    )
 
 
 @attrs.frozen
@@ -468,10 +524,30 @@ def frontier_sentence(result: Frontiers) -> str:
                 f"the curves cross at C = {crossing.compute:.3g} (loss {crossing.loss:.4f}); the "
                 f"{below} is lower below it, the {crossing.lower_above} above it"
             )
-        return head + "; ".join(parts) + "."
-    if result.lower_at_low is None:
-        return head + "the curves do not cross; they are equal throughout."
-    return head + f"the curves do not cross; the {result.lower_at_low} is lower throughout."
+        head += "; ".join(parts)
+    elif result.lower_at_low is None:
+        head += "the curves do not cross; they are equal throughout"
+    else:
+        head += f"the curves do not cross; the {result.lower_at_low} is lower throughout"
+    return f"{head}. {segments_sentence(result.segments)}".rstrip()
+
+
+def segments_sentence(segments: Sequence[Segment]) -> str:
+    """Where along the frontiers the difference's interval excludes 0, and which side is lower
+    there."""
+    if not segments:
+        return ""
+
+    def said(segment: Segment) -> str:
+        if segment.lower is None:
+            return "includes 0"
+        return f"excludes 0 with the {segment.lower} lower"
+
+    head = f"The {CONFIDENCE:.0%} interval of the difference"
+    if len(segments) == 1:
+        return f"{head} {said(segments[0])} over the whole range."
+    parts = [f"{said(s)} for C = {s.low:.3g} - {s.high:.3g}" for s in segments]
+    return f"{head} {', '.join(parts[:-1])} and {parts[-1]}."
 
 
 def render(comparison: ScaleComparison) -> list[str]:
@@ -598,10 +674,8 @@ def draw(comparison: ScaleComparison, output: Path) -> None:
     if not result.note:
         gap = comparison.variant.frontier(grid) - comparison.baseline.frontier(grid)
         gaps.plot(grid, gap, color="C2", lw=1.5, label="variant - baseline")
-        pairs = min(len(draws["baseline"]), len(draws["variant"]))
-        if pairs:
-            paired = draws["variant"][:pairs] - draws["baseline"][:pairs]
-            band_low, band_high = _percentiles(paired, axis=0)
+        band_low, band_high = gap_band(comparison.baseline, comparison.variant, grid)
+        if np.isfinite(band_low).any():
             gaps.fill_between(
                 grid,
                 band_low,
