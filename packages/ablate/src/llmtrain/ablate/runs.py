@@ -23,7 +23,7 @@ from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.metric_names import better_of
 
 # keys that name where a run lives, not what it does
-PLACE_KEYS = ("name", "run_dir", "checkpoint.dir")
+PLACE_KEYS = ("name", "run_dir", "checkpoint.dir", "checkpoint.steps")
 SEED_KEYS = ("seed", "data.seed")
 DOWNSTREAM = "downstream/"
 # what `llmtrain eval-tasks` writes into the run directory of the checkpoint it scored:
@@ -391,7 +391,7 @@ def flatten(value: object, prefix: str = "") -> dict[str, object]:
 def varied_keys(runs: Sequence[Run]) -> list[str]:
     """Dotted keys whose value differs between the runs (where they live excluded), in config
     order, the seeds last."""
-    flat = [run.settings for run in runs]
+    flat = [_what_it_trains(run.settings) for run in runs]
     keys = list(dict.fromkeys(k for f in flat for k in f))
     missing = object()
     varied = [
@@ -400,6 +400,18 @@ def varied_keys(runs: Sequence[Run]) -> list[str]:
         if not k.startswith(PLACE_KEYS) and len({_key(f.get(k, missing)) for f in flat}) > 1
     ]
     return [k for k in varied if k not in SEED_KEYS] + [k for k in varied if k in SEED_KEYS]
+
+
+def _what_it_trains(settings: Mapping[str, object]) -> dict[str, object]:
+    """A run's settings without where it went on from: a decay branch of a ladder
+    (`init.state: all`) trains what its rung trained alone, so its `init` is no setting, and
+    nor is a run's `init: null`."""
+    branch = settings.get("init.state") == "all"
+    return {
+        k: v
+        for k, v in settings.items()
+        if not (k == "init" and v is None) and not (branch and k.startswith("init."))
+    }
 
 
 def _key(value: object) -> str:

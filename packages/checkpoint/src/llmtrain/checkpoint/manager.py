@@ -101,10 +101,12 @@ HOLDS = (
 
 @attrs.frozen
 class KeepPolicy:
-    """Keep the newest `last` committed steps, plus every step divisible by `every` (0: none)."""
+    """Keep the newest `last` committed steps, plus every step divisible by `every` (0: none)
+    and the `steps` named (the points other runs branch from)."""
 
     last: int = 3
     every: int = 0
+    steps: frozenset[int] = frozenset()
 
     def __attrs_post_init__(self) -> None:
         if self.last < 1:
@@ -115,6 +117,7 @@ class KeepPolicy:
         keep = set(steps[-self.last :])
         if self.every:
             keep |= {s for s in steps if s % self.every == 0}
+        keep |= self.steps & set(steps)
         return [s for s in steps if s not in keep]
 
 

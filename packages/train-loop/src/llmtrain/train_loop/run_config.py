@@ -401,6 +401,9 @@ class CheckpointConfig:
     dir: str | None = attrs.field(default=None, validator=_path_or_null)
     keep_last: int = attrs.field(default=3, validator=_positive)  # the newest is always kept
     keep_every: int | None = attrs.field(default=None, validator=_positive)
+    # steps saved besides training.checkpoint_every's and never pruned: where the decay
+    # branches of a ladder (`llmtrain sweep --branch-decays`) start from
+    steps: list[int] = attrs.Factory(list)
     async_save: bool = False
     # threads per rank that write and read the checkpoint's files (the concurrency of its
     # uploads and ranged reads on object storage); null: up to 4, no more than the cores
@@ -409,6 +412,11 @@ class CheckpointConfig:
         default="auto", validator=attrs.validators.in_(("auto", "never"))
     )
     storage_options: dict[str, str] = attrs.Factory(dict)
+
+    def __attrs_post_init__(self) -> None:
+        for i, step in enumerate(self.steps):
+            if step < 1:
+                raise ConfigValueError(("steps", i), f"a step to save is 1 or more, got {step}")
 
 
 @attrs.frozen(kw_only=True)
@@ -486,6 +494,21 @@ class InitConfig:
     format: str = attrs.field(default="auto", validator=_not_blank)  # auto, llmtrain, hf, ...
     check_tokenizer: bool = True
     storage_options: dict[str, str] = attrs.Factory(dict)
+    # weights: a warm start; all: a branch, the run goes on from that step of another run as
+    # from its own checkpoint (optimizer, step, data position, random states, callbacks)
+    state: Literal["weights", "all"] = attrs.field(
+        default="weights", validator=attrs.validators.in_(("weights", "all"))
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if self.state == "all" and self.step is None:
+            raise ConfigValueError(
+                "step", "init.state: all (a branch) names the step it goes on from"
+            )
+        if self.state == "all" and self.format not in ("auto", "llmtrain"):
+            raise ConfigValueError(
+                "format", "init.state: all goes on from an llmtrain checkpoint directory"
+            )
 
 
 def _default_parallel() -> Choice:

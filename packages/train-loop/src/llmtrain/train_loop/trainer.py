@@ -211,11 +211,12 @@ class Trainer:
         self._build_state()
         self._resume(self.config.checkpoint.resume == "auto" if resume is None else resume)
         # init.from when there was nothing to resume (weights only); the provenance either way
-        init = warm_start.start(
-            self.config.init, self.model, self.checkpoints, self.info, self.plugins
-        )
-        if init is not None:
-            self.info["init"] = init
+        if c.init is None or c.init.state == "weights":
+            init = warm_start.start(c.init, self.model, self.checkpoints, self.info, self.plugins)
+            if init is not None:
+                self.info["init"] = init
+        elif (latest := self.checkpoints.latest_step()) is not None:  # a resumed branch
+            self.info["init"] = self.checkpoints.info(latest).get("info", {}).get("init")
         self.step = int(self.counters["step"])
         self.saved_step = self.step if self.step else None
         # the order the run reads from here on, for `llmtrain which`
@@ -324,7 +325,11 @@ class Trainer:
         self.counters = Values(step=0, tokens=0, skipped=0, consumed=0, elapsed_s=0.0)
         self.checkpoints = Checkpointer(
             c.checkpoint.dir or str(self.run_dir / "checkpoints"),
-            keep=KeepPolicy(last=c.checkpoint.keep_last, every=c.checkpoint.keep_every or 0),
+            keep=KeepPolicy(
+                last=c.checkpoint.keep_last,
+                every=c.checkpoint.keep_every or 0,
+                steps=frozenset(c.checkpoint.steps),
+            ),
             async_save=c.checkpoint.async_save,
             storage_options=c.checkpoint.storage_options,
             io_threads=c.checkpoint.io_threads or DEFAULT_THREADS,
@@ -409,15 +414,37 @@ class Trainer:
         return data
 
     def _resume(self, resume: bool) -> None:
+        """Go on from the run's newest committed checkpoint; with none, and `init.state: all`,
+        from the step of another run that `init` names (a branch)."""
         latest = self.checkpoints.latest_step()
         if latest is None:
+            init = self.config.init
+            if init is not None and init.state == "all":
+                self._go_on(
+                    Checkpointer(init.from_, storage_options=init.storage_options),
+                    init.step,
+                    branch=True,
+                )
             return
         if not resume:
             raise UserError(
                 f"{self.checkpoints.url} already has checkpoints (newest: step {latest}); "
                 "resume (--resume or checkpoint.resume: auto), or choose another run name"
             )
-        data = self.checkpoints.info(latest).get("info", {}).get("data", {})
+        self._go_on(self.checkpoints, latest, branch=False)
+
+    def _go_on(self, source: Checkpointer, latest: int | None, *, branch: bool) -> None:
+        """Load the whole training state of `source`'s step `latest` and go on from it: this
+        run's own checkpoint (a resume) or another run's (`branch`: `init.state: all`)."""
+        if branch and latest not in source.committed_steps():
+            committed = source.committed_steps()
+            raise UserError(
+                f"init.step: {source.url} has no committed step {latest} to branch from "
+                f"(committed: {', '.join(map(str, committed[-8:])) or 'none'}); train the run "
+                "it branches from first"
+            )
+        assert latest is not None
+        data = source.info(latest).get("info", {}).get("data", {})
         if data.get("fingerprint") not in (None, self.info["data"]["fingerprint"]):
             raise UserError(
                 f"checkpoint step {latest} was trained on data packed with another tokenizer "
@@ -436,27 +463,35 @@ class Trainer:
                 f"run uses {self.config.data.seq_len}: the windows and their order would differ; "
                 "keep the sequence length to resume (start a new run, with init.from, to change it)"
             )
-        self._check_resumable(latest)
+        self._check_resumable(source, latest)
         configured = [group["base_lr"] for group in self._param_groups()]
         # the callbacks' plain state first: it says which tensors of theirs the step holds
-        saved = self.checkpoints.info(latest).get("info", {}).get("callbacks", {})
-        self.callbacks.load_state(saved, self.checkpoints.step_url(latest))
-        step = self.checkpoints.load(self._checkpointed(), step=latest)
+        saved = source.info(latest).get("info", {}).get("callbacks", {})
+        self.callbacks.load_state(saved, source.step_url(latest))
+        step = source.load(self._checkpointed(), step=latest)
         self._resume_lr(step, configured)
         if data.get("mixture") is not None:
             self._resume_mixture(step, data["mixture"])
-        trained = self.checkpoints.info(step).get("info", {}).get("lr_schedule")
+        trained = source.info(step).get("info", {}).get("lr_schedule")
         if trained is not None and trained != self.lr_schedule:
             self._resume_schedule(step, trained)
-        log.info("run.resumed", step=step, checkpoint=self.checkpoints.step_url(step))
+        if branch:
+            self.info["init"] = {
+                "from": source.url,
+                "step": step,
+                "format": "llmtrain",
+                "state": "all",
+            }
+        event = "run.branched" if branch else "run.resumed"
+        log.info(event, step=step, checkpoint=source.step_url(step))
         self.callbacks.emit("on_load", self.view, step)
 
-    def _check_resumable(self, latest: int) -> None:
+    def _check_resumable(self, source: Checkpointer, latest: int) -> None:
         """Refuse a resume that would train another model than the checkpoint's (another
         parametrization: the same weights, other multipliers) or train nothing (a checkpoint
         past the configured steps)."""
         c = self.config
-        recorded = self.checkpoints.info(latest).get("info", {}).get("model", {})
+        recorded = source.info(latest).get("info", {}).get("model", {})
         was = recorded.get("parametrization")
         now = self.info["model"].get("parametrization")
         if was is not None and now is not None and was != now:
@@ -656,7 +691,8 @@ class Trainer:
 
     def _saves_now(self) -> bool:
         every = self.config.training.checkpoint_every
-        return every is not None and every > 0 and self.step % every == 0
+        periodic = every is not None and every > 0 and self.step % every == 0
+        return periodic or self.step in self.config.checkpoint.steps
 
     def _next_step(self, data: Prefetcher) -> StepMetrics:
         """One step with its batch, its callbacks and, when due, the evaluation."""

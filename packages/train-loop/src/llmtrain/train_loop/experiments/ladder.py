@@ -65,6 +65,7 @@ from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, pa
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import PluginManager
+from llmtrain.train_loop.experiments.ladder_branches import Branch, trained_steps
 from llmtrain.train_loop.experiments.ladder_shapes import (
     TOLERANCE,
     ShapeRule,
@@ -139,10 +140,13 @@ class Rung:
     tokens: int  # steps x tokens per step
     clears_tokens: bool  # the base sets training.tokens, which steps replaces
     flops_per_token: float  # the shape's training FLOPs per token at the run's seq_len
+    by_size: bool = False  # sized from a parameter count (--params), not a budget
 
     @property
     def label(self) -> dict[str, object]:
-        """What the run id shows: `C=1e15,r=20`."""
+        """What the run id shows: `C=1e15,r=20`, or `N=50k,r=20` for a ladder by size."""
+        if self.by_size:
+            return {"N": compact(self.target_params), "r": _number(self.tokens_per_param)}
         return {"C": compact(self.budget), "r": _number(self.tokens_per_param)}
 
     @property
@@ -152,6 +156,14 @@ class Rung:
     @property
     def actual_ratio(self) -> float:
         return self.tokens / self.params
+
+    def with_asked(
+        self, *, budget: float, ratio: float, target: float, by_size: bool = False
+    ) -> Rung:
+        """This rung as the budget (or size) and ratio it was sized for."""
+        return attrs.evolve(
+            self, budget=budget, tokens_per_param=ratio, target_params=target, by_size=by_size
+        )
 
     def overrides(self) -> dict[str, object]:
         """The config keys this rung sets in the base config."""
@@ -315,26 +327,83 @@ def ladder(
             target = math.sqrt(budget / (6.0 * ratio))
             _, d_model, n_layers = space.nearest(target)
             shape = rule.shape(d_model, n_layers)
-            params = count(shape)  # the whole model counted, not from its blocks
             # the budget in the model's own count (attention included), as `fit` groups budgets
             per_token = float(describe(shape).flops_per_token(config.data.seq_len))
-            tokens_wanted = budget / per_token
-            steps = math.ceil(tokens_wanted / step_tokens)
             rungs.append(
-                Rung(
-                    budget=budget,
-                    tokens_per_param=ratio,
-                    target_params=target,
-                    target_tokens=tokens_wanted,
-                    shape=shape,
-                    params=params,
-                    steps=steps,
-                    tokens=steps * step_tokens,
-                    clears_tokens=config.training.tokens is not None,
-                    flops_per_token=per_token,
-                )
+                _rung(
+                    config, shape, count(shape), budget / per_token, step_tokens, per_token
+                ).with_asked(budget=budget, ratio=ratio, target=target)
             )
     return rungs
+
+
+def ladder_by_size(
+    config: RunConfig,
+    plugins: PluginManager,
+    *,
+    sizes: Sequence[float],
+    ratios: Sequence[float],
+    aspect: tuple[float, float] = DEFAULT_ASPECT,
+    world: int = 1,
+) -> list[Rung]:
+    """One shape per size N (non-embedding parameters; the same shape rule as `ladder`), each
+    trained at every ratio r: D = r x the shape's exact count. Sizes outer, ratios inner."""
+    options = checked_model_options(plugins, config.model)
+    rule = shape_rule(options, config.model.kind, aspect)
+    describe = meta_describer(plugins, config.model)
+
+    def count(shape: dict[str, int]) -> int:
+        return describe(shape).n_non_embedding_params
+
+    step_tokens = tokens_per_step(config, world, "the base config")
+    space = ShapeSpace(rule, count)
+    failed = [(n, why) for n in sizes if (why := space.problem(n)) is not None]
+    if failed:
+        listed = "; ".join(f"N={compact(n)}: {why}" for n, why in failed)
+        low, high = (_number(a) for a in rule.aspect)
+        raise UserError(
+            f"--params: {len(failed)} of {len(sizes)} sizes have no model shape within "
+            f"{TOLERANCE:.0%} (the base's head_dim {rule.head_dim}, d_model / n_layers in "
+            f"--aspect-ratio {low},{high}): {listed}; give other sizes, widen --aspect-ratio, "
+            "or give the base a smaller head_dim = d_model / n_heads"
+        )
+    rungs = []
+    for size in sizes:
+        _, d_model, n_layers = space.nearest(size)
+        shape = rule.shape(d_model, n_layers)
+        params = count(shape)
+        per_token = float(describe(shape).flops_per_token(config.data.seq_len))
+        for ratio in ratios:
+            rung = _rung(config, shape, params, ratio * params, step_tokens, per_token)
+            rungs.append(
+                rung.with_asked(budget=rung.actual_budget, ratio=ratio, target=size, by_size=True)
+            )
+    return rungs
+
+
+def _rung(
+    config: RunConfig,
+    shape: dict[str, int],
+    params: int,
+    tokens_wanted: float,
+    step_tokens: int,
+    per_token: float,
+) -> Rung:
+    """A shape trained for at least `tokens_wanted` tokens, in whole steps (what was asked for
+    is filled in by `with_asked`)."""
+    steps = math.ceil(tokens_wanted / step_tokens)
+    return Rung(
+        budget=0.0,
+        tokens_per_param=0.0,
+        target_params=0.0,
+        target_tokens=tokens_wanted,
+        shape=shape,
+        params=params,
+        steps=steps,
+        tokens=steps * step_tokens,
+        clears_tokens=config.training.tokens is not None,
+        flops_per_token=per_token,
+    )
 
 
 def _no_shape_message(
@@ -375,38 +444,32 @@ def _no_shape_message(
     return "\n".join(lines)
 
 
-def table(rows: Sequence[tuple[str, Rung]]) -> str:
-    """The dry-run table: one line per (run id, rung)."""
-    header = (
-        "run id",
-        "C",
-        "tokens/param",
-        "N",
-        "D",
-        "D/N",
-        "actual C",
-        "n_layers",
-        "d_model",
-        "n_heads",
-        "steps",
-    )
+def table(rows: Sequence[tuple[str, Rung, Branch]]) -> str:
+    """The dry-run table: one line per (run id, rung, its decay branch); for a branched ladder
+    also where each rung starts and the tokens it trains, and the ladder's tokens against
+    training every rung from scratch."""
+    branched = any(branch.trunk is not None for _, _, branch in rows)
+    header = ["run id", "C", "tokens/param", "N", "D", "D/N", "actual C", "n_layers"]
+    header += ["d_model", "n_heads", "steps", *(["from", "trained"] if branched else [])]
     lines = [header]
-    for run_id, rung in rows:
-        lines.append(
-            (
-                run_id,
-                compact(rung.budget),
-                f"{_number(rung.tokens_per_param)}",
-                f"{rung.params:,}",
-                f"{rung.tokens:,}",
-                f"{rung.actual_ratio:.1f}",
-                compact(rung.actual_budget),
-                str(rung.shape["n_layers"]),
-                str(rung.shape["d_model"]),
-                str(rung.shape["n_heads"]),
-                str(rung.steps),
-            )
-        )
+    for run_id, rung, branch in rows:
+        line = [
+            run_id,
+            compact(rung.budget),
+            f"{_number(rung.tokens_per_param)}",
+            f"{rung.params:,}",
+            f"{rung.tokens:,}",
+            f"{rung.actual_ratio:.1f}",
+            compact(rung.actual_budget),
+            str(rung.shape["n_layers"]),
+            str(rung.shape["d_model"]),
+            str(rung.shape["n_heads"]),
+            str(rung.steps),
+        ]
+        if branched:
+            line.append("-" if branch.trunk is None else f"{branch.trunk} @{branch.start}")
+            line.append(f"{_trained_tokens(rung, branch):,}")
+        lines.append(line)
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for line in lines:
@@ -414,4 +477,15 @@ def table(rows: Sequence[tuple[str, Rung]]) -> str:
             c.rjust(w) for c, w in zip(line[1:], widths[1:], strict=True)
         ]
         out.append("  ".join(cells).rstrip())
+    if branched:
+        trained = sum(_trained_tokens(rung, branch) for _, rung, branch in rows)
+        scratch = sum(rung.tokens for _, rung, _ in rows)
+        out.append(
+            f"tokens trained: {trained:,} of the {scratch:,} every rung from scratch would "
+            f"train ({trained / scratch:.0%}): each branch goes on from its trunk's checkpoint"
+        )
     return "\n".join(out)
+
+
+def _trained_tokens(rung: Rung, branch: Branch) -> int:
+    return rung.tokens // rung.steps * trained_steps(rung.steps, branch)

@@ -33,6 +33,12 @@ from llmtrain.core_mesh.config import parse_override
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.train_loop.experiments import ladder
+from llmtrain.train_loop.experiments.ladder_branches import (
+    Branched,
+    branches,
+    check_decay,
+    checkpoints_of,
+)
 from llmtrain.train_loop.experiments.ladder_shapes import compact
 from llmtrain.train_loop.experiments.mixtures import Mixtures, mixtures_from
 from llmtrain.train_loop.experiments.sweep_launch import (
@@ -46,7 +52,9 @@ from llmtrain.train_loop.experiments.sweep_plan import (
     PlannedRun,
     axes_from,
     check_sweep_dir,
+    expand,
     plan,
+    run_ids,
     write,
 )
 from llmtrain.train_loop.model_source import load_run_config
@@ -89,6 +97,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--budgets", default=None, metavar="C1,C2,...", help="--ladder: compute budgets in FLOPs"
+    )
+    parser.add_argument(
+        "--params",
+        default=None,
+        metavar="N1,N2,...",
+        help="--ladder by size, instead of --budgets: one model shape per size (non-embedding "
+        "parameters), trained at every --tokens-per-param",
+    )
+    parser.add_argument(
+        "--branch-decays",
+        type=float,
+        default=None,
+        metavar="F",
+        help="--ladder with a wsd base: the rungs of a shape share the longest one's stable "
+        "phase, each other rung branching off its checkpoint to decay over its last F of steps "
+        "(e.g. 0.2; see train-loop's README, 'Decay branches')",
     )
     parser.add_argument(
         "--tokens-per-param",
@@ -201,6 +225,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     rungs = _ladder_rungs(args, axes, ctx, world)
     if rungs:
         axes = [_ladder_axis(rungs), *axes]
+    branched = _branches(args, axes, sweep_dir, ctx)
     planned = plan(
         args.config,
         axes,
@@ -209,13 +234,21 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         plugins=ctx.plugins,
         world_size=world,
         overrides=args.overrides,
+        extra={
+            run_id: ("--branch-decays", overrides)
+            for run_id, overrides in branched.overrides.items()
+        },
     )
+    # a trunk runs before the branches that start from its checkpoints
+    planned.sort(key=lambda run: branched.branch(run.id).trunk is not None)
     # dry runs write nothing: the places only must not be taken by files
     check_sweep_dir(planned, sweep_dir, f"--dir {args.dir}", writable=not args.dry_run)
 
     _say(f"sweep {name}: {len(planned)} runs in {sweep_dir}")
     if rungs:
-        ladder_table = ladder.table([(run.id, _rung_of(run, rungs)) for run in planned])
+        ladder_table = ladder.table(
+            [(run.id, _rung_of(run, rungs), branched.branch(run.id)) for run in planned]
+        )
         print(ladder_table, file=sys.stdout if args.dry_run else sys.stderr, flush=True)
     if args.dry_run:
         if mixtures is not None:
@@ -224,7 +257,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
             for run in planned:
                 print(run.id)
         return 0
-    write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs, mixtures))
+    write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs, mixtures, branched))
     pending = [r for r in planned if not _finished(r.path(sweep_dir))]
     if args.launch == "print":
         return _print_commands(planned, pending, sweep_dir, world)
@@ -251,9 +284,10 @@ def _manifest_meta(
     axes: Sequence[Axis],
     rungs: Sequence[ladder.Rung],
     mixtures: Mixtures | None,
+    branched: Branched,
 ) -> dict[str, object]:
     """What manifest.json says of the sweep besides its runs: base, overrides, command, axes,
-    the ladder's rungs and the mixtures' draw."""
+    the ladder's rungs and decay branches, and the mixtures' draw."""
     meta: dict[str, object] = {
         "name": name,
         "base": str(Path(args.config).resolve()),
@@ -263,6 +297,9 @@ def _manifest_meta(
     }
     if rungs:
         meta["ladder"] = [{"label": r.label, **r.record()} for r in rungs]
+    if branched.decay is not None:
+        meta["branch_decays"] = branched.decay
+        meta["branches"] = branched.record()
     if mixtures is not None:
         meta["mixtures"] = mixtures.record()
     return meta
@@ -338,13 +375,21 @@ def _ladder_rungs(
     flags = {"--budgets": args.budgets, "--tokens-per-param": args.tokens_per_param}
     flags["--aspect-ratio"] = args.aspect_ratio
     flags["--preset"] = args.preset
+    flags["--params"] = args.params
+    flags["--branch-decays"] = args.branch_decays
     if not args.ladder:
         given = [flag for flag, value in flags.items() if value is not None]
         if given:
             raise UserError(f"{', '.join(given)} size a model ladder: add --ladder")
         return []
+    if args.params is not None and args.budgets is not None:
+        raise UserError(
+            "--budgets and --params each size the rungs (by compute, or by model size): give one"
+        )
     preset = ladder.PRESETS.get(args.preset) if args.preset else None
-    if preset is not None and args.budgets is None:
+    if args.params is not None:
+        budgets = []
+    elif preset is not None and args.budgets is None:
         budgets = list(preset.budgets)
     else:
         budgets = ladder.parse_positive_list(args.budgets, "--budgets", "1e15,3e15,1e16")
@@ -362,6 +407,15 @@ def _ladder_rungs(
         [(key, flag) for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)],
     )
     base = ladder_base(args.config, ctx.plugins, args.overrides)
+    if args.params is not None:
+        return ladder.ladder_by_size(
+            base,
+            ctx.plugins,
+            sizes=ladder.parse_positive_list(args.params, "--params", "50e3,200e3"),
+            ratios=ratios,
+            aspect=aspect,
+            world=world,
+        )
     return ladder.ladder(
         base,
         ctx.plugins,
@@ -370,6 +424,23 @@ def _ladder_rungs(
         aspect=aspect,
         world=world,
         source=args.config,
+    )
+
+
+def _branches(
+    args: argparse.Namespace, axes: Sequence[Axis], sweep_dir: Path, ctx: Context
+) -> Branched:
+    """--branch-decays: each run's trunk and start (none without the flag)."""
+    if args.branch_decays is None:
+        return Branched()
+    base = ladder_base(args.config, ctx.plugins, args.overrides)
+    options = check_decay(args.branch_decays, base, ctx.plugins)
+    ids = run_ids(expand(axes, labelled=True))
+    runs = list(zip(ids, expand(axes), strict=True))
+    return Branched(
+        args.branch_decays,
+        branches(runs, options),
+        checkpoints_of(ids, sweep_dir, base.checkpoint.dir),
     )
 
 
@@ -402,9 +473,11 @@ def _command_of(args: argparse.Namespace) -> list[str]:
         words.append("--ladder")
         if args.preset is not None:
             words += ["--preset", args.preset]
-        for flag in ("budgets", "tokens_per_param", "aspect_ratio"):
+        for flag in ("budgets", "params", "tokens_per_param", "aspect_ratio"):
             if getattr(args, flag) is not None:
                 words += [f"--{flag.replace('_', '-')}", getattr(args, flag)]
+        if args.branch_decays is not None:
+            words += ["--branch-decays", f"{args.branch_decays:g}"]
     if args.mixtures is not None:
         words += ["--mixtures", str(args.mixtures)]
     if args.alpha is not None:

@@ -189,9 +189,12 @@ def plan(
     plugins: PluginManager,
     world_size: int,
     overrides: Sequence[str] = (),
+    extra: Mapping[str, tuple[str, Mapping[str, object]]] | None = None,
 ) -> list[PlannedRun]:
     """Every run's resolved config, all checked; one ConfigError lists every problem.
-    `overrides` (`KEY=VALUE`, as `llmtrain run` takes them) change the base before the axes."""
+    `overrides` (`KEY=VALUE`, as `llmtrain run` takes them) change the base before the axes;
+    `extra`: by run id, (the flag that sets them, keys set after its settings) that are no
+    setting of the run (not in its id or the manifest's settings: a ladder's decay branches)."""
     flags = {key: flag for axis in axes for key, flag in zip(axis.keys, axis.flags, strict=True)}
     _check_not_swept(overrides, flags)
     base_raw, base_overridden = read_base(base, overrides)
@@ -209,6 +212,10 @@ def plan(
                 for path, item in _assignments(raw, key, value, flags[key]):
                     set_value(raw, path, copy.deepcopy(item), where=flags[key])
                     overridden[path] = flags[key]
+            flag, keys = (extra or {}).get(run_id, ("", {}))
+            for key, value in keys.items():
+                set_value(raw, key_path(key), copy.deepcopy(value), where=flag)
+                overridden[key_path(key)] = flag
             _refuse_credentials(raw, base)
             _place(raw, run_id, sweep_dir)
             expanded = with_model_source(raw, plugins, base)
@@ -325,7 +332,12 @@ def _place(raw: dict[str, object], run_id: str, sweep_dir: Path) -> None:
     raw["run_dir"] = str(sweep_dir)
     checkpoint = raw.get("checkpoint")
     if isinstance(checkpoint, dict) and checkpoint.get("dir"):
-        checkpoint["dir"] = f"{str(checkpoint['dir']).rstrip('/')}/{sweep_dir.name}/{run_id}"
+        checkpoint["dir"] = run_checkpoint_dir(str(checkpoint["dir"]), run_id, sweep_dir)
+
+
+def run_checkpoint_dir(shared_dir: str, run_id: str, sweep_dir: Path) -> str:
+    """A run's checkpoint directory under a `checkpoint.dir` the sweep's runs share."""
+    return f"{shared_dir.rstrip('/')}/{sweep_dir.name}/{run_id}"
 
 
 def _check_layout(config: RunConfig, world_size: int, source: str) -> None:
