@@ -688,6 +688,7 @@ def test_slurm_writes_a_job_array_over_the_runs(bases, tmp_path):
         "PATH": f"{fake}:{os.environ['PATH']}",
         "SLURM_ARRAY_TASK_ID": "3",
         "SLURM_ARRAY_JOB_ID": "77",
+        "SLURM_JOB_ID": "80",  # task 3's own job id: its rendezvous port
         "SLURM_JOB_NODELIST": "node[7-8]",
         "SLURM_NNODES": "2",
     }
@@ -696,7 +697,7 @@ def test_slurm_writes_a_job_array_over_the_runs(bases, tmp_path):
         "--nnodes=2",
         "--nproc-per-node=8",
         "--rdzv-backend=c10d",
-        "--rdzv-endpoint=node7:29500",
+        "--rdzv-endpoint=node7:20080",
         "--rdzv-id=77_3",
         "-m",
         "llmtrain",

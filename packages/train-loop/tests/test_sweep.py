@@ -257,12 +257,14 @@ def test_srun_passes_the_cpus_on_to_torchrun(tmp_path):
     job's cpus-per-task (Slurm 22.05 and later do not pass it on by themselves)."""
     script, record = tmp_path / "sweep.sbatch", tmp_path / "srun.args"
     script.write_text(slurm_text(tmp_path))
+    (tmp_path / "r0").mkdir()  # the run's directory, where its output.log goes
     shell = (
         f'srun() {{ printf "%s\\n" "$@" > {shlex.quote(str(record))}; }}; '
         "scontrol() { echo node1; }; export -f srun scontrol; "
         f"bash {shlex.quote(str(script))}"
     )
-    job = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    job = {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_JOB_ID": "7", "SLURM_JOB_ID": "7"}
+    job["SLURM_JOB_NODELIST"] = "node1"
     env = {**os.environ, **job, "SLURM_NNODES": "1", "SLURM_CPUS_PER_TASK": "16"}
     subprocess.run(["bash", "-c", shell], env=env, check=True, timeout=60, cwd=tmp_path)
     assert record.read_text().splitlines()[:4] == [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -71,6 +72,8 @@ def slurm_script(
         "#SBATCH --ntasks-per-node=1",
         *resources,
         f"#SBATCH --output={sweep_dir}/slurm-%A_%a.out",
+        # a requeued task would truncate the output of its earlier attempts
+        "#SBATCH --open-mode=append",
         "#SBATCH --signal=B:USR1@300",
         "#SBATCH --requeue",
     ]
@@ -84,39 +87,81 @@ def slurm_script(
         *(f"  {shlex.quote(str(c))}" for c in configs),
         ")",
         'CONFIG="${CONFIGS[$SLURM_ARRAY_TASK_ID]}"',
+        'TASK="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+        "# the run's console output, every attempt appended (as --launch here writes it): where",
+        "# `llmtrain sweep` reads why a run failed",
+        'LOG="$(dirname "$CONFIG")/output.log"',
+        'note() { echo "# $(date \'+%Y-%m-%d %H:%M:%S\') slurm $TASK: $*" >> "$LOG"; }',
+        "# a killed attempt may have left half a line: the note starts a line of its own",
+        'if [[ -s "$LOG" && -n "$(tail -c 1 "$LOG")" ]]; then echo >> "$LOG"; fi',
         'nodes=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))',
         'head="${nodes[0]}"',
-        "# 5 minutes before the time limit: SIGTERM reaches every rank through srun and torchrun,",
-        "# each finishes its step, saves and exits; the task is requeued and resumes from there",
+        "# the rendezvous port is the task's own: array tasks share nodes",
+        "port=$((20000 + SLURM_JOB_ID % 10000))",
+        "# before the time limit (--signal) this script gets SIGUSR1; SIGTERM goes to the run's",
+        "# processes on every node through scancel (srun would turn a SIGTERM into SIGKILL), each",
+        "# finishes its step, saves and exits; the task is requeued and resumes from there",
         "on_usr1() {",
-        '    kill -TERM "$pid"; wait "$pid" || true',
-        '    scontrol requeue "${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"',
+        "    requeued=1",
+        '    note "SIGUSR1 before the time limit: the run saves, then the task is requeued"',
+        '    scancel --signal=TERM "$TASK"',
+        '    wait "$pid" || true',
+        '    scontrol requeue "$TASK"',
         "}",
-        "trap on_usr1 USR1",
+        'note "attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on ${SLURM_JOB_NODELIST}: $CONFIG"',
         "# srun (Slurm 22.05 and later) does not pass the job's cpus-per-task on to its task",
         "srun --kill-on-bad-exit=1 "
         '${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} \\',
         "    torchrun \\",
         f'    --nnodes="$SLURM_NNODES" --nproc-per-node={nproc} \\',
-        '    --rdzv-backend=c10d --rdzv-endpoint="$head:29500" \\',
-        '    --rdzv-id="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}" \\',
-        '    -m llmtrain run "$CONFIG" --resume &',
+        '    --rdzv-backend=c10d --rdzv-endpoint="$head:$port" --rdzv-id="$TASK" \\',
+        '    -m llmtrain run "$CONFIG" --resume >> "$LOG" 2>&1 &',
         "pid=$!",
-        'wait "$pid"',
+        "trap on_usr1 USR1",
+        "code=0",
+        'wait "$pid" || code=$?',
+        'if [[ -n "${requeued:-}" ]]; then exit 0; fi',
+        "# the line `llmtrain sweep` reads as this attempt's failure",
+        'if ((code != 0)); then note "exit code $code"; fi',
+        'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
 
 
 def _last_error(log_file: Path) -> str:
+    """The run's last `error:` line, else its last line that is not a launcher's note."""
     try:
         lines = [ln.strip() for ln in log_file.read_text(errors="replace").splitlines()]
     except OSError:
         return "no output"
-    lines = [ln for ln in lines if ln]
+    lines = [ln for ln in lines if ln and not ln.startswith("# ")]
     for line in reversed(lines):
         if line.startswith("error:"):
             return line[len("error:") :].strip()
     return lines[-1] if lines else "no output"
+
+
+# the job script's note of a failed attempt, the last line of the run's output.log
+_EXIT_NOTE = re.compile(r"# \S+ \S+ slurm \S+: exit code (\d+)")
+
+
+def failure(path: Path) -> str | None:
+    """Why the run in `path` failed ("exit code N: reason"), or None: its summary.json says
+    failed, or (a run of the SLURM job script that failed before it wrote one) the script's
+    last note in its output.log is a nonzero exit code."""
+    log_file = path / "output.log"
+    summary = read_summary(path)
+    if summary is not None and summary.get("status") == "failed":
+        why = summary.get("error") or _last_error(log_file)
+        code = summary.get("exit_code")
+        return f"exit code {code}: {why}" if code is not None else str(why)
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    last = next((line for line in reversed(lines) if line.strip()), "")
+    match = _EXIT_NOTE.fullmatch(last.strip())
+    return f"exit code {match[1]}: {_last_error(log_file)}" if match else None
 
 
 def _ends_mid_line(path: Path) -> bool:
