@@ -43,6 +43,7 @@ from llmtrain.train_loop.experiments.ladder_shapes import compact
 from llmtrain.train_loop.experiments.mixtures import Mixtures, mixtures_from
 from llmtrain.train_loop.experiments.sweep_launch import (
     CPUS_PER_PROCESS,
+    failure,
     run_command,
     run_here,
     slurm_script,
@@ -259,6 +260,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         return 0
     write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs, mixtures, branched))
     pending = [r for r in planned if not _finished(r.path(sweep_dir))]
+    if args.launch != "here":  # here, they run again at once and say how it went
+        _report_failures(pending, sweep_dir)
     if args.launch == "print":
         return _print_commands(planned, pending, sweep_dir, world)
     if args.launch == "slurm":
@@ -307,6 +310,15 @@ def _manifest_meta(
 
 def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
+
+
+def _report_failures(pending: Sequence[PlannedRun], sweep_dir: Path) -> None:
+    """The runs whose last attempt failed (under a SLURM job array, or here), with why."""
+    failed = [(run.id, why) for run in pending if (why := failure(run.path(sweep_dir)))]
+    if failed:
+        _say(f"{len(failed)} runs failed on their last attempt (they run again when launched):")
+        for run_id, why in failed:
+            _say(f"  {run_id}: {why}")
 
 
 def _print_commands(
