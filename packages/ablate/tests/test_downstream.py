@@ -222,7 +222,7 @@ def test_compare_downstream_means_over_seeds(sweep, run_cli, tmp_path):
     assert float(one["final_downstream/wiki/bits_per_byte"]) == pytest.approx(1.65)
 
     code, out, _ = run_cli("compare", sweep, "--downstream", "--columns", "all")
-    header, _, one, two = out.splitlines()
+    header, _, one, two = out.split("\n\n")[0].splitlines()  # signal and noise follows
     assert header.split()[:4] == ["n_layers", "runs", "status", "final_eval_loss"]
     acc = [0.40, 0.38]
     assert f"{statistics.fmean(acc):.4f} ± {statistics.stdev(acc):.4f}" in one
@@ -266,7 +266,9 @@ def test_compare_metric_and_sort(sweep, run_cli, tmp_path):
     assert bests == ["30.0", "40.0", "41.0", ""]  # perplexity: the lowest first, blanks last
 
     code, out, _ = run_cli("compare", sweep)
-    assert "downstream" not in out  # only when asked for
+    table, _, signal_noise = out.partition("\n\n")
+    assert "downstream" not in table  # columns only when asked for
+    assert signal_noise.startswith("signal and noise")  # evaluated twice: can they decide?
 
     code, _, err = run_cli("compare", sweep, "--metric", "downstream/hellaswag/acc_nrom")
     assert code == 2 and "none of the 4 runs logged it" in err

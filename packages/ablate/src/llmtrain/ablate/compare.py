@@ -27,6 +27,7 @@ import attrs
 from llmtrain.ablate.baseline import Comparison, compare_rows, find_baseline
 from llmtrain.ablate.files import write_atomically
 from llmtrain.ablate.runs import (
+    DOWNSTREAM,
     SEED_KEYS,
     STDERR,
     Run,
@@ -45,6 +46,7 @@ from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
 
 if TYPE_CHECKING:
+    from llmtrain.ablate.signal_noise import SignalNoise
     from llmtrain.ablate.verdict import Verdict
 
 
@@ -266,17 +268,20 @@ def render(
     comparison: Comparison | None = None,
     columns: Sequence[str] | None = None,
     intervals: bool = True,
+    signal_noise: tuple[Sequence[SignalNoise], Sequence[str]] | None = None,
 ) -> str:
     """`fmt`: table, markdown, csv or json. `sort` a result column: the lowest first, or the
     highest where higher is better (accuracies). `confidence`: of the intervals over seeds.
     `comparison`: the difference columns of `--baseline` (and, in table, markdown and json,
     the verdict sentences). `columns`: the result columns shown (None: all; csv and json
-    always hold all)."""
+    always hold all). `signal_noise`: (the metrics measured, those left out) of
+    `signal_noise.measure_all`: a second table with its sentences (table, markdown; json's
+    `signal_noise`)."""
     if fmt == "csv":
         order, results = _order_and_results(rows, sort)
         return _csv(keys, short_keys(keys), rows, order, results, confidence, comparison)
     if fmt == "json":
-        return _json(keys, rows, sort, confidence, comparison)
+        return _json(keys, rows, sort, confidence, comparison, signal_noise)
     header, body = cells(
         keys,
         rows,
@@ -296,11 +301,35 @@ def render(
             for line in body
         ]
         lines += ["", *(f"- {s}" for s in sentences)] if sentences else []
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines) + "\n" + _signal_noise_text(signal_noise, markdown=True)
     text = rich_table(header, body)
     if sentences:
         text += "\n" + "\n".join(_wrapped(s) for s in sentences) + "\n"
-    return text
+    return text + _signal_noise_text(signal_noise, markdown=False)
+
+
+def _signal_noise_text(
+    signal_noise: tuple[Sequence[SignalNoise], Sequence[str]] | None, *, markdown: bool
+) -> str:
+    """The signal-and-noise table, its sentences and the metrics left out ("" when no metric
+    was evaluated twice)."""
+    from llmtrain.ablate import signal_noise as sn
+
+    if signal_noise is None or not signal_noise[0]:
+        return ""
+    measured, left_out = signal_noise
+    header, body = sn.cells(measured)
+    title = "signal and noise: can each metric separate the variants? (last K evaluations)"
+    sentences = [r.sentence for r in measured]
+    notes = [sn.left_out_line(left_out)] if left_out else []
+    if markdown:
+        lines = ["", f"**{title}**", "", "| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        lines += ["| " + " | ".join(line) + " |" for line in body]
+        lines += ["", *(f"- {s}" for s in [*sentences, *notes])]
+        return "\n".join(lines) + "\n"
+    text = "\n" + title + "\n" + rich_table(header, body) + "\n"
+    return text + "\n".join(_wrapped(s) for s in [*sentences, *notes]) + "\n"
 
 
 def rich_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
@@ -528,11 +557,13 @@ def _json(
     sort: str | None,
     confidence: float,
     comparison: Comparison | None,
+    signal_noise: tuple[Sequence[SignalNoise], Sequence[str]] | None = None,
 ) -> str:
     """Every number of the table as JSON: per row (in `sort` order) its settings, runs and, per
     result, mean, sample std, the number of runs with a value, the mean's interval (results
     that have one) and the mean logged stderr; with a comparison, each row's difference and the
-    verdict sentences."""
+    verdict sentences; `signal_noise` (each metric's `SignalNoise.to_json()`) and
+    `signal_noise_left_out` (the metrics no run evaluated twice)."""
     order, results = _order_and_results(rows, sort)
     short = short_keys(keys)
     out_rows = []
@@ -568,6 +599,8 @@ def _json(
         "rows": out_rows,
         "baseline": None,
         "verdicts": [],
+        "signal_noise": [r.to_json() for r in signal_noise[0]] if signal_noise else [],
+        "signal_noise_left_out": list(signal_noise[1]) if signal_noise else [],
     }
     if comparison is not None:
         document["baseline"] = {
@@ -671,6 +704,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add_metric_arguments(parser)
     add_baseline_arguments(parser)
+    add_last_evals_argument(parser)
+
+
+def add_last_evals_argument(parser: argparse.ArgumentParser) -> None:
+    """--last-evals (compare's, and the report's): the evaluations the signal-and-noise table
+    averages per run (None: `signal_noise.DEFAULT_LAST`)."""
+    from llmtrain.core_mesh.cli_conventions import positive_int
+
+    parser.add_argument(
+        "--last-evals",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="signal and noise: average each run's last K evaluations of every downstream "
+        "metric and held-out loss, their spread the checkpoint noise; given, compare's table "
+        "shows the section for the held-out losses alone too (default: 4)",
+    )
 
 
 class DeprecatedFormat(argparse.Action):
@@ -757,6 +807,14 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         raise UserError("--baseline compares rows of seeds: leave out --per-run")
     comparison = comparison_of(keys, rows, metrics, args.baseline, args.on, args.alpha)
     columns = columns_of(args.columns, rows, comparison, metrics)
+    from llmtrain.ablate.signal_noise import DEFAULT_LAST, measure_all
+
+    measured = measure_all(runs, last=args.last_evals or DEFAULT_LAST, alpha=args.alpha)
+    # the printed section: where a benchmark was evaluated twice by a run, or asked for
+    # (held-out losses alone are seldom in doubt; --json always holds it)
+    shown_measured = measured
+    if args.last_evals is None and not any(r.metric.startswith(DOWNSTREAM) for r in measured[0]):
+        shown_measured = ([], measured[1])
     text = render(
         keys,
         rows,
@@ -768,6 +826,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         # the narrow table with a baseline: the difference's interval answers the question,
         # the means' would push it past 100 characters
         intervals=comparison is None or args.columns is not None,
+        signal_noise=measured if fmt == "json" else shown_measured,
     )
     if args.output:
         path = write_atomically(args.output, text)

@@ -5,8 +5,9 @@ The page, from the jinja2 template `templates/report.html.j2`, opens with the ve
 the seeds on each side, a warning where they are too few). Then the compare table in the
 narrow default columns of `llmtrain compare` (means over seeds with their confidence
 intervals; with `--baseline`, each row's difference and significance mark), every result in a
-folded second table, the loss and metric curves (a group of seeds as its mean with a
-confidence band), where the runs vary a learning rate at several widths the final loss
+folded second table, each metric's signal and noise (can it separate the variants at this
+scale? the metrics to drop called out; signal_noise.py), the loss and metric curves (a group
+of seeds as its mean with a confidence band), where the runs vary a learning rate at several widths the final loss
 against it (one curve per width, the best marked: the µP transfer figure), the scaling-law fits and their extrapolation where the runs vary model size
 and tokens (`llmtrain fit`'s; a sweep that cannot be fitted says why instead), and each run's
 settings and status. On a data-mixture sweep (the same datasets in every run, their weights
@@ -135,6 +136,36 @@ def compare_context(
     return {"intro": intro, **tables}, verdicts
 
 
+def signal_noise_context(runs: Sequence[Run], last: int, alpha: float) -> dict[str, object] | None:
+    """The signal-and-noise section (`signal_noise.measure_all`): the table, each metric's
+    sentence, the metrics to drop called out, those left out; None when no metric was
+    evaluated twice by a run."""
+    from llmtrain.ablate import signal_noise
+
+    measured, left_out = signal_noise.measure_all(runs, last=last, alpha=alpha)
+    if not measured:
+        return None
+    header, body = signal_noise.cells(measured)
+    verdict_column = len(header) - 1
+
+    def marked(column: int, text: str) -> str:
+        if column != verdict_column:
+            return ""
+        return {"decided": "significant", "drop": "drop"}.get(text, "")
+
+    return {
+        "note": f"Each run's score is the mean of its last {last} evaluations (fewer where it "
+        "has fewer); checkpoint noise is their pooled spread within runs, seed noise the "
+        "spread between seeds beyond it, signal the spread between the variants' scores. A "
+        f"metric separates the variants when its signal reaches the {1 - alpha:.0%} normal "
+        "quantile times the standard error of a difference.",
+        "table": table_context(header, body, css_id="signal-noise", cell_class=marked),
+        "sentences": [{"text": r.sentence, "decided": r.decided, "drop": r.drop} for r in measured],
+        "drop": [r.metric for r in measured if r.drop],
+        "left_out": signal_noise.left_out_line(left_out),
+    }
+
+
 def curves_context(
     runs: Sequence[Run], metrics: Sequence[str], x: str, alpha: float
 ) -> dict[str, object]:
@@ -251,9 +282,11 @@ def report_html(
     loss_key: str = "eval_loss",
     predict: Sequence[str] = (),
     target: str | None = None,
+    last_evals: int = 4,
 ) -> str:
     """The page: the verdict sentences (and a mixture sweep's best mixture, for `target`), the
-    mixture fit, the compare table, curves, fits (extrapolated to `predict`), the runs."""
+    mixture fit, the compare table, the metrics' signal and noise (each run's last
+    `last_evals` evaluations), curves, fits (extrapolated to `predict`), the runs."""
     from llmtrain.ablate.mixture_report import mixture_context
 
     generated = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -268,6 +301,7 @@ def report_html(
         "other row is tested against it here, in one sentence each.",
         mixture=mixture_context(runs, target),
         compare=compare_part,
+        signal_noise=signal_noise_context(runs, last_evals, alpha),
         curves=curves_context(runs, metrics, x, alpha),
         transfer=transfer_context(runs, loss_key),
         fit=fit_context(runs, loss_key, predict),
@@ -285,6 +319,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--title", default=None, help="default: the sweeps' names")
     compare.add_metric_arguments(parser)
     compare.add_baseline_arguments(parser)
+    compare.add_last_evals_argument(parser)
     parser.add_argument(
         "--x", choices=("step", "tokens"), default="step", help="the curves' x axis (default: step)"
     )
@@ -325,6 +360,8 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         parse_target(text)  # a bad target is refused before anything is read
     if args.target is not None:
         parse_mixture_target(args.target)
+    from llmtrain.ablate.signal_noise import DEFAULT_LAST
+
     runs = find_runs(args.paths)
     metrics = compare.metrics_of(args, runs)
     title = args.title or "llmtrain report: " + ", ".join(Path(p).name for p in args.paths)
@@ -339,6 +376,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         loss_key=args.loss,
         predict=args.predict,
         target=args.target,
+        last_evals=args.last_evals or DEFAULT_LAST,
     )
     path = write_atomically(args.output, page)
     print(f"{len(runs)} runs -> {path}", file=sys.stderr)
