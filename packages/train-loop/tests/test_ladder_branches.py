@@ -183,3 +183,17 @@ def test_a_branch_whose_trunk_has_not_saved_its_start_says_so(tmp_path, dataset,
     assert (
         "has no committed step" in lines[0] and "train the run it branches from first" in lines[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("init", "message"),
+    [
+        ({"from": "x", "state": "all"}, "init.step: init.state: all (a branch) names the step"),
+        ({"from": "x", "step": 3, "state": "all", "format": "hf"}, "init.format: init.state: all"),
+        ({"from": "x", "step": 3, "state": "some"}, "init.state"),
+    ],
+)
+def test_a_branch_names_its_step_of_an_llmtrain_checkpoint(tiny_run_config, run_cli, init, message):
+    code, _, err = run_cli("run", tiny_run_config(init=init))
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
