@@ -197,3 +197,27 @@ def test_a_branch_names_its_step_of_an_llmtrain_checkpoint(tiny_run_config, run_
     code, _, err = run_cli("run", tiny_run_config(init=init))
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1 and message in lines[0], err
+
+
+def test_under_slurm_the_branches_wait_for_their_trunks(tmp_path, dataset, run_cli):
+    base, sweeps = write_base(tmp_path, dataset), tmp_path / "sweeps"
+    code, out, err = run_cli(
+        "sweep", base, *LADDER, "--branch-decays", "0.2", "--name", "s", "--dir", sweeps,
+        "--launch", "slurm",
+    )  # fmt: skip
+    assert code == 0, err
+    trunks, branches = sweeps / "s" / "sweep.sbatch", sweeps / "s" / "branches.sbatch"
+    assert out.strip() == (
+        f"job=$(sbatch --parsable {trunks}) && sbatch --dependency=afterok:${{job%%;*}} {branches}"
+    )
+    manifest = json.loads((sweeps / "s" / "manifest.json").read_text())
+
+    def configs(script: Path) -> set[str]:
+        return {
+            Path(line.strip().strip("'")).parent.name
+            for line in script.read_text().splitlines()
+            if line.strip().strip("'").endswith("config.yaml")
+        }
+
+    assert configs(branches) == set(manifest["branches"])
+    assert configs(trunks) == {"N=1e3,r=16", "N=4e3,r=16"}

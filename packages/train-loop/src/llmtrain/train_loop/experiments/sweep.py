@@ -265,7 +265,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     if args.launch == "print":
         return _print_commands(planned, pending, sweep_dir, world)
     if args.launch == "slurm":
-        return _write_slurm_script(args, name, planned, pending, sweep_dir)
+        return _write_slurm_scripts(args, name, planned, pending, sweep_dir, branched)
     return _run_here(name, planned, sweep_dir, args.nproc_per_node)
 
 
@@ -331,23 +331,50 @@ def _print_commands(
     return 0
 
 
-def _write_slurm_script(
+def _write_slurm_scripts(
     args: argparse.Namespace,
     name: str,
     planned: Sequence[PlannedRun],
     pending: Sequence[PlannedRun],
     sweep_dir: Path,
+    branched: Branched,
 ) -> int:
-    """--launch slurm: a job-array script of the runs still to go, and the command to submit it."""
+    """--launch slurm: a job-array script of the runs still to go, and the command to submit
+    it. A ladder's decay branches go in a second array (`branches.sbatch`) that starts once
+    the first has finished (`--dependency=afterok`): they start from its trunks' checkpoints."""
     if not pending:
         _say("every run has finished; no script written")
         return 0
-    script = sweep_dir / "sweep.sbatch"
+    first = [r for r in pending if branched.branch(r.id).trunk is None]
+    later = [r for r in pending if branched.branch(r.id).trunk is not None]
+    scripts = [
+        _write_slurm_script(args, job, runs, sweep_dir / file)
+        for job, runs, file in (
+            (name, first, "sweep.sbatch"),
+            (f"{name}-branches", later, "branches.sbatch"),
+        )
+        if runs
+    ]
+    _say(f"{len(pending)} runs to go ({len(planned) - len(pending)} finished); submit with:")
+    if len(scripts) == 1:
+        print(f"sbatch {shlex.quote(str(scripts[0]))}")
+    else:
+        print(
+            f"job=$(sbatch --parsable {shlex.quote(str(scripts[0]))}) && "
+            f"sbatch --dependency=afterok:${{job%%;*}} {shlex.quote(str(scripts[1]))}"
+        )
+    return 0
+
+
+def _write_slurm_script(
+    args: argparse.Namespace, name: str, runs: Sequence[PlannedRun], script: Path
+) -> Path:
+    """One job array of `runs`, written to `script`."""
     write_atomically(
         script,
         slurm_script(
             name,
-            [r.path(sweep_dir) / "config.yaml" for r in pending],
+            [r.path(script.parent) / "config.yaml" for r in runs],
             nodes=args.nodes,
             nproc=args.nproc_per_node,
             gpus_per_node=(
@@ -355,12 +382,10 @@ def _write_slurm_script(
             ),
             options=args.slurm,
             max_parallel=args.max_parallel,
-            sweep_dir=sweep_dir,
+            sweep_dir=script.parent,
         ),
     )
-    _say(f"{len(pending)} runs to go ({len(planned) - len(pending)} finished); submit with:")
-    print(f"sbatch {shlex.quote(str(script))}")
-    return 0
+    return script
 
 
 def _run_here(name: str, planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> int:
