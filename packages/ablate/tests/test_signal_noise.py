@@ -333,3 +333,21 @@ def test_the_report_shows_the_section_and_calls_out_the_tasks_to_drop(sweep, run
     assert '<td class="significant">decided</td>' in section
     assert "would separate them (eval-tasks --last 9)" in section
     assert page.index("signal-noise-section") < page.index("<h2>Curves</h2>")
+
+
+def test_a_saturated_task_has_no_spread_and_is_dropped(tmp_path, run_cli):
+    """Every run scores 1.0 at every evaluation: no signal, no noise, no ratio (0 / 0)."""
+    for n_layers in (1, 2):
+        for seed in (0, 1):
+            path = write_run(tmp_path, n_layers, seed, tasks={}, ema=False)
+            evaluations = [{"step": s, "tasks": {"easy": {"acc": 1.0}}} for s in STEPS]
+            (path / "eval_tasks.json").write_text(json.dumps({"evaluations": evaluations}))
+    got = {e["metric"]: e for e in compare_json(run_cli, tmp_path)["signal_noise"]}
+    easy = got["downstream/easy/acc"]
+    assert easy["signal"] == easy["checkpoint_noise"] == easy["seed_noise"] == 0.0
+    assert easy["snr"] is None and easy["drop"] and easy["verdict"] == "drop"
+    assert "every variant scores the same: cannot separate the variants" in easy["sentence"]
+    code, out, _ = run_cli("compare", tmp_path)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("downstream/easy/acc "))
+    assert line.split()[1:] == ["4", "0.0000", "0.0000", "0.0000", "drop"]

@@ -76,7 +76,7 @@ class SignalNoise:
     seed_noise: float  # 0 where unmeasured
     seed_noise_measured: bool
     noise: float
-    snr: float | None
+    snr: float | None  # None: one variant, or 0 / 0; inf: a spread without checkpoint noise
     z: float
     se: float  # se(n, K_h)
     decided: bool
@@ -241,8 +241,8 @@ def measure(
                 ),
                 None,
             )
-    snr = None
-    if signal is not None:
+    snr = None  # one variant, or no spread and no noise (0 / 0)
+    if signal is not None and (checkpoint_noise > 0 or signal > 0):
         snr = signal / checkpoint_noise if checkpoint_noise > 0 else math.inf
     result = SignalNoise(
         metric=metric,
@@ -333,9 +333,10 @@ def sentence_of(result: SignalNoise, alpha: float) -> str:
             f"{head}: undecided; averaging more evaluations is not enough, "
             f"{result.seeds_needed} seeds per variant would separate them.{unmeasured}"
         )
+    same = " every variant scores the same:" if result.signal == 0 else ""
     return (
-        f"{head}: cannot separate the variants at this scale: drop it or evaluate at a larger "
-        f"scale.{unmeasured}"
+        f"{head}:{same} cannot separate the variants at this scale: drop it or evaluate at a "
+        f"larger scale.{unmeasured}"
     )
 
 
