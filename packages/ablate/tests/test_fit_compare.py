@@ -8,8 +8,11 @@ fits."""
 
 from __future__ import annotations
 
+import base64
+import html
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -358,3 +361,58 @@ def test_without_bootstrap_draws_there_is_no_interval():
     )
     assert diff.value == pytest.approx(-0.1)
     assert math.isnan(diff.low) and diff.excludes_zero is None and diff.draws == 0
+
+
+# --- report --compare ---
+
+
+def section_of(page, element, css_id):
+    found = re.search(rf'<{element} id="{css_id}"[^>]*>(.*?)</{element}>', page, re.S)
+    assert found, f"no {element}#{css_id}"
+    return found.group(1)
+
+
+def test_the_report_draws_both_fits(ladders, run_cli, tmp_path):
+    out = tmp_path / "report.html"
+    base, crossing = ladders["exact"], ladders["crossing"]
+    code, _, err = run_cli("report", "--compare", base, crossing, "-o", out, "--predict", "C=1e22")
+    assert code == 0, err
+    page = out.read_text(encoding="utf-8")
+    assert "<script" not in page
+    part = section_of(page, "section", "scale-compare")
+    assert "Variant against baseline across scale" in part
+    text = html.unescape(section_of(part, "pre", "scale-compare-text"))
+    assert text.startswith("variant against baseline across scale: final eval_loss")
+    # both fits, each with its parameters and intervals
+    for side, path in (("baseline", base), ("variant", crossing)):
+        assert f"\n{side} {path}:\nL(N, D) = E + A / N^alpha + B / D^beta: 16 runs" in text
+    assert "the curves cross at C = " in text and "C=1e+22" in text
+    found = re.search(
+        r'<img id="scale-compare-plot" alt="[^"]*" src="data:image/png;base64,([^"]+)"', part
+    )
+    assert found and base64.b64decode(found.group(1)).startswith(b"\x89PNG")
+    # its sentences open the verdict; the two ladders are not fitted together
+    verdict = html.unescape(section_of(page, "section", "verdict"))
+    assert "At C=1e+22 (each fit's compute-optimal N, D): the variant's predicted" in verdict
+    assert "Along the compute-optimal frontier" in verdict
+    assert 'id="fit"' not in page and "Scaling-law fits" not in page
+    # both ladders' runs in the tables
+    assert section_of(page, "table", "runs").count("<tr>") == 1 + 32
+
+
+def test_the_report_refuses_what_fit_compare_refuses(ladders, run_cli, tmp_path):
+    out = tmp_path / "report.html"
+    base = ladders["base"]
+    for argv, message in (
+        ((base,), "--compare takes two sweeps, BASELINE then VARIANT; got 1"),
+        ((base, base), "the baseline and the variant are the same directory"),
+    ):
+        code, _, err = run_cli("report", "--compare", *argv, "-o", out)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+        assert not out.exists()
+    # ladders that cannot be compared: the page says why, as for a sweep the fit refuses
+    other_data = write_ladder(tmp_path / "other-data", LOWER_E, eval_path="/data/other.zarr")
+    code, _, err = run_cli("report", "--compare", base, other_data, "-o", out)
+    assert code == 0, err
+    reason = html.unescape(section_of(out.read_text(encoding="utf-8"), "p", "no-scale-compare"))
+    assert "No comparison: the baseline's eval_loss is measured on held-out set" in reason

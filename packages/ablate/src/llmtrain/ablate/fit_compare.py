@@ -701,10 +701,10 @@ def draw(comparison: ScaleComparison, output: Path) -> None:
 
 def report_context(
     paths: Sequence[str], loss_key: str, predict: Sequence[str]
-) -> dict[str, object]:
-    """`report --compare`'s section: the comparison as `fit --compare` prints it, each ladder's
-    fit with its intervals, the figure, and one verdict sentence per target and for the
-    frontier; or why there is no comparison (`error`). `paths` were checked (`check_paths`)."""
+) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """`report --compare`'s section (the comparison as `fit --compare` prints it, each ladder's
+    fit with its intervals, the figure; or why there is none: `error`) and its verdict
+    sentences, one per target and one for the frontier. `paths` were checked (`check_paths`)."""
     from llmtrain.ablate.fit_command import parse_target, render_parametric
     from llmtrain.ablate.html_report import png_data_url
 
@@ -712,39 +712,28 @@ def report_context(
     try:
         comparison = compare_ladders(paths, targets, loss_key=loss_key)
     except UserError as error:
-        return {"error": str(error), "verdicts": []}
+        return {"error": str(error)}, []
     text = render(comparison)
     for ladder in comparison.ladders:
         fits = ladder.fits
         text += ["", f"{ladder.side} {ladder.path}:"]
         text += render_parametric(fits.parametric, fits.loss_key, fits.params)
-    verdicts = [
-        {
-            "sentence": verdict(comparison, diff),
-            "warning": "",
-            "significant": bool(diff.excludes_zero),
-            "weak": False,
-        }
-        for diff in comparison.differences
+    sentences = [(verdict(comparison, d), bool(d.excludes_zero)) for d in comparison.differences]
+    sentences.append((frontier_sentence(comparison.frontiers), False))
+    verdicts: list[dict[str, object]] = [
+        {"sentence": sentence, "warning": "", "significant": beyond, "weak": False}
+        for sentence, beyond in sentences
     ]
-    verdicts.append(
-        {
-            "sentence": frontier_sentence(comparison.frontiers),
-            "warning": "",
-            "significant": False,
-            "weak": False,
-        }
-    )
-    return {
+    section: dict[str, object] = {
         "error": "",
         "text": "\n".join(text),
         "url": png_data_url(lambda path: draw(comparison, path)),
         "note": (
-            f"Each ladder fitted on its own (L = E + A/N^alpha + B/D^beta); left, each fit's "
+            f"Each ladder fitted on its own (L = E + A/N^alpha + B/D^beta). Left: each fit's "
             f"{loss_key} along its own compute-optimal frontier with the {CONFIDENCE:.0%} band "
-            f"of its bootstrap refits and its rungs as points (a rung lies on or above its "
-            f"frontier); right, variant - baseline along the frontiers with the band of the "
+            f"of its bootstrap refits, its rungs as points (a rung lies on or above its "
+            f"frontier). Right: variant - baseline along the frontiers with the band of the "
             f"paired refits' differences. Dotted: where the fits cross."
         ),
-        "verdicts": verdicts,
     }
+    return section, verdicts

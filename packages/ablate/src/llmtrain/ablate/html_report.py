@@ -12,8 +12,11 @@ against it (one curve per width, the best marked: the µP transfer figure), the 
 and tokens (`llmtrain fit`'s; a sweep that cannot be fitted says why instead), and each run's
 settings and status. On a data-mixture sweep (the same datasets in every run, their weights
 differing) the verdict names the mixture `llmtrain fit --mixture` predicts best, and a section
-after it shows how the fit got there (mixture_report.py). Wide tables scroll inside their own
-box, so the page never scrolls sideways. It is self-contained: the styles are inline, the
+after it shows how the fit got there (mixture_report.py). With `--compare BASELINE VARIANT` the
+two ladders are fitted apart and compared across scale instead of fitted together (`llmtrain fit
+--compare`'s: fit_compare.py): its sentences open the verdict, and its section, both fits along
+their compute-optimal frontiers with their bootstrap bands, takes the place of the fits. Wide
+tables scroll inside their own box, so the page never scrolls sideways. It is self-contained: the styles are inline, the
 figures are PNGs in data: URLs, and there is no script, so it opens from a file, an e-mail or
 an artifact store without a network.
 matplotlib draws the figures (the `[plot]` extra).
@@ -283,6 +286,7 @@ def report_html(
     predict: Sequence[str] = (),
     target: str | None = None,
     last_evals: int = 4,
+    compare_ladders: Sequence[str] = (),
 ) -> str:
     """The page: the verdict sentences (and a mixture sweep's best mixture, for `target`), the
     mixture fit, the compare table, the metrics' signal and noise (each run's last
@@ -291,6 +295,12 @@ def report_html(
 
     generated = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     compare_part, verdicts = compare_context(runs, metrics, baseline, on, alpha)
+    scale_compare: dict[str, object] | None = None
+    if compare_ladders:  # BASELINE VARIANT: fitted apart, compared across scale
+        from llmtrain.ablate.fit_compare import report_context
+
+        scale_compare, scale_verdicts = report_context(compare_ladders, loss_key, predict)
+        verdicts = [*scale_verdicts, *verdicts]
     return render_page(
         title=title,
         runs=len(runs),
@@ -304,7 +314,8 @@ def report_html(
         signal_noise=signal_noise_context(runs, last_evals, alpha),
         curves=curves_context(runs, metrics, x, alpha),
         transfer=transfer_context(runs, loss_key),
-        fit=fit_context(runs, loss_key, predict),
+        fit=fit_context(runs, loss_key, predict) if scale_compare is None else {},
+        scale_compare=scale_compare,
         runs_table=runs_context(runs),
     )
 
@@ -339,6 +350,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "default: none)",
     )
     parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="the two paths are ladders, BASELINE then VARIANT: fit them apart and compare them "
+        "across scale (llmtrain fit --compare's section) instead of fitting them together "
+        "(default: off)",
+    )
+    parser.add_argument(
         "--target",
         default=None,
         metavar="METRIC=W,...",
@@ -360,6 +378,10 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         parse_target(text)  # a bad target is refused before anything is read
     if args.target is not None:
         parse_mixture_target(args.target)
+    if args.compare:
+        from llmtrain.ablate.fit_compare import check_paths
+
+        check_paths(args.paths)  # two ladders, not one twice
     from llmtrain.ablate.signal_noise import DEFAULT_LAST
 
     runs = find_runs(args.paths)
@@ -377,6 +399,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
         predict=args.predict,
         target=args.target,
         last_evals=args.last_evals or DEFAULT_LAST,
+        compare_ladders=args.paths if args.compare else (),
     )
     path = write_atomically(args.output, page)
     print(f"{len(runs)} runs -> {path}", file=sys.stderr)
