@@ -1,6 +1,8 @@
 """Decay branches of a ladder by size, trained for real in this process: 2 sizes x 5 ratios with
 a wsd base. The branched ladder trains at most 65% of the tokens of the same ladder from scratch
-(the table says so), and every branch logs exactly the losses of its rung trained alone."""
+(the table says so), every branch logs exactly the losses of its rung trained alone, and `fit
+--compare` of it against the same ladder at a third of the lr predicts the difference the
+trained rungs show."""
 
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ def ladders(tmp_path_factory, dataset):
     manifest = json.loads((sweeps / "br" / "manifest.json").read_text())
     alone = launch(cli, base, sweeps, "alone", "lr_scheduler.decay_fraction=0.2")
     run_all([c for c in alone if Path(c).parent.name in manifest["branches"]])
+    # the same ladder with a known change, for fit --compare: a third of the lr
+    run_all(launch(cli, base, sweeps, "lowlr", "optimizer.lr=1e-3", "--branch-decays", "0.2"))
     return {"base": base, "sweeps": sweeps, "manifest": manifest, "order": branched, "cli": cli}
 
 
@@ -221,3 +225,27 @@ def test_under_slurm_the_branches_wait_for_their_trunks(tmp_path, dataset, run_c
 
     assert configs(branches) == set(manifest["branches"])
     assert configs(trunks) == {"N=1e3,r=16", "N=4e3,r=16"}
+
+
+def test_fit_compare_predicts_the_sign_the_trained_rungs_show(ladders, run_cli):
+    sweeps = ladders["sweeps"]
+
+    def final(sweep: str) -> dict[str, float]:
+        return {
+            run_id: json.loads((sweeps / sweep / run_id / "summary.json").read_text())["eval"][
+                "eval_loss"
+            ]
+            for run_id in ladders["manifest"]["branches"] | {"N=1e3,r=16": 0, "N=4e3,r=16": 0}
+        }
+
+    trained = {k: final("lowlr")[k] - v for k, v in final("br").items()}
+    assert all(diff > 0 for diff in trained.values()), trained  # a third of the lr: worse
+    largest = json.loads((sweeps / "br" / "N=4e3,r=16" / "summary.json").read_text())
+    at = f"N={largest['non_embedding_params']},D={largest['tokens']}"
+    code, out, err = run_cli(
+        "fit", "--compare", sweeps / "br", sweeps / "lowlr", "--predict", at,
+        "--bootstrap", "20", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    (prediction,) = json.loads(out)["predictions"]
+    assert prediction["difference"][0] > 0 and prediction["lower"] == "baseline"
