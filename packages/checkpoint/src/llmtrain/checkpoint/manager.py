@@ -643,7 +643,10 @@ class Checkpointer:
             return None
         reader, metadata, rng = self._agreed(lambda: self._prepare_load(step, restore_rng))
         plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-        check_compatible(plain, metadata, self.step_url(step))
+        try:
+            check_compatible(plain, metadata, self.step_url(step))
+        except CheckpointError as exc:
+            raise self._weights_only(step) or exc from None
         try:
             dcp_load(plain, storage_reader=reader, planner=SafeLoadPlanner())
         except CheckpointException as exc:
@@ -660,6 +663,21 @@ class Checkpointer:
             self._restore_rng(step, rng)
         log.info("checkpoint.loaded", step=step, url=self.step_url(step))
         return step
+
+    def _weights_only(self, step: int) -> CheckpointError | None:
+        """For a load asking for more than the model of a step `llmtrain average` wrote (a
+        resume: optimizer state, counters), what it is and what to do instead."""
+        averaged = self.info(step).get("info", {}).get("averaged")
+        if not isinstance(averaged, dict):
+            return None
+        steps = ", ".join(map(str, averaged.get("steps") or []))
+        source = averaged.get("source")
+        return CheckpointError(
+            f"{self.step_url(step)} is the mean of steps {steps} of {source} (`llmtrain "
+            "average`): it holds model weights only, no optimizer state or counters, so a run "
+            f"cannot resume from it; resume from {source}, or start a new run from these "
+            f"weights with init: {{from: {self.url}}}"
+        )
 
     def _prepare_load(
         self, step: int, restore_rng: bool

@@ -1,5 +1,5 @@
-"""checkpoint's plugin (entry point `checkpoint`): the `llmtrain export` and `llmtrain
-checkpoints` commands. Importing it is cheap; torch loads when a command runs."""
+"""checkpoint's plugin (entry point `checkpoint`): the `llmtrain export`, `llmtrain checkpoints`
+and `llmtrain average` commands. Importing it is cheap; torch loads when a command runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import json
 
 from llmtrain.core_mesh.cli import Command, Context
-from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object
+from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object, positive_int
 from llmtrain.core_mesh.plugins import Register, hookimpl
 
 # what --dtype accepts, for `export` and `hf export` alike
@@ -127,6 +127,76 @@ def _list(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
+def _step_list(text: str) -> list[int]:
+    """`--steps 100,200,300` (argparse's `type`: a bad list is one line naming the option)."""
+    steps: list[int] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part.isascii() or not part.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r} is not a step number (N,N,...)")
+        steps.append(int(part))
+    if len(set(steps)) != len(steps):
+        raise argparse.ArgumentTypeError(f"{text!r} names a step twice; name each step once")
+    return steps
+
+
+def _average_args(parser: argparse.ArgumentParser) -> None:
+    main_object(
+        parser,
+        "checkpoints",
+        metavar="CHECKPOINT",
+        help="checkpoint directory (runs/<name>/checkpoints), path or URL",
+    )
+    # a new command: -o/--output without 0.1's --out
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DIR",
+        help="the checkpoint directory to write the averaged step to (not the source)",
+    )
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--last", type=positive_int, metavar="K", help="average the newest K committed steps"
+    )
+    which.add_argument(
+        "--steps", type=_step_list, metavar="N,N,...", help="average these committed steps"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a checkpoint the output already holds"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def _average(args: argparse.Namespace, ctx: Context) -> int:
+    import sys
+
+    from llmtrain.checkpoint.average import average
+    from llmtrain.core_mesh.logs import configure_logging
+
+    # stdout carries only the summary (or its JSON); the checkpointer's info lines are noise here
+    configure_logging(console=sys.stderr, level="WARNING")
+
+    done = average(
+        args.checkpoints,
+        args.output,
+        last=args.last,
+        steps=args.steps,
+        overwrite=args.overwrite,
+    )
+    if args.json:
+        print(json.dumps(done))
+        return 0
+    steps = done["steps"]
+    assert isinstance(steps, list)
+    print(
+        f"{done['checkpoint']}: the mean of steps {', '.join(map(str, steps))} of "
+        f"{done['source']}: {done['tensors']} tensors, {done['parameters']:,} parameters "
+        "(model weights only: for eval, eval-tasks, generate and export, not for resuming "
+        "training)"
+    )
+    return 0
+
+
 @hookimpl
 def llmtrain_commands(register: Register) -> None:
     register(
@@ -144,5 +214,14 @@ def llmtrain_commands(register: Register) -> None:
             help="list a checkpoint directory's steps and whether each is committed",
             configure=_list_args,
             run=_list,
+        ),
+    )
+    register(
+        "average",
+        lambda _: Command(
+            help="write a checkpoint whose weights are the mean of several committed steps' "
+            "(for evaluation and export; it holds no optimizer state to resume from)",
+            configure=_average_args,
+            run=_average,
         ),
     )

@@ -74,7 +74,7 @@ COMMAND_DISTRIBUTIONS: dict[str, str] = {
         ),
         "llmtrain-train-loop",
     ),
-    **dict.fromkeys(("export", "checkpoints"), "llmtrain-checkpoint"),
+    **dict.fromkeys(("export", "checkpoints", "average"), "llmtrain-checkpoint"),
     **dict.fromkeys(("compare", "plot", "profile", "ranks", "fit", "report"), "llmtrain-ablate"),
     "hf": "llmtrain-hf",
     "lm-eval": "llmtrain-lmeval",
