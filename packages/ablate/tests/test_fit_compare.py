@@ -271,6 +271,7 @@ def test_the_text_and_the_json(ladders, run_cli, tmp_path):
     assert report["n_boot"] == int(BOOT)
     for side, seed in (("baseline", 0), ("variant", 1)):  # independent resamplings
         ladder = report[side]
+        assert set(ladder) == {"path", "seed", "flops_per_token_per_param", "runs", "parametric"}
         assert ladder["seed"] == seed
         assert ladder["flops_per_token_per_param"] == pytest.approx(6.0)
         assert ladder["parametric"]["n_boot"] == int(BOOT)

@@ -127,7 +127,8 @@ class Ladder:
             "path": self.path,
             "seed": self.seed,
             "flops_per_token_per_param": self.per_param,
-            **self.fits.to_json(),
+            "runs": [p.to_json() for p in self.fits.points],
+            "parametric": self.fits.parametric.to_json(),
         }
 
 
