@@ -1,6 +1,6 @@
 """Test sessions. `nox -s tests` is the whole suite: `units` (lint, typecheck, every package
-alone, every plugin in plugins/ with its own tests), then integration. CI (.ci/run) runs
-`units` and `integration` side by side.
+alone, every plugin in plugins/ with its own tests, `slurm`: the sweep's job script under a
+one-node Slurm), then integration. CI (.ci/run) runs `units` and `integration` side by side.
 
 Each package session installs only that package (and core-mesh, and whatever the package itself
 depends on) into a fresh venv, so a missing dependency declaration fails here, not for users.
@@ -42,6 +42,16 @@ TEST_SIBLINGS = {
 SYSTEM_PROGRAMS = {
     "ablate": {"chromium": "chromium"},
     "integration": {"chromium": "chromium"},
+    # Debian's Slurm (22.05 on bookworm): the `slurm` session's one-node cluster and its clients
+    "slurm": {
+        "munged": "munge",
+        "slurmctld": "slurmctld",
+        "slurmd": "slurmd",
+        "sbatch": "slurm-client",
+        "scancel": "slurm-client",
+        "scontrol": "slurm-client",
+        "squeue": "slurm-client",
+    },
 }
 # shared libraries outside Python that a session's tests load, by session: {library (as
 # ctypes.util.find_library names it): Debian package}. LightGBM's wheel (ablate's `mixture`
@@ -186,6 +196,7 @@ def ensure_programs(session: nox.Session, tests_of: str | None = None) -> None:
         for library, package in SYSTEM_LIBRARIES.get(name, {}).items()
         if not ctypes.util.find_library(library)
     ]
+    missing = list(dict.fromkeys(missing))  # a package that brings several programs, once
     if not missing:
         return
     # one apt at a time: CI runs two sessions at once (.ci/run), and apt refuses a second
@@ -205,6 +216,22 @@ def integration(session: nox.Session) -> None:
     session.install("--no-deps", str(TOY_LM))
     ensure_programs(session)
     pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu")
+
+
+# the SLURM job script's tests: a one-node cluster of its own (their conftest.py)
+SLURM_TESTS = ROOT / "packages" / "train-loop" / "tests_slurm"
+
+
+@nox.session
+def slurm(session: nox.Session) -> None:
+    """`llmtrain sweep --launch slurm` under a real Slurm: the tests start munged, slurmctld and
+    slurmd on this machine (a one-node cluster in a temporary directory, stopped whatever
+    happens), submit the sweep's job script with sbatch and read the runs back: arrays, the
+    requeue at the time limit, scancel and resubmission, a failed run. A cluster that does not
+    start fails the session; nothing is skipped."""
+    session.install(*CONSTRAINTS, *package_paths(*PACKAGES), *group("test"))
+    ensure_programs(session)
+    pytest(session, str(SLURM_TESTS))
 
 
 @nox.session
@@ -255,11 +282,19 @@ def plugin_hf_transformers4(session: nox.Session) -> None:
 
 @nox.session(
     python=False,
-    requires=["lint", "typecheck", *PACKAGES, *PLUGIN_SESSIONS, "plugin-hf-transformers4"],
+    requires=[
+        "lint",
+        "typecheck",
+        *PACKAGES,
+        *PLUGIN_SESSIONS,
+        "plugin-hf-transformers4",
+        "slurm",
+    ],
 )
 def units(session: nox.Session) -> None:
     """Every session of `tests` but integration: lint, typecheck, each package alone, each
-    plugin with its tests. CI (.ci/run) runs it beside `integration`, one lane a core."""
+    plugin with its tests, the SLURM job script under a real Slurm. CI (.ci/run) runs it beside
+    `integration`, one lane a core."""
     session.log("lint, typecheck and every package and plugin session passed")
 
 

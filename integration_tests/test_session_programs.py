@@ -37,8 +37,11 @@ def programs_run(source: str) -> set[str]:
 
 
 def session_of(test_file: Path) -> str:
-    """The nox session that runs a test file: the package's, `plugin-NAME` or integration."""
+    """The nox session that runs a test file: the package's, `plugin-NAME`, `slurm` (the job
+    script's tests in packages/train-loop/tests_slurm) or integration."""
     parts = test_file.relative_to(ROOT).parts
+    if parts[0] == "packages" and parts[2] == "tests_slurm":
+        return "slurm"
     if parts[0] == "packages":
         return parts[1]
     if parts[0] == "plugins":
@@ -49,6 +52,7 @@ def session_of(test_file: Path) -> str:
 def sources_of_tests() -> list[Path]:
     roots = [
         *ROOT.glob("packages/*/tests"),
+        *ROOT.glob("packages/*/tests_slurm"),
         *ROOT.glob("plugins/*/tests"),
         ROOT / "integration_tests",
     ]
@@ -74,6 +78,16 @@ def test_the_browser_tests_are_found_and_their_sessions_install_chromium():
             by_session.setdefault(session_of(path), set()).add(program)
     assert "chromium" in by_session["ablate"] and "chromium" in by_session["integration"]
     assert noxfile_constant("SYSTEM_PROGRAMS")["ablate"] == {"chromium": "chromium"}
+
+
+def test_the_slurm_tests_are_found_and_their_session_installs_slurm():
+    """The job script's tests run Slurm's daemons and commands: the `slurm` session's."""
+    found = set()
+    for path in sources_of_tests():
+        if session_of(path) == "slurm":
+            found |= programs_run(path.read_text(encoding="utf-8"))
+    assert {"munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "squeue"} <= found
+    assert found - ANYWHERE <= set(noxfile_constant("SYSTEM_PROGRAMS")["slurm"])
 
 
 # sources with a made-up program NAME filled in, so that this file itself starts no program
