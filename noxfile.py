@@ -307,8 +307,12 @@ def tests(session: nox.Session) -> None:
 
 def install_for_users(session: nox.Session) -> None:
     """What a user installs (the root README's Install section) and the shared plugins: no
-    test-only packages."""
-    session.install(*CONSTRAINTS, *package_paths(*PACKAGES), str(ROOT), *plugin_paths(shared=True))
+    test-only packages. And pip: nox makes venvs with uv, which puts no pip in them, so a user
+    who activates the venv and runs the README's `pip install ./my-plugin` would get the
+    system's pip, which installs elsewhere and cannot see the checkout's packages."""
+    session.install(
+        *CONSTRAINTS, "pip", *package_paths(*PACKAGES), str(ROOT), *plugin_paths(shared=True)
+    )
 
 
 @nox.session
