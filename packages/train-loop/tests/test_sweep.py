@@ -273,6 +273,35 @@ def test_srun_passes_the_cpus_on_to_torchrun(tmp_path):
         "torchrun",
         "--nnodes=1",
     ]
+    # the run's output.log has the script's note of the attempt
+    assert "slurm 7_0: attempt 1 on node1: " in (tmp_path / "r0" / "output.log").read_text()
+
+
+def test_failure_is_a_failed_summary_or_the_job_scripts_exit_note(tmp_path):
+    """Why a run failed, as `llmtrain sweep` reports it: summary.json's error, else (a run that
+    failed under the job script before it wrote one) the script's exit-code note, with the
+    run's last error line; None while it is not known to have failed."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert sweep_launch.failure(run) is None  # never ran
+    log = run / "output.log"
+    log.write_text(
+        "# 2026-01-01 00:00:00 slurm 7_0: attempt 1 on node1: run/config.yaml\n"
+        "error: data.zarr: not a packed dataset\n"
+        "srun: error: node1: task 0: Exited with exit code 1\n"
+        "# 2026-01-01 00:00:09 slurm 7_0: exit code 1\n"
+    )
+    assert sweep_launch.failure(run) == "exit code 1: data.zarr: not a packed dataset"
+    with log.open("a") as out:  # submitted again: running, not failed
+        out.write("# 2026-01-01 00:01:00 slurm 8_0: attempt 1 on node1: run/config.yaml\n")
+    assert sweep_launch.failure(run) is None
+    summary = {"status": "failed", "step": 3, "error": "the loss is nan"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert sweep_launch.failure(run) == "the loss is nan"
+    (run / "summary.json").write_text(json.dumps({**summary, "exit_code": 1}))  # a run here
+    assert sweep_launch.failure(run) == "exit code 1: the loss is nan"
+    (run / "summary.json").write_text(json.dumps({"status": "stopped", "step": 3}))
+    assert sweep_launch.failure(run) is None
 
 
 def test_the_gpus_a_sweep_asks_for_on_the_command_line(installed, tmp_path, run_cli):
