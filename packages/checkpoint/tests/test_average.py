@@ -331,3 +331,24 @@ def test_the_function_refuses_a_choice_of_neither_or_both(run, tmp_path):
             average(str(root), str(tmp_path / "avg"), **kw)
     with pytest.raises(CheckpointError, match="name each step once"):
         average(str(root), str(tmp_path / "avg"), steps=[1, 1])
+
+
+def test_checkpoints_on_object_storage_average_there(moto_s3, tiny, run_cli):
+    """A source and an output on S3 (moto): the same mean, and the source refused as output."""
+    model, optimizer = tiny.make(seed=0, steps=1)
+    checkpoints = Checkpointer(moto_s3, keep=KEEP)
+    saved = {}
+    for step in (1, 2):
+        tiny.train_step(model, optimizer, seed=step)
+        saved[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        checkpoints.save(step, {"train": ModelState(model, [optimizer])}, info=info(step))
+    checkpoints.close()
+    out = f"{moto_s3}-avg"
+    code, stdout, err = run_cli("average", moto_s3, "--last", 2, "-o", out, "--json")
+    assert code == 0, err
+    assert json.loads(stdout)["checkpoint"] == f"{out}/step-2"
+    weights, record, _ = load_model_weights(out)
+    assert record["info"]["averaged"] == {"source": moto_s3, "steps": [1, 2]}
+    assert all(torch.equal(v, mean(saved, (1, 2), k)) for k, v in weights.items())
+    line = one_error(*run_cli("average", moto_s3, "--last", 2, "-o", f"{moto_s3}/"))
+    assert line.startswith(f"-o {moto_s3}: that is the source checkpoint directory")
