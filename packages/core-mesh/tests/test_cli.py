@@ -6,12 +6,14 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from llmtrain.core_mesh import cli
-from llmtrain.core_mesh.cli import Command, main
+from llmtrain.core_mesh.cli import Command, install_command, main
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import Origin, PluginManager, hookimpl
 
@@ -218,11 +220,10 @@ def test_a_command_of_a_package_not_installed_says_what_to_install(capsys):
     pm = PluginManager(blocked=("train_loop",)).load_entry_points()
     assert "run" not in pm.registry("command")
     assert main(["run", "cfg.yaml", "model.n_layers=2", "--resume"], plugins=pm) == 2
-    assert capsys.readouterr().err == (
-        "error: `run` is provided by llmtrain-train-loop: pip install llmtrain-train-loop\n"
-    )
+    hint = install_command("llmtrain-train-loop")
+    assert capsys.readouterr().err == f"error: `run` is provided by llmtrain-train-loop: {hint}\n"
     assert main(["--debug", "run"], plugins=pm) == 2
-    assert "pip install llmtrain-train-loop" in capsys.readouterr().err
+    assert hint in capsys.readouterr().err
     assert main(["config", "validate", "cfg.yaml"], plugins=pm) == 2
     assert "`config` is provided by llmtrain-train-loop" in capsys.readouterr().err
     # the commands that are not installed are not offered in the help
@@ -261,9 +262,62 @@ def test_the_missing_command_hint_from_the_console_script(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
+    # from this checkout, and away from its root: the package's absolute path (its siblings
+    # are installed here, so only train-loop is named)
+    train_loop = CHECKOUT / "packages" / "train-loop"
     assert proc.stderr == (
-        "error: `run` is provided by llmtrain-train-loop: pip install llmtrain-train-loop\n"
+        f"error: `run` is provided by llmtrain-train-loop: {cli._installer()} {train_loop}\n"
     )
+
+
+# the tests run from a checkout (an editable install, or nox's install from the checkout's path)
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+def test_a_checkout_is_found_from_the_installed_core_mesh():
+    assert cli.checkout_root() == CHECKOUT
+
+
+def test_the_install_hint_from_a_checkout_names_paths_that_resolve(monkeypatch, tmp_path):
+    """No package index has llmtrain's distributions: from a checkout the hint names the
+    package's path and those of the llmtrain packages it needs that are not installed, so that
+    pip resolves every one of them."""
+    monkeypatch.setattr(cli, "_installer", lambda: "pip install")
+    only_core = {"llmtrain-core-mesh"}.__contains__
+    monkeypatch.chdir(CHECKOUT)
+    assert install_command("llmtrain-data-pack", installed=only_core) == (
+        "pip install ./packages/data-pack"
+    )
+    hint = install_command("llmtrain-train-loop", installed=only_core).split()
+    assert hint[:2] == ["pip", "install"] and hint[-1] == "./packages/train-loop"
+    assert sorted(hint[2:-1]) == [
+        f"./packages/{name}"
+        for name in ["ablate", "checkpoint", "data-pack", "downstream", "models", "parallel"]
+    ]
+    # what is installed is not named again; plugins are found under plugins/
+    assert install_command("llmtrain-hf", installed=lambda d: True) == (
+        "pip install ./plugins/llmtrain-hf"
+    )
+    # elsewhere than the checkout's root: absolute paths
+    monkeypatch.chdir(tmp_path)
+    assert install_command("llmtrain-data-pack", installed=only_core) == (
+        f"pip install {CHECKOUT / 'packages' / 'data-pack'}"
+    )
+    # not from a checkout (a wheel, an index): the distribution's name
+    monkeypatch.setattr(cli, "checkout_root", lambda: None)
+    assert install_command("llmtrain-data-pack") == "pip install llmtrain-data-pack"
+
+
+def test_the_install_hint_uses_this_interpreters_installer(monkeypatch):
+    python = sys.executable
+    bin_dir = Path(python).parent
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(cli.shutil, "which", lambda name: str(bin_dir / name))
+    assert cli._installer() == "pip install"  # an activated venv with pip
+    monkeypatch.setattr(cli.shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert cli._installer() == f"{python} -m pip install"  # another pip comes first
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli._installer() == f"uv pip install --python {python}"  # a venv uv made
 
 
 @pytest.mark.parametrize("rank", ["0", "1", "3"])

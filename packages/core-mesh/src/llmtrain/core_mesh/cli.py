@@ -13,11 +13,18 @@ a bug: one line and exit 1, the traceback only with `--debug`. Startup imports n
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
+import re
+import shutil
 import sys
 import time
+import tomllib
 import traceback
+import urllib.parse
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -134,7 +141,118 @@ def _not_installed(name: str, plugins: PluginManager) -> str:
             f"`{name}` is provided by {distribution}, which is installed but failed to load; "
             "see `llmtrain plugins`"
         )
-    return f"`{name}` is provided by {distribution}: pip install {distribution}"
+    return f"`{name}` is provided by {distribution}: {install_command(distribution)}"
+
+
+def install_command(distribution: str, *, installed: Callable[[str], bool] | None = None) -> str:
+    """The command that installs one of llmtrain's own distributions here. No package index has
+    them: where llmtrain runs from a checkout (`checkout_root`), the command names the checkout's
+    paths, the distribution's and those of the llmtrain distributions it needs (recursively)
+    that are not `installed`, so that pip resolves them all; elsewhere, the distribution's name.
+    The installer is the one of this interpreter (`_installer`)."""
+    root = checkout_root()
+    paths = _checkout_distributions(root) if root is not None else {}
+    if distribution not in paths or root is None:
+        return f"{_installer()} {distribution}"
+    is_installed = installed or _is_installed
+    wanted: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in wanted or name not in paths:
+            return
+        for dependency in _llmtrain_dependencies(paths[name]):
+            if not is_installed(dependency):
+                visit(dependency)
+        wanted.append(name)
+
+    visit(distribution)
+    here = Path.cwd().resolve()
+    shown = [
+        f"./{paths[name].relative_to(root)}" if root == here else str(paths[name])
+        for name in wanted
+    ]
+    return f"{_installer()} {' '.join(shown)}"
+
+
+def checkout_root() -> Path | None:
+    """The llmtrain checkout this core-mesh was installed from, if any: the folder two above
+    the path pip recorded for it (`direct_url.json`: an editable or a local-path install) or
+    above this file's `packages/core-mesh/src` (a source tree on `sys.path`), which holds the
+    root `pyproject.toml` of the distribution `llmtrain` and `packages/`. None for an install
+    from a wheel or an index, or a checkout since moved or deleted."""
+    candidates = []
+    try:
+        direct_url = importlib_metadata.distribution("llmtrain-core-mesh").read_text(
+            "direct_url.json"
+        )
+    except importlib_metadata.PackageNotFoundError:
+        direct_url = None
+    if direct_url:
+        try:
+            url = json.loads(direct_url).get("url", "")
+        except ValueError:
+            url = ""
+        if isinstance(url, str) and url.startswith("file://"):
+            candidates.append(Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)))
+    here = Path(__file__).resolve()  # <root>/packages/core-mesh/src/llmtrain/core_mesh/cli.py
+    candidates.append(here.parents[3])
+    for package in candidates:
+        root = package.parent.parent
+        if package.parent.name == "packages" and _project_name(root) == "llmtrain":
+            return root.resolve()
+    return None
+
+
+def _project_name(folder: Path) -> str | None:
+    try:
+        with open(folder / "pyproject.toml", "rb") as f:
+            name = tomllib.load(f).get("project", {}).get("name")
+    except (OSError, ValueError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _checkout_distributions(root: Path) -> dict[str, Path]:
+    """The distributions of the checkout's `packages/` and `plugins/`, by name."""
+    found = {}
+    for folder in sorted([*root.glob("packages/*"), *root.glob("plugins/*")]):
+        if (name := _project_name(folder)) is not None:
+            found[name] = folder
+    return found
+
+
+def _llmtrain_dependencies(folder: Path) -> list[str]:
+    """The `llmtrain-*` distributions a checkout's package declares (extras left out)."""
+    try:
+        with open(folder / "pyproject.toml", "rb") as f:
+            declared = tomllib.load(f).get("project", {}).get("dependencies", [])
+    except (OSError, ValueError):
+        return []
+    names = [re.split(r"[\s\[<>=!~;]", str(d), maxsplit=1)[0] for d in declared]
+    return [name for name in names if name.startswith("llmtrain-")]
+
+
+def _is_installed(distribution: str) -> bool:
+    try:
+        importlib_metadata.distribution(distribution)
+    except importlib_metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _installer() -> str:
+    """`pip install` where this interpreter has pip and the `pip` on the PATH is its own (an
+    activated venv); this interpreter's pip by path where another `pip` comes first; `uv pip
+    install` for a venv without pip (uv makes them so), aimed at this interpreter."""
+    python = sys.executable
+    if importlib.util.find_spec("pip") is not None:
+        on_path = shutil.which("pip")
+        if on_path is not None and Path(on_path).parent == Path(python).parent:
+            return "pip install"
+        return f"{python} -m pip install"
+    if shutil.which("uv") is not None:
+        return f"uv pip install --python {python}"
+    return f"{python} -m pip install"
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
