@@ -90,6 +90,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompt", default="The cat", help="the text the sample goes on from (default: The cat)"
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a quickstart run in --dir that trained more steps than --steps (without "
+        "it, such a run is refused; one that trained as many or fewer is replaced) "
+        "(default: off)",
+    )
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
@@ -98,6 +105,43 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     args.steps = 600 if args.steps is None else args.steps
     args.documents = 4000 if args.documents is None else args.documents
     return _quickstart(args, ctx)
+
+
+def trained_steps(run_dir: Path) -> int:
+    """How many steps a run in `run_dir` trained: its newest committed checkpoint's step or
+    its last logged step, whichever is larger (0 for a run that has neither)."""
+    steps = [
+        int(marker.parent.name.removeprefix("step-"))
+        for marker in (run_dir / "checkpoints").glob("step-*/COMMITTED")
+        if marker.parent.name.removeprefix("step-").isdigit()
+    ]
+    try:
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a line cut short by a killed run
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    steps.append(record["step"])
+    except OSError:
+        pass
+    return max(steps, default=0)
+
+
+def refuse_to_replace_longer(previous: Path, steps: int, overwrite: bool) -> None:
+    """A quickstart run that trained more steps than asked is someone's work (`llmtrain run
+    ... training.steps=1200` trains it on): it is replaced only with `--overwrite`."""
+    from llmtrain.core_mesh.errors import UserError
+
+    if overwrite or not previous.exists():
+        return
+    trained = trained_steps(previous)
+    if trained > steps:
+        raise UserError(
+            f"{previous} holds a quickstart run that trained {trained} steps, more than --steps "
+            f"{steps}; not replacing it: pass --overwrite to replace it, or use another --dir"
+        )
 
 
 def _quickstart(args: argparse.Namespace, ctx: Context) -> int:
@@ -112,6 +156,8 @@ def _quickstart(args: argparse.Namespace, ctx: Context) -> int:
 
     configure_logging(console=sys.stderr)  # stdout carries only the sample
     work = Path(args.dir).resolve()
+    # before anything is written (run.yaml and the data are the run's too)
+    refuse_to_replace_longer(work / "runs" / "quickstart", args.steps, args.overwrite)
     work.mkdir(parents=True, exist_ok=True)
 
     def say(text: str) -> None:
@@ -141,7 +187,9 @@ def _quickstart(args: argparse.Namespace, ctx: Context) -> int:
     config = load_config(str(config_file), RunConfig, plugins=ctx.plugins)
     previous = work / "runs" / "quickstart"
     if previous.exists():
-        say(f"    (replacing the previous quickstart run in {previous})")
+        say(
+            f"    (replacing the previous quickstart run in {previous}, {trained_steps(previous)} steps)"
+        )
         shutil.rmtree(previous)
     trainer = Trainer(config, ctx.plugins, resume=False)
     try:
