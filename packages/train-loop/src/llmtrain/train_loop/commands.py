@@ -379,7 +379,16 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
         "--batches",
         type=int,
         default=None,
-        help="evaluate the first N batches only (default: the whole dataset)",
+        help="evaluate the first N batches only (default: the whole dataset). A run's in-loop "
+        "eval_loss is over the first data.eval.batches global batches of the held-out set, not "
+        "all of it: --batches data.eval.batches --batch-size GLOBAL_BATCH (micro_batch x "
+        "grad_accum x data ranks) reads the same windows and gives the same number",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the result as one JSON object (what it prints anyway: the flag is "
+        "accepted as every command's --json is) (default: off)",
     )
 
 
@@ -392,6 +401,9 @@ def run_eval(args: argparse.Namespace, ctx: Context) -> int:
     from llmtrain.data_pack.loader import open_windows
     from llmtrain.train_loop.loss import IGNORE, bits_per_byte, cross_entropy_sum
 
+    for flag, value in (("--batch-size", args.batch_size), ("--batches", args.batches)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} {value}: must be at least 1; see llmtrain eval --help")
     model, info, step = load_model(args.checkpoint, args.step, ctx.plugins, weights=args.weights)
     seq_len = args.seq_len or info.get("data", {}).get("seq_len")
     if seq_len is None:

@@ -104,7 +104,9 @@ def llmtrain_commands(register: Register) -> None:
     register(
         "eval",
         lambda _: Command(
-            help="loss and perplexity of a checkpoint on a packed dataset",
+            help="loss and perplexity of a checkpoint on a packed dataset, as JSON (the whole "
+            "set unless --batches; a run's eval_loss is over its first data.eval.batches "
+            "batches)",
             configure=commands.configure_eval,
             run=commands.run_eval,
         ),
