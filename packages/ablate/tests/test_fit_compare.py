@@ -318,6 +318,7 @@ def test_bad_requests_are_one_line_and_exit_2(ladders, run_cli, tmp_path):
             "--compare takes two sweeps, BASELINE then VARIANT; got 3",
         ),
         ((base, base), "the baseline and the variant are the same directory"),
+        ((base, base / "n0-d0", "--predict", "C=1e22"), "runs in both ladders (n0-d0)"),
         ((base, lower, "--mixture"), "--compare with --mixture"),
         ((base, lower, "--isoflop"), "--compare with --isoflop"),
         ((base, lower, "--predict", "C=1e22", "--bootstrap", "0"), "--bootstrap 0"),
