@@ -192,14 +192,14 @@ def test_bad_options_are_one_line(tiny_run_config, run_cli, option, message):
             "--last 9: {ckpt} has 7 committed steps (committed: 1, 2, 3, 4, 5, 6, 7)",
         ),
         (["--steps", "3,99"], "--steps: step 99 is not a committed step of {ckpt}"),
-        (["--steps", "3,x"], "--steps: 'x' is not a step number"),
+        (["--steps", "3,x"], "argument --steps: 'x' is not a step number"),
         (["--steps", "3,3"], "name each step once"),
         (["--step", "3", "--last", "2"], "--step, --steps and --last each choose the steps"),
         (["--last", "0"], "argument --last: '0' is not a whole number of at least 1"),
         (["--weights", "mean"], "argument --weights: invalid choice: 'mean'"),
     ],
 )
-def test_eval_tasks_steps_and_weights_refused_in_one_line(trained, run_cli, capsys, args, message):
+def test_eval_tasks_steps_and_weights_refused_in_one_line(trained, run_cli, args, message):
     checkpoints = trained["with"] / "checkpoints"
     code, _, err = run_cli("eval-tasks", checkpoints, "--tasks", "hellaswag=none.jsonl", *args)
     lines = [line for line in err.splitlines() if line.startswith("error:")]

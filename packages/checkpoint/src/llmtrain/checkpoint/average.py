@@ -39,10 +39,15 @@ def _listed(steps: Sequence[int]) -> str:
 
 
 def chosen_steps(
-    source: Checkpointer, *, last: int | None = None, steps: Sequence[int] | None = None
+    source: Checkpointer,
+    *,
+    last: int | None = None,
+    steps: Sequence[int] | None = None,
+    at_least: int = 2,
 ) -> list[int]:
-    """The committed steps to average, in step order: the newest `last`, or `steps` (each of
-    them committed); at least two."""
+    """The committed steps chosen by `--last` (the newest `last`) or `--steps` (each of them
+    committed), in step order; at least `at_least` of them (averaging needs two; `eval-tasks`
+    scores one or more)."""
     if (last is None) == (steps is None):
         raise CheckpointError("choose the steps to average with one of --last K or --steps N,N,...")
     committed = source.committed_steps()
@@ -66,7 +71,7 @@ def chosen_steps(
                     f"({_listed(committed)})"
                 )
         chosen = sorted(steps)
-    if len(chosen) < 2:
+    if len(chosen) < at_least:
         raise CheckpointError(
             f"averaging needs at least 2 checkpoints; {len(chosen)} chosen (step "
             f"{', '.join(map(str, chosen))}) of {source.url} ({_listed(committed)})"

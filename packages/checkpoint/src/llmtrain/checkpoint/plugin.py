@@ -127,7 +127,7 @@ def _list(args: argparse.Namespace, ctx: Context) -> int:
     return 0
 
 
-def _step_list(text: str) -> list[int]:
+def step_list(text: str) -> list[int]:
     """`--steps 100,200,300` (argparse's `type`: a bad list is one line naming the option)."""
     steps: list[int] = []
     for part in (p.strip() for p in text.split(",")):
@@ -159,7 +159,7 @@ def _average_args(parser: argparse.ArgumentParser) -> None:
         "--last", type=positive_int, metavar="K", help="average the newest K committed steps"
     )
     which.add_argument(
-        "--steps", type=_step_list, metavar="N,N,...", help="average these committed steps"
+        "--steps", type=step_list, metavar="N,N,...", help="average these committed steps"
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a checkpoint the output already holds"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmtrain.checkpoint.plugin import step_list
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import deprecated_alias, positive_int
 from llmtrain.core_mesh.config import Choice, structure
@@ -39,6 +40,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     checkpoint_args(parser)
     parser.add_argument(
         "--steps",
+        type=step_list,
         default=None,
         metavar="N,N,...",
         help="score these committed steps, one after another (instead of --step)",
@@ -124,43 +126,18 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def steps_of(args: argparse.Namespace) -> Sequence[int | None]:
-    """The steps to score: `--step`, `--steps` or the newest `--last` K committed ones (None:
-    the newest)."""
+    """The steps to score: `--step`, or the `--steps` / newest `--last` K committed ones (as
+    `llmtrain average` chooses them); [None]: the newest."""
     chosen = [args.step is not None, args.steps is not None, args.last is not None]
     if sum(chosen) > 1:
         raise UserError("--step, --steps and --last each choose the steps: give one of them")
     if args.steps is None and args.last is None:
         return [args.step]
+    from llmtrain.checkpoint.average import chosen_steps
     from llmtrain.checkpoint.manager import Checkpointer
 
-    committed = Checkpointer(str(args.checkpoint)).committed_steps()
-    if not committed:
-        raise UserError(f"{args.checkpoint} has no committed checkpoint")
-    if args.last is not None:
-        if args.last > len(committed):
-            raise UserError(
-                f"--last {args.last}: {args.checkpoint} has {len(committed)} committed "
-                f"step{'s' * (len(committed) != 1)} ({_listed(committed)})"
-            )
-        return committed[-args.last :]
-    steps: list[int] = []
-    for part in (p.strip() for p in args.steps.split(",")):
-        if not part.isdigit():
-            raise UserError(f"--steps: {part!r} is not a step number (N,N,...)")
-        if int(part) not in committed:
-            raise UserError(
-                f"--steps: step {part} is not a committed step of {args.checkpoint} "
-                f"({_listed(committed)})"
-            )
-        steps.append(int(part))
-    if not steps or len(set(steps)) != len(steps):
-        raise UserError(f"--steps {args.steps!r}: name each step once")
-    return sorted(steps)
-
-
-def _listed(steps: list[int]) -> str:
-    shown = ", ".join(map(str, steps[-8:]))
-    return f"committed: {'..., ' if len(steps) > 8 else ''}{shown}"
+    source = Checkpointer(str(args.checkpoint))
+    return chosen_steps(source, last=args.last, steps=args.steps, at_least=1)
 
 
 def _score(
