@@ -534,3 +534,67 @@ def test_fit_command_fits_a_named_eval_sets_loss(tmp_path, run_cli):
     assert fitted == pytest.approx(CHINCHILLA, rel=1e-3)
     code, _, err = run_cli("fit", sweep, "--loss", "eval/web")  # argparse's, in one line
     assert code == 2 and err.startswith("error: llmtrain fit: argument --loss: 'eval/web'"), err
+
+
+def test_fit_says_when_it_cannot_be_trusted(tmp_path, run_cli):
+    """6 runs (2 sizes x 3 token counts) for 5 parameters: too few points, alpha from 2 sizes,
+    and a prediction far beyond the runs: warnings last in the text and as a
+    list of strings in --json. A well-posed grid of 16 runs has none."""
+    root = tmp_path / "few"
+    for i, n in enumerate((1e7, 4e7)):
+        for j, d in enumerate((1e9, 4e9, 1.6e10)):
+            write_run(root, f"n{i}-d{j}", n, d, float(fit.chinchilla_loss(n, d, CHINCHILLA)))
+    args = ["fit", root, "--bootstrap", "20", "--predict", "N=4e9,D=1e13"]
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    warnings = json.loads(out)["warnings"]
+    assert all(isinstance(w, str) for w in warnings)
+    assert warnings[0].startswith("6 runs for 5 parameters (fewer than 3 per parameter, 15)")
+    assert any(w.startswith("2 distinct model sizes N: alpha is not identified") for w in warnings)
+    far = [w for w in warnings if w.startswith("predict N=4e+09,D=1e+13: N=4e+09 is 100x beyond")]
+    assert far and "D=1e+13 is 625x beyond the runs' D (1e+09 - 1.6e+10)" in far[0]
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert out.splitlines()[-len(warnings) :] == [f"warning: {w}" for w in warnings]
+
+    code, out, err = run_cli("fit", write_grid_sweep(tmp_path / "grid"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["warnings"] == []
+
+
+def test_trust_warnings_name_wide_intervals_and_implausible_exponents():
+    from llmtrain.ablate.fit_command import RunPoint, trust_warnings
+
+    n, d = grid()
+    points = [
+        RunPoint(f"r{i}", x, y, 6 * x * y, 3.0) for i, (x, y) in enumerate(zip(n, d, strict=True))
+    ]
+    wild = fit.ParametricFit(
+        E=0.84,
+        A=11.3,
+        B=2.56e9,
+        alpha=0.47,
+        beta=2.02,
+        intervals={
+            "E": fit.Interval(1e-112, 0.95),
+            "A": fit.Interval(5e-4, 2.7e9),
+            "B": fit.Interval(6e4, 1.2e25),
+            "alpha": fit.Interval(0.24, 48.4),
+            "beta": fit.Interval(1.03, 5.29),
+        },
+        n_points=len(points),
+        objective=0.0,
+        bootstrap=np.zeros((0, 5)),
+    )
+    warnings = trust_warnings(points, wild, [("N=1e+08,D=1e+10", 1e8, 1e10, 0.8947)])
+    assert warnings[0] == (
+        "95% intervals spanning more than an order of magnitude (or unbounded): E 1e-112 - "
+        "0.95; A 0.0005 - 2.7e+09; B 6e+04 - 1.2e+25; alpha 0.24 - 48.4: the runs do not pin "
+        "these down"
+    )
+    assert warnings[1].startswith("implausible exponents (beta = 2.02; published fits lie within")
+    assert warnings[2] == (
+        "predict N=1e+08,D=1e+10: the floor E = 0.84 is 94% of the predicted 0.8947: the "
+        "prediction says little beyond E"
+    )
+    assert len(warnings) == 3

@@ -247,8 +247,9 @@ def test_the_text_and_the_json(ladders, run_cli, tmp_path):
     assert len(verdicts) == 2
     assert "the variant's predicted eval_loss is lower than the baseline's by 0.0" in verdicts[0]
     assert "the interval excludes 0, the variant is lower there." in verdicts[0]
-    assert "the curves do not cross; the variant is lower throughout." in lines[-1]
-    assert lines[-1].endswith(
+    frontier = next(line for line in lines if line.startswith("Along the compute-optimal"))
+    assert "the curves do not cross; the variant is lower throughout." in frontier
+    assert frontier.endswith(
         "The 95% interval of the difference excludes 0 with the variant lower over the whole range."
     )
 
@@ -262,6 +263,7 @@ def test_the_text_and_the_json(ladders, run_cli, tmp_path):
         "variant",
         "predictions",
         "frontier",
+        "warnings",
     }
     assert (report["loss"], report["params"], report["confidence"]) == (
         "eval_loss",
@@ -418,3 +420,39 @@ def test_the_report_refuses_what_fit_compare_refuses(ladders, run_cli, tmp_path)
     assert code == 0, err
     reason = html.unescape(section_of(out.read_text(encoding="utf-8"), "p", "no-scale-compare"))
     assert "No comparison: the baseline's eval_loss is measured on held-out set" in reason
+
+
+def test_huge_interval_ends_are_written_in_scientific_notation():
+    """A degenerate refit's loss far off the scale is `1.73e+07`, not `17346265.4749`."""
+    from llmtrain.ablate.fit_compare import _with_interval
+
+    assert _with_interval(0.527, 0.1774, 17346265.4749) == "0.5270 (0.1774 - 1.73e+07)"
+    shown = _with_interval(-0.3677, -0.7429, 4.339e32, signed=True)
+    assert shown == "-0.3677 (-0.7429 - +4.34e+32)"
+    assert _with_interval(0.9, math.nan, math.nan) == "0.9000"
+
+
+def test_compare_warns_where_a_ladders_fit_cannot_be_trusted(tmp_path, run_cli):
+    """Two ladders of 6 runs (3 sizes x 2 token counts) each: 5 parameters from 6 points, beta
+    from 2 token counts, and a prediction 100x past the largest model: said in the text (last)
+    and the JSON's `warnings`, each named by its ladder."""
+    for name, shift in (("base", 0.0), ("lower", -0.05)):
+        root = tmp_path / name
+        for i, n in enumerate((1e7, 4e7, 1.6e8)):
+            for j, d in enumerate((1e9, 1e10)):
+                loss = float(fit.chinchilla_loss(n, d, CHINCHILLA)) + shift
+                write_run(root, f"{name}-n{i}-d{j}", n, d, loss)
+    args = ["fit", "--compare", tmp_path / "base", tmp_path / "lower"]
+    args += ["--predict", "N=1.6e10,D=1e10", "--bootstrap", "20"]
+    code, out, err = run_cli(*args, "--json")
+    assert code == 0, err
+    warnings = json.loads(out)["warnings"]
+    assert all(isinstance(w, str) for w in warnings)
+    for side in ("baseline", "variant"):
+        said = [w for w in warnings if w.startswith(f"{side}: ")]
+        assert f"{side}: 6 runs for 5 parameters (fewer than 3 per parameter, 15)" in said[0]
+        assert any("2 distinct token counts D: beta is not identified" in w for w in said)
+        assert any("predict N=1.6e+10,D=1e+10: N=1.6e+10 is 100x beyond" in w for w in said)
+    code, out, err = run_cli(*args)
+    assert code == 0, err
+    assert out.splitlines()[-len(warnings) :] == [f"warning: {w}" for w in warnings]

@@ -61,7 +61,8 @@ def chinchilla_loss(n: npt.ArrayLike, d: npt.ArrayLike, params: Iterable[float])
     """E + A / N^alpha + B / D^beta for params (E, A, B, alpha, beta): an array for arrays N
     and D (broadcast), a number for numbers."""
     big_e, big_a, big_b, alpha, beta = params
-    return big_e + big_a / np.power(n, alpha) + big_b / np.power(d, beta)
+    with np.errstate(over="ignore"):  # a degenerate bootstrap refit's loss is inf: unbounded
+        return big_e + big_a / np.power(n, alpha) + big_b / np.power(d, beta)
 
 
 def _point_names(names: Sequence[str] | None, count: int) -> list[str]:

@@ -251,6 +251,102 @@ def _table(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
+# --- when a fit cannot be trusted ---
+
+POINTS_PER_PARAMETER = 3  # fewer points than this per fitted parameter: barely determined
+MIN_DISTINCT = 3  # model sizes (token counts) needed to identify alpha (beta), not just fit it
+WIDE_INTERVAL = 10.0  # an interval whose ends differ by more than this factor pins nothing
+EXPONENTS = (0.05, 1.0)  # alpha, beta outside this: implausible (Chinchilla: 0.34, 0.28)
+EXTRAPOLATION = 10.0  # a prediction beyond this factor past the trained N or D
+FLOOR_SHARE = 0.9  # a prediction of which E is this share or more says little beyond E
+
+
+def figure(value: float, signed: bool = False) -> str:
+    """A number for a table or sentence: 4 decimals in a loss's range, 3 significant digits in
+    scientific notation far outside it (`1.73e+07`, not `17346265.4749`); `-` when not finite."""
+    if not math.isfinite(value):
+        return "-"
+    sign = "+" if signed else ""
+    if value != 0 and not 1e-3 <= abs(value) < 1e4:
+        return f"{value:{sign}.3g}"
+    return f"{value:{sign}.4f}"
+
+
+def trust_warnings(
+    points: Sequence[RunPoint],
+    parametric: ParametricFit,
+    at: Sequence[tuple[str, float, float, float]] = (),
+) -> list[str]:
+    """Why the parametric fit (and its predictions `at`: (target, N, D, loss)) cannot be
+    trusted, one sentence each; [] when nothing is known against it. Too few points per
+    parameter, too few sizes or token counts to identify an exponent, bootstrap intervals wider
+    than an order of magnitude, implausible exponents, predictions far outside the trained N
+    and D or dominated by the floor E."""
+    from llmtrain.ablate.fit import PARAMETERS
+
+    warnings = []
+    count, needed = len(points), POINTS_PER_PARAMETER * len(PARAMETERS)
+    if count < needed:
+        warnings.append(
+            f"{count} runs for {len(PARAMETERS)} parameters (fewer than {POINTS_PER_PARAMETER} "
+            f"per parameter, {needed}): the fit is barely determined; add runs"
+        )
+    for axis, values, exponent in (
+        ("model sizes N", {p.n for p in points}, "alpha"),
+        ("token counts D", {p.d for p in points}, "beta"),
+    ):
+        if len(values) < MIN_DISTINCT:
+            warnings.append(
+                f"{len(values)} distinct {axis}: {exponent} is not identified (it takes at "
+                f"least {MIN_DISTINCT}); add runs at other {axis.split()[0]} {axis.split()[1]}"
+            )
+    wide = []
+    for name, interval in parametric.intervals.items():
+        low, high = interval.low, interval.high
+        unbounded = not (math.isfinite(low) and math.isfinite(high)) or low <= 0
+        if unbounded or high / low > WIDE_INTERVAL:
+            wide.append(f"{name} {low:.3g} - {high:.3g}")
+    if wide:
+        warnings.append(
+            f"95% intervals spanning more than an order of magnitude (or unbounded): "
+            f"{'; '.join(wide)}: the runs do not pin these down"
+        )
+    low, high = EXPONENTS
+    odd = [
+        f"{name} = {value:.3g}"
+        for name, value in (("alpha", parametric.alpha), ("beta", parametric.beta))
+        if not low <= value <= high
+    ]
+    if odd:
+        warnings.append(
+            f"implausible exponents ({', '.join(odd)}; published fits lie within "
+            f"{low:g} - {high:g}, Chinchilla's 0.34 and 0.28): the fit has bent to the points, "
+            f"not found a law"
+        )
+    n_range = (min(p.n for p in points), max(p.n for p in points))
+    d_range = (min(p.d for p in points), max(p.d for p in points))
+    for target, n, d, loss in at:
+        outside = [
+            f"{axis}={value:.3g} is {factor:.3g}x {side} the runs' {axis} "
+            f"({lowest:.3g} - {highest:.3g})"
+            for axis, value, (lowest, highest) in (("N", n, n_range), ("D", d, d_range))
+            for factor, side in ((value / highest, "beyond"), (lowest / value, "below"))
+            if math.isfinite(value) and factor > EXTRAPOLATION
+        ]
+        if outside:
+            warnings.append(
+                f"predict {target}: {'; '.join(outside)}: an extrapolation of more than "
+                f"{EXTRAPOLATION:g}x"
+            )
+        if math.isfinite(loss) and loss > 0 and parametric.E >= FLOOR_SHARE * loss:
+            warnings.append(
+                f"predict {target}: the floor E = {parametric.E:.4g} is "
+                f"{parametric.E / loss:.0%} of the predicted {loss:.4g}: the prediction says "
+                f"little beyond E"
+            )
+    return warnings
+
+
 def render_parametric(result: ParametricFit, loss_key: str, params: str) -> list[str]:
     head = (
         f"L(N, D) = E + A / N^alpha + B / D^beta: {result.n_points} runs, N = {params} params, "
@@ -587,10 +683,18 @@ class Fits:
     targets: tuple[Target, ...] = ()
     predicted: list[dict[str, object]] = attrs.Factory(list)
 
+    @property
+    def warnings(self) -> list[str]:
+        """Why the fit and its predictions cannot be trusted (`trust_warnings`)."""
+        rows: list[dict[str, Any]] = self.predicted  # as `predictions` made them
+        at = [(str(r["target"]), r["n"], r["d"], r["loss"][0]) for r in rows]
+        return trust_warnings(self.points, self.parametric, at)
+
     def to_json(self) -> dict[str, object]:
         return {
             "loss": self.loss_key,
             "params": self.params,
+            "warnings": self.warnings,
             "runs": [p.to_json() for p in self.points],
             "parametric": self.parametric.to_json(),
             "isoflop": None if self.isoflop is None else self.isoflop.to_json(),
@@ -651,6 +755,9 @@ def render_fits(fits: Fits) -> list[str]:
         lines += ["", *render_isoflop(fits.isoflop)]
     if fits.predicted:
         lines += ["", *render_predictions(fits.predicted)]
+    warnings = fits.warnings
+    if warnings:  # last, where a terminal leaves the eye
+        lines += ["", *(f"warning: {warning}" for warning in warnings)]
     return lines
 
 

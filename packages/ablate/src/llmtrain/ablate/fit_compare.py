@@ -343,6 +343,7 @@ class ScaleComparison:
             "variant": self.variant.to_json(),
             "predictions": [d.to_json() for d in self.differences],
             "frontier": self.frontiers.to_json(),
+            "warnings": warnings_of(self),
         }
 
 
@@ -467,15 +468,31 @@ def compare_ladders(
 # --- what it prints ---
 
 
-def _loss(value: float) -> str:
-    return f"{value:.4f}" if math.isfinite(value) else "-"
-
-
 def _with_interval(value: float, low: float, high: float, signed: bool = False) -> str:
-    shown = f"{value:+.4f}" if signed else _loss(value)
+    """`0.5270 (0.1774 - 1.73e+07)`: a loss's digits, huge interval ends in scientific
+    notation (`fit_command.figure`)."""
+    from llmtrain.ablate.fit_command import figure
+
+    shown = figure(value, signed)
     if not (math.isfinite(low) and math.isfinite(high)):
         return shown
-    return f"{shown} ({low:+.4f} - {high:+.4f})" if signed else f"{shown} ({low:.4f} - {high:.4f})"
+    return f"{shown} ({figure(low, signed)} - {figure(high, signed)})"
+
+
+def warnings_of(comparison: ScaleComparison) -> list[str]:
+    """Why each ladder's fit, and its predictions at the targets, cannot be trusted
+    (`fit_command.trust_warnings`), each named by its side."""
+    from llmtrain.ablate.fit_command import trust_warnings
+
+    out = []
+    for ladder in comparison.ladders:
+        at = []
+        for diff in comparison.differences:
+            predicted = diff.baseline if ladder.side == "baseline" else diff.variant
+            at.append((diff.target.text, predicted.n, predicted.d, predicted.loss))
+        fits = ladder.fits
+        out += [f"{ladder.side}: {w}" for w in trust_warnings(fits.points, fits.parametric, at)]
+    return out
 
 
 def _law(ladder: Ladder) -> str:
@@ -485,6 +502,8 @@ def _law(ladder: Ladder) -> str:
 
 def verdict(comparison: ScaleComparison, diff: Difference) -> str:
     """One sentence: the difference at the target, its interval, and what it says."""
+    from llmtrain.ablate.fit_command import figure
+
     where = diff.target.text
     if diff.target.compute is not None:
         where += " (each fit's compute-optimal N, D)"
@@ -494,13 +513,14 @@ def verdict(comparison: ScaleComparison, diff: Difference) -> str:
     else:
         said = (
             f"the variant's predicted {key} is {'lower' if diff.lower == 'variant' else 'higher'}"
-            f" than the baseline's by {abs(diff.value):.4f}"
+            f" than the baseline's by {figure(abs(diff.value))}"
         )
     excludes = diff.excludes_zero
     if excludes is None:
         return f"At {where}: {said} (no bootstrap: no interval)."
     interval = (
-        f"{CONFIDENCE:.0%} interval of variant - baseline {diff.low:+.4f} to {diff.high:+.4f} "
+        f"{CONFIDENCE:.0%} interval of variant - baseline {figure(diff.low, True)} to "
+        f"{figure(diff.high, True)} "
         f"over {diff.draws} paired bootstrap draws"
     )
     if excludes:
@@ -513,6 +533,8 @@ def verdict(comparison: ScaleComparison, diff: Difference) -> str:
 
 
 def frontier_sentence(result: Frontiers) -> str:
+    from llmtrain.ablate.fit_command import figure
+
     span = f"C = {result.low:.3g} - {result.high:.3g}"
     if result.note:
         return f"Along the compute-optimal frontier: {result.note}."
@@ -522,7 +544,7 @@ def frontier_sentence(result: Frontiers) -> str:
         for crossing in result.crossings:
             below = "baseline" if crossing.lower_above == "variant" else "variant"
             parts.append(
-                f"the curves cross at C = {crossing.compute:.3g} (loss {crossing.loss:.4f}); the "
+                f"the curves cross at C = {crossing.compute:.3g} (loss {figure(crossing.loss)}); the "
                 f"{below} is lower below it, the {crossing.lower_above} above it"
             )
         head += "; ".join(parts)
@@ -600,6 +622,9 @@ def render(comparison: ScaleComparison) -> list[str]:
                 )
         lines += ["", *(verdict(comparison, diff) for diff in comparison.differences)]
     lines += ["", frontier_sentence(comparison.frontiers)]
+    warnings = warnings_of(comparison)
+    if warnings:  # last, where a terminal leaves the eye
+        lines += ["", *(f"warning: {warning}" for warning in warnings)]
     return lines
 
 
@@ -724,6 +749,10 @@ def report_context(
     verdicts: list[dict[str, object]] = [
         {"sentence": sentence, "warning": "", "significant": beyond, "weak": False}
         for sentence, beyond in sentences
+    ]
+    verdicts += [  # why a fit cannot be trusted, beside the sentences that rest on it
+        {"sentence": "", "warning": f"Warning: {w}", "significant": False, "weak": True}
+        for w in warnings_of(comparison)
     ]
     section: dict[str, object] = {
         "error": "",
