@@ -31,16 +31,16 @@ import train_support as ts
 RTOL = 1e-6
 KEYS = ("loss", "lr", "grad_norm", "eval_loss", "tokens")
 IDS = ["n_layers=1,seed=0", "n_layers=1,seed=1", "n_layers=2,seed=0", "n_layers=2,seed=1"]
-# a task of one CPU without GPUs: two share the node
-ON_SLURM = ("--launch", "slurm", "--gpus-per-node", "0", "--slurm", "cpus-per-task=1")
+# CPU jobs; a task asks for a CPU a process (on_slurm), so that two share the node
+ON_SLURM = ("--launch", "slurm", "--gpus-per-node", "0")
 # Slurm's time limits are whole minutes and slurmctld looks at them every 30 s: with a limit of
 # 1 minute and SIGUSR1 50 s before it, the signal comes 10 to 40 s into each attempt
 TIME_LIMIT = ("--slurm", "time=1", "--slurm", "signal=B:USR1@50")
 # seconds of training of the time-limit run when uninterrupted: past the latest first signal
 # (the first may come before the run has trained: then the second one is mid-training)
 LIMITED_SECONDS = 40
-# seconds of training of the cancelled runs: scancel lands mid-run
-CANCELLED_SECONDS = 8
+# steps of the cancelled runs
+CANCELLED_STEPS = 1000
 JOB_TIMEOUT = 600
 
 
@@ -69,9 +69,15 @@ def sweep_cmd(base: Path, sweeps: Path, *args: object) -> list[str]:
     return ts.llmtrain("sweep", base, *args, "--dir", sweeps)
 
 
-def write_script(base: Path, sweeps: Path, *args: object) -> Path:
-    """`llmtrain sweep ... --launch slurm`: the job script it writes (and says to submit)."""
-    proc = ts.run(sweep_cmd(base, sweeps, *args, *ON_SLURM), timeout=600)
+def on_slurm(nproc: int = 1) -> tuple[object, ...]:
+    """The flags of a SLURM launch of `nproc` processes a run, a CPU each."""
+    return (*ON_SLURM, "--nproc-per-node", nproc, "--slurm", f"cpus-per-task={nproc}")
+
+
+def write_script(base: Path, sweeps: Path, *args: object, nproc: int = 1) -> Path:
+    """`llmtrain sweep ... --launch slurm` with `nproc` processes a run: the job script it
+    writes (and says to submit)."""
+    proc = ts.run(sweep_cmd(base, sweeps, *args, *on_slurm(nproc)), timeout=600)
     script = Path(proc.stdout.split(maxsplit=1)[1].strip())
     assert proc.stdout == f"sbatch {script}\n" and script.name == "sweep.sbatch", proc.stdout
     return script
@@ -111,6 +117,8 @@ def queue(job: str) -> list[tuple[str, ...]]:
         text=True,
         timeout=60,
     )
+    # a job that has left the queue is "Invalid job id" to squeue --jobs, or not listed
+    assert proc.returncode == 0 or "Invalid job id" in proc.stderr, proc.stderr
     return [tuple(line.split()) for line in proc.stdout.splitlines() if line.strip()]
 
 
@@ -201,7 +209,7 @@ def test_an_array_of_four_runs_two_at_a_time_equals_the_sweep_here(cluster, data
         assert summary_of(run_dir)["status"] == "finished", run_id
         assert_same_runs(tmp_path / "here" / "abl" / run_id, run_dir)
     # every run finished: no script again
-    again = ts.run(sweep_cmd(base, tmp_path / "slurm", *axes, *ON_SLURM), timeout=600)
+    again = ts.run(sweep_cmd(base, tmp_path / "slurm", *axes, *on_slurm()), timeout=600)
     assert again.stdout == "" and "every run has finished; no script written" in again.stderr
 
 
@@ -248,20 +256,35 @@ def test_a_run_at_its_time_limit_is_requeued_and_resumes(cluster, data, tmp_path
     assert_same_runs(tmp_path / "here" / "limit" / "base", run_dir)
 
 
-def test_scancel_stops_the_runs_and_the_script_again_resumes_them(
-    cluster, data, tmp_path, step_seconds
-):
-    steps = max(500, math.ceil(CANCELLED_SECONDS / step_seconds))
+def test_scancel_stops_the_runs_and_the_script_again_resumes_them(cluster, data, tmp_path):
+    steps = CANCELLED_STEPS
     base = ts.write_config(tmp_path / "stop.yaml", long_config(data, "stop", steps))
     sweeps = tmp_path / "slurm"
     script = write_script(base, sweeps, "--seeds", "2", "--max-parallel", "2")
     job = sbatch(script)
-    runs = [script.parent / f"seed={seed}" for seed in (0, 1)]
+    runs = [script.parent / f"seed={seed}" for seed in (0, 1)]  # array tasks 0 and 1
+    # the task that has trained 100 steps first is paused (SIGSTOP to its step) until the other
+    # has: however far apart they start, both are mid-run when the array is cancelled. Not
+    # `scontrol suspend`: Slurm SIGKILLs a job that was ever suspended when it is cancelled.
     deadline = time.monotonic() + JOB_TIMEOUT
-    while min(ts.last_logged_step(run / "metrics.jsonl") for run in runs) < 100:
+
+    def step_of(task: int) -> int:
         assert queue(job), f"job {job} ended before both runs trained"
-        assert time.monotonic() < deadline, f"job {job}: the runs did not reach step 100"
+        assert time.monotonic() < deadline, f"job {job}: the runs did not train"
+        return ts.last_logged_step(runs[task] / "metrics.jsonl")
+
+    first = None  # the task that trained 100 steps first, and its step when paused
+    while first is None or step_of(1 - first[0]) < 100:
+        for task in (0, 1):
+            if first is None and step_of(task) >= 100:
+                subprocess.run(
+                    ["scancel", "--signal=STOP", f"{job}_{task}"], check=True, timeout=60
+                )
+                first = (task, step_of(task))
         time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=CONT", f"{job}_{first[0]}"], check=True, timeout=60)
+    while step_of(first[0]) <= first[1]:
+        time.sleep(0.1)
     subprocess.run(["scancel", job], check=True, timeout=60)
     wait_for_job(job, script.parent)
 
@@ -275,7 +298,7 @@ def test_scancel_stops_the_runs_and_the_script_again_resumes_them(
         stopped[run.name] = summary["step"]
 
     # written again, the script covers both runs; submitted, they resume and finish
-    proc = ts.run(sweep_cmd(base, sweeps, "--seeds", "2", *ON_SLURM), timeout=600)
+    proc = ts.run(sweep_cmd(base, sweeps, "--seeds", "2", *on_slurm()), timeout=600)
     assert "2 runs to go (0 finished)" in proc.stderr and "failed" not in proc.stderr
     job = sbatch(script)
     wait_for_job(job, script.parent)
@@ -288,11 +311,12 @@ def test_scancel_stops_the_runs_and_the_script_again_resumes_them(
 
 
 def test_a_failed_run_is_reported_by_the_sweep_with_its_reason(cluster, data, tmp_path):
+    """Two processes a run (torchrun's rendezvous on the task's port, two CPUs a task)."""
     base = ts.write_config(tmp_path / "abl.yaml", small_config(data, "abl"))
     missing = tmp_path / "missing.zarr"
-    axes = ("--grid", f"data.train.0.path={data.train},{missing}")
+    axes = ("--grid", f"data.train.0.path={data.train},{missing}", "--nproc-per-node", "2")
     sweeps = tmp_path / "slurm"
-    script = write_script(base, sweeps, *axes)
+    script = write_script(base, sweeps, *axes[:2], nproc=2)
     manifest = json.loads((script.parent / "manifest.json").read_text())
     good, bad = [run["id"] for run in manifest["runs"]]
     job = sbatch(script)
@@ -300,7 +324,8 @@ def test_a_failed_run_is_reported_by_the_sweep_with_its_reason(cluster, data, tm
 
     states = completions(cluster, job)
     assert states[0] == ("COMPLETED", "0:0") and states[1][0] == "FAILED", states
-    assert summary_of(script.parent / good)["status"] == "finished"
+    summary = summary_of(script.parent / good)
+    assert (summary["status"], summary["world_size"]) == ("finished", 2)
     # the sweep, run again, names the failed run and why; it still lists it to run
     proc = ts.run(sweep_cmd(base, sweeps, *axes, "--launch", "print"), timeout=600)
     assert "1 finished, 1 to run" in proc.stderr
@@ -309,4 +334,6 @@ def test_a_failed_run_is_reported_by_the_sweep_with_its_reason(cluster, data, tm
     assert re.fullmatch(rf"  {re.escape(bad)}: exit code [1-9]\d*: .*", line), line
     assert f"{missing}: not a packed dataset" in line, line
     commands = [shlex.split(line) for line in proc.stdout.splitlines()]
-    assert commands == [["llmtrain", "run", str(script.parent / bad / "config.yaml"), "--resume"]]
+    assert [command[-4:] for command in commands] == [
+        ["llmtrain", "run", str(script.parent / bad / "config.yaml"), "--resume"]
+    ]
