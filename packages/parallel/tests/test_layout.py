@@ -107,6 +107,15 @@ def test_tp_must_divide_both_head_counts(describe):
     ) == MeshSpec(tp=4, dp_shard=1)
 
 
+def test_a_model_without_attention_heads_is_laid_out_by_its_tp_plan(describe):
+    # ModelDescription's n_heads / n_kv_heads are optional: a model without attention (the
+    # reference plugin llmtrain-toy-lm is one) leaves them None, and no head count is checked
+    model = attrs.evolve(describe(), n_heads=None, n_kv_heads=None)
+    assert check_layout(
+        ParallelOptions(), MeshSpec(tp=3), 3, model, seq_len=48, device_type="cpu"
+    ) == MeshSpec(tp=3, dp_shard=1)
+
+
 def test_a_model_without_a_tp_plan_refuses_tensor_parallelism(describe):
     # what a model says when its options cannot be split across tensor-parallel ranks
     model = attrs.evolve(describe(), tp_plan={})

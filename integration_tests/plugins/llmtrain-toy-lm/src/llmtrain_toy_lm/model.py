@@ -86,7 +86,6 @@ class ToyLM(nn.Module):
             n_params=n_params,
             n_non_embedding_params=non_embedding,
             flops_per_token=lambda seq_len: float(6 * active),
-            n_heads=1,
-            n_kv_heads=1,
+            # no attention: no heads (n_heads / n_kv_heads left None)
             tied_embeddings=True,
         )

@@ -114,6 +114,9 @@ class ModelDescription:
       layers only when `first`, the output layers only when `last`. A stage without input layers
       takes hidden states; one without output layers returns them. None: cannot be pipelined.
 
+    - `n_heads`, `n_kv_heads`: the attention's query and key/value heads, which tensor
+      parallelism must divide; None (the default) for a model without attention heads, whose
+      `tp_plan` alone says what tensor parallelism splits.
     - `takes_head_fn`: `module(tokens, ..., head_fn=f)` returns `f(final hidden states,
       output matrix)` in place of the logits, so a loss can run the output projection itself
       (chunked, without the batch's logits).
@@ -128,8 +131,8 @@ class ModelDescription:
     n_params: int
     n_non_embedding_params: int
     flops_per_token: Callable[[int], float]
-    n_heads: int
-    n_kv_heads: int
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
     tied_embeddings: bool = False
     # (its own model class, the stage's layers, has the embedding, has the head)
     trim_to_stage: Callable[[Any, Sequence[int], bool, bool], None] | None = None

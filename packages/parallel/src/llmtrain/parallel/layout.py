@@ -64,7 +64,9 @@ def _tensor_parallel(
             "parallel.sequence_parallel: false"
         )
     for count, what in ((model.n_heads, "attention heads"), (model.n_kv_heads, "key/value heads")):
-        if count % mesh.tp:
+        # None: a model without attention heads, nothing of them to divide (its tp_plan says
+        # what tensor parallelism splits)
+        if count is not None and count % mesh.tp:
             problems.append(
                 f"mesh.tp={mesh.tp} does not divide the model's {count} {what}; "
                 "choose a tp degree that divides both head counts"

@@ -10,6 +10,7 @@ stragglers, summary.json, plugins' callbacks) happens in callbacks (`callbacks.p
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
@@ -151,6 +152,8 @@ class Trainer:
         with torch.device("meta"):
             meta_model = plugins.build(MODEL, c.model)
         self.description: ModelDescription = meta_model.describe()
+        if self.model_options.doc_masking:
+            refuse_doc_masking_without_doc_starts(plugins, c.model, meta_model)
         max_len = self.model_options.max_seq_len
         if c.data.seq_len > max_len:
             raise UserError(
@@ -1001,6 +1004,25 @@ def provenance_header() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return "\n".join([lines[0], *sorted(set(lines[1:]))]) + "\n"
+
+
+def refuse_doc_masking_without_doc_starts(
+    plugins: PluginManager, choice: Choice, model: torch.nn.Module
+) -> None:
+    """`model.doc_masking: true` hands each batch's document starts to the model's forward as
+    `doc_starts`: a model whose forward takes no such argument (nor `**kwargs`) is refused
+    here, before the run starts, rather than failing at its first step."""
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the first step will tell
+        return
+    if any(p.name == "doc_starts" or p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    origin = plugins.registry(MODEL).get(choice.kind).origin.describe()
+    raise UserError(
+        f"model.doc_masking: true, but model kind {choice.kind!r} of {origin} cannot mask "
+        f"documents (its forward takes no doc_starts); set model.doc_masking: false"
+    )
 
 
 def initial_model(plugins: PluginManager, choice: Choice, seed: int) -> torch.nn.Module:
