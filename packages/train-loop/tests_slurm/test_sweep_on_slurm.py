@@ -10,14 +10,13 @@ are read back from their directories.
   resumes them.
 - A run that fails is reported by `llmtrain sweep` afterwards, with its reason.
 
-The runs train long enough (in seconds: Slurm signals and requeues on a clock of its own) from a
-step time measured on this machine; the tests wait on what the jobs do, with generous
-timeouts."""
+Slurm signals on a clock of its own (it looks at time limits every 30 s): a run that must be
+mid-training when a signal comes waits for it under SIGSTOP, sent by `scancel --signal`, rather
+than training for a minute. The tests wait on what the jobs do, with generous timeouts."""
 
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 import subprocess
@@ -36,9 +35,8 @@ ON_SLURM = ("--launch", "slurm", "--gpus-per-node", "0")
 # Slurm's time limits are whole minutes and slurmctld looks at them every 30 s: with a limit of
 # 1 minute and SIGUSR1 50 s before it, the signal comes 10 to 40 s into each attempt
 TIME_LIMIT = ("--slurm", "time=1", "--slurm", "signal=B:USR1@50")
-# seconds of training of the time-limit run when uninterrupted: past the latest first signal
-# (the first may come before the run has trained: then the second one is mid-training)
-LIMITED_SECONDS = 40
+# steps of the time-limit run
+LIMITED_STEPS = 1500
 # steps of the cancelled runs
 CANCELLED_STEPS = 1000
 JOB_TIMEOUT = 600
@@ -173,17 +171,6 @@ def data(tmp_path_factory):
     return ts.pack_corpus(tmp_path_factory.mktemp("data"))
 
 
-@pytest.fixture(scope="module")
-def step_seconds(data, tmp_path_factory) -> float:
-    """Seconds a training step of `long_config` takes on this machine (300 steps, one
-    process)."""
-    tmp = tmp_path_factory.mktemp("calibrate")
-    config = long_config(data, "calibrate", 300)
-    config["run_dir"] = str(tmp / "runs")
-    ts.run(ts.llmtrain("run", ts.write_config(tmp / "calibrate.yaml", config)), timeout=600)
-    return float(summary_of(tmp / "runs" / "calibrate")["wall_time_s"]) / 300
-
-
 # --- the tests ---
 
 
@@ -213,31 +200,42 @@ def test_an_array_of_four_runs_two_at_a_time_equals_the_sweep_here(cluster, data
     assert again.stdout == "" and "every run has finished; no script written" in again.stderr
 
 
-def test_a_run_at_its_time_limit_is_requeued_and_resumes(cluster, data, tmp_path, step_seconds):
-    steps = max(1000, math.ceil(LIMITED_SECONDS / step_seconds))
+def test_a_run_at_its_time_limit_is_requeued_and_resumes(cluster, data, tmp_path):
+    steps = LIMITED_STEPS
     base = ts.write_config(tmp_path / "limit.yaml", long_config(data, "limit", steps))
     script = write_script(base, tmp_path / "slurm", *TIME_LIMIT)
-    log_file = script.parent / "base" / "output.log"
+    run_dir = script.parent / "base"
+    log_file, metrics = run_dir / "output.log", run_dir / "metrics.jsonl"
     job = sbatch(script)
     here = ts.start(sweep_cmd(base, tmp_path / "here"))  # the uninterrupted run
     try:
-        # once a signal has stopped the run mid-training, the time limit is raised (scontrol):
-        # the rest of the run is not cut again and again, every 30 s
+        # A run of 1500 steps trains for seconds, and Slurm signals 10 to 40 s into a task (it
+        # looks at time limits every 30 s): at step 200 the run waits under SIGSTOP (scancel
+        # --signal) for the signal, and continues (SIGCONT) once the script has taken it and
+        # sent its SIGTERM. Once the run has saved mid-training, the time limit is raised
+        # (scontrol update): the rest of the run is not cut again every 30 s.
         deadline = time.monotonic() + JOB_TIMEOUT
-        raised = False
-        while not raised and queue(job) and time.monotonic() < deadline:
+        paused = False
+        while queue(job) and time.monotonic() < deadline:
             text = log_file.read_text() if log_file.exists() else ""
             if re.search(r"stopped by a signal after step \d+", text):
                 update = ["scontrol", "update", f"JobId={job}_0", "TimeLimit=10"]
                 subprocess.run(update, check=True, timeout=60)
-                raised = True
-            time.sleep(0.5)
+                break
+            attempt = text[text.rfind(": attempt ") :] if ": attempt " in text else ""
+            signalled = "SIGUSR1 before the time limit" in attempt
+            if paused and signalled:
+                subprocess.run(["scancel", "--signal=CONT", f"{job}_0"], check=True, timeout=60)
+                paused = False
+            elif attempt and not paused and not signalled and ts.last_logged_step(metrics) >= 200:
+                subprocess.run(["scancel", "--signal=STOP", f"{job}_0"], check=True, timeout=60)
+                paused = True
+            time.sleep(0.2)
         wait_for_job(job, script.parent, timeout=max(1.0, deadline - time.monotonic()))
     finally:
         done = ts.finish(here, timeout=JOB_TIMEOUT)
     assert done.returncode == 0, done.stderr[-3000:]
 
-    run_dir = script.parent / "base"
     log = log_file.read_text()
     signalled = log.count("SIGUSR1 before the time limit")
     # every signal stopped the run (mid-training at least once: it saved a checkpoint there),
