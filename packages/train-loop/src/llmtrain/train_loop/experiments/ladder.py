@@ -57,12 +57,13 @@ checked before anything is sized. The base config file gives the shape the ladde
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
 from llmtrain.core_mesh.config import ConfigError, ConfigValueError, Problem, parse_override
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import ModelDescription
 from llmtrain.core_mesh.mesh import MeshError
 from llmtrain.core_mesh.plugins import PluginManager
 from llmtrain.train_loop.experiments.ladder_branches import Branch, trained_steps
@@ -293,6 +294,58 @@ def tokens_per_step(config: RunConfig, world: int, source: str) -> int:
 # --- the ladder ---
 
 
+@attrs.frozen
+class Sizer:
+    """What sizing rungs from a base config needs: its shape rule within the aspect band, the
+    model counted on the meta device, the tokens per step and the space of shapes."""
+
+    config: RunConfig
+    rule: ShapeRule
+    describe: Callable[[dict[str, int]], ModelDescription]
+    step_tokens: int
+    space: ShapeSpace
+
+    @classmethod
+    def of(
+        cls,
+        config: RunConfig,
+        plugins: PluginManager,
+        aspect: tuple[float, float],
+        world: int,
+        source: str,
+    ) -> Sizer:
+        options = checked_model_options(plugins, config.model)
+        rule = shape_rule(options, config.model.kind, aspect)
+        describe = meta_describer(plugins, config.model)
+        space = ShapeSpace(rule, lambda shape: describe(shape).n_non_embedding_params)
+        return cls(config, rule, describe, tokens_per_step(config, world, source), space)
+
+    def rung(self, target: float, *, budget: float = 0.0, ratio: float = 0.0) -> Rung:
+        """The shape nearest `target` non-embedding parameters, trained in whole steps for at
+        least the tokens of a compute `budget` (C / its FLOPs per token) or `ratio` tokens per
+        parameter of its exact count (what was asked for is filled in by `Rung.with_asked`)."""
+        _, d_model, n_layers = self.space.nearest(target)
+        shape = self.rule.shape(d_model, n_layers)
+        description = self.describe(shape)  # the whole model counted, not from its blocks
+        params = description.n_non_embedding_params
+        # the model's own FLOPs (attention included), as `fit` groups budgets
+        per_token = float(description.flops_per_token(self.config.data.seq_len))
+        wanted = budget / per_token if budget else ratio * params
+        steps = math.ceil(wanted / self.step_tokens)
+        return Rung(
+            budget=0.0,
+            tokens_per_param=0.0,
+            target_params=0.0,
+            target_tokens=wanted,
+            shape=shape,
+            params=params,
+            steps=steps,
+            tokens=steps * self.step_tokens,
+            clears_tokens=self.config.training.tokens is not None,
+            flops_per_token=per_token,
+        )
+
+
 def ladder(
     config: RunConfig,
     plugins: PluginManager,
@@ -303,36 +356,25 @@ def ladder(
     world: int = 1,
     source: str = "the base config",
 ) -> list[Rung]:
-    """One rung per (budget, ratio), budgets outer, each with its shape and steps."""
-    options = checked_model_options(plugins, config.model)
-    rule = shape_rule(options, config.model.kind, aspect)
-    describe = meta_describer(plugins, config.model)
-
-    def count(shape: dict[str, int]) -> int:
-        return describe(shape).n_non_embedding_params
-
-    step_tokens = tokens_per_step(config, world, source)
-    space = ShapeSpace(rule, count)
+    """One rung per (budget, ratio), budgets outer, each with its shape and steps: D = C / F,
+    F the shape's training FLOPs per token, so every rung of a budget costs C."""
+    sizer = Sizer.of(config, plugins, aspect, world, source)
     failed = [
         (budget, ratio, target, why)
         for budget in budgets
         for ratio in ratios
-        if (why := space.problem(target := math.sqrt(budget / (6.0 * ratio)))) is not None
+        if (why := sizer.space.problem(target := math.sqrt(budget / (6.0 * ratio)))) is not None
     ]
     if failed:
-        raise UserError(_no_shape_message(failed, budgets, ratios, rule, space))
+        raise UserError(_no_shape_message(failed, budgets, ratios, sizer.rule, sizer.space))
     rungs = []
     for budget in budgets:
         for ratio in ratios:
             target = math.sqrt(budget / (6.0 * ratio))
-            _, d_model, n_layers = space.nearest(target)
-            shape = rule.shape(d_model, n_layers)
-            # the budget in the model's own count (attention included), as `fit` groups budgets
-            per_token = float(describe(shape).flops_per_token(config.data.seq_len))
             rungs.append(
-                _rung(
-                    config, shape, count(shape), budget / per_token, step_tokens, per_token
-                ).with_asked(budget=budget, ratio=ratio, target=target)
+                sizer.rung(target, budget=budget).with_asked(
+                    budget=budget, ratio=ratio, target=target
+                )
             )
     return rungs
 
@@ -348,62 +390,25 @@ def ladder_by_size(
 ) -> list[Rung]:
     """One shape per size N (non-embedding parameters; the same shape rule as `ladder`), each
     trained at every ratio r: D = r x the shape's exact count. Sizes outer, ratios inner."""
-    options = checked_model_options(plugins, config.model)
-    rule = shape_rule(options, config.model.kind, aspect)
-    describe = meta_describer(plugins, config.model)
-
-    def count(shape: dict[str, int]) -> int:
-        return describe(shape).n_non_embedding_params
-
-    step_tokens = tokens_per_step(config, world, "the base config")
-    space = ShapeSpace(rule, count)
-    failed = [(n, why) for n in sizes if (why := space.problem(n)) is not None]
+    sizer = Sizer.of(config, plugins, aspect, world, "the base config")
+    failed = [(n, why) for n in sizes if (why := sizer.space.problem(n)) is not None]
     if failed:
         listed = "; ".join(f"N={compact(n)}: {why}" for n, why in failed)
-        low, high = (_number(a) for a in rule.aspect)
+        low, high = (_number(a) for a in sizer.rule.aspect)
         raise UserError(
             f"--params: {len(failed)} of {len(sizes)} sizes have no model shape within "
-            f"{TOLERANCE:.0%} (the base's head_dim {rule.head_dim}, d_model / n_layers in "
-            f"--aspect-ratio {low},{high}): {listed}; give other sizes, widen --aspect-ratio, "
-            "or give the base a smaller head_dim = d_model / n_heads"
+            f"{TOLERANCE:.0%} (the base's head_dim {sizer.rule.head_dim}, d_model / n_layers "
+            f"in --aspect-ratio {low},{high}): {listed}; give other sizes, widen "
+            "--aspect-ratio, or give the base a smaller head_dim = d_model / n_heads"
         )
     rungs = []
     for size in sizes:
-        _, d_model, n_layers = space.nearest(size)
-        shape = rule.shape(d_model, n_layers)
-        params = count(shape)
-        per_token = float(describe(shape).flops_per_token(config.data.seq_len))
         for ratio in ratios:
-            rung = _rung(config, shape, params, ratio * params, step_tokens, per_token)
+            rung = sizer.rung(size, ratio=ratio)
             rungs.append(
                 rung.with_asked(budget=rung.actual_budget, ratio=ratio, target=size, by_size=True)
             )
     return rungs
-
-
-def _rung(
-    config: RunConfig,
-    shape: dict[str, int],
-    params: int,
-    tokens_wanted: float,
-    step_tokens: int,
-    per_token: float,
-) -> Rung:
-    """A shape trained for at least `tokens_wanted` tokens, in whole steps (what was asked for
-    is filled in by `with_asked`)."""
-    steps = math.ceil(tokens_wanted / step_tokens)
-    return Rung(
-        budget=0.0,
-        tokens_per_param=0.0,
-        target_params=0.0,
-        target_tokens=tokens_wanted,
-        shape=shape,
-        params=params,
-        steps=steps,
-        tokens=steps * step_tokens,
-        clears_tokens=config.training.tokens is not None,
-        flops_per_token=per_token,
-    )
 
 
 def _no_shape_message(
