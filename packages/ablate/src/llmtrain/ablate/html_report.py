@@ -1,6 +1,13 @@
 """`llmtrain report RUN_OR_SWEEP... -o report.html`: a sweep's verdict on one static page.
 
-The page, from the jinja2 template `templates/report.html.j2`, opens with the verdict: with
+The page, from the jinja2 template `templates/report.html.j2`, opens with its sweep's answer
+(`report_kind`): a ladder (its manifest.json has `ladder`, or its runs fit a scaling law and no
+baseline was named) with the fit's law, the warnings that say when it cannot be trusted and each
+rung's final loss against its compute (ladder_report.py; its runs table says which rung each
+run is); a learning rate swept at several widths (µP transfer) with the lr-against-width figure
+and whether each panel's best lr stays put; an ablation, a mixture sweep and two ladders
+compared across scale with the verdict, as below (the baseline hint only where a baseline is
+the question). Long tables and legends follow the answer. An ablation's verdict: with
 `--baseline`, one sentence per row (the difference, its interval, the Holm-corrected p-value,
 the seeds on each side, a warning where they are too few). Then the compare table in the
 narrow default columns of `llmtrain compare` (means over seeds with their confidence
@@ -32,9 +39,11 @@ import tempfile
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmtrain.ablate import compare, plot
 from llmtrain.ablate.files import write_atomically
+from llmtrain.ablate.ladder_report import Ladder
 from llmtrain.ablate.runs import (
     Run,
     find_runs,
@@ -45,6 +54,9 @@ from llmtrain.ablate.runs import (
 )
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.errors import UserError
+
+if TYPE_CHECKING:
+    from llmtrain.ablate import settings_plot
 
 TEMPLATE = "report.html.j2"  # in llmtrain/ablate/templates/
 
@@ -172,14 +184,17 @@ def signal_noise_context(runs: Sequence[Run], last: int, alpha: float) -> dict[s
 def curves_context(
     runs: Sequence[Run], metrics: Sequence[str], x: str, alpha: float
 ) -> dict[str, object]:
+    """The curves of the train loss and of each metric some run logged at two steps or more (a
+    ladder's runs evaluate once, at the end: no one-point "curves")."""
     drawn: list[str] = []
 
+    def curve(metric: str) -> bool:
+        return any(sum(metric in m for m in run.metrics) > 1 for run in runs)
+
+    shown_metrics = ["loss", *(m for m in ("eval_loss", *metrics) if curve(m))]
+
     def draw(path: Path) -> None:
-        drawn.extend(
-            plot.plot(
-                runs, path, x=x, metrics=["loss", "eval_loss", *metrics], confidence=1 - alpha
-            )
-        )
+        drawn.extend(plot.plot(runs, path, x=x, metrics=shown_metrics, confidence=1 - alpha))
 
     url = png_data_url(draw)
     seeds = any(len(members) > 1 for _, members in group_by_settings(runs, varied_keys(runs)))
@@ -189,7 +204,13 @@ def curves_context(
         if seeds
         else ""
     )
-    return {"url": url, "alt": "curves of " + ", ".join(drawn), "band_note": note}
+    once = [m for m in ("eval_loss", *metrics) if m not in shown_metrics]
+    if once and any(m in line for m in once for run in runs for line in run.metrics):
+        note += (
+            f" Not drawn: {', '.join(once)}, logged once per run (its final value is in the "
+            "tables and figures above)."
+        )
+    return {"url": url, "alt": "curves of " + ", ".join(drawn), "band_note": note.strip()}
 
 
 WIDTH_KEY = "model.d_model"  # the width a learning-rate sweep is read against
@@ -214,6 +235,7 @@ def transfer_context(runs: Sequence[Run], loss_key: str) -> dict[str, object] | 
     found = settings_plot.panels(runs, lrs[0], WIDTH_KEY, [metric])
     url = png_data_url(lambda path: settings_plot.draw(found, path, lrs[0]))
     return {
+        "verdict": transfer_verdict(found, lrs[0]),
         "url": url,
         "alt": f"final {metric} against {lrs[0]}, one curve per {WIDTH_KEY}",
         "note": f"Each finished run is one point: its final {metric} against {lrs[0]}, one "
@@ -223,18 +245,52 @@ def transfer_context(runs: Sequence[Run], loss_key: str) -> dict[str, object] | 
     }
 
 
+def transfer_verdict(found: Sequence[settings_plot.Panel], x: str) -> list[str]:
+    """One sentence per panel: does the best learning rate stay put as the width grows (within
+    one grid step: it transfers), or move (by how many grid steps, from where to where)?"""
+    sentences = []
+    for panel in found:
+        where = f"{runs_label(panel.settings)}: " if panel.settings else ""
+        bests = [(c, c.best) for c in panel.curves if c.best is not None]
+        spread = panel.best_spread()
+        if spread is None:
+            sentences.append(f"{where}fewer than two widths finished a run: no transfer to judge.")
+            continue
+        by_width = "width " + ", ".join(
+            f"{shown(c.settings.get(WIDTH_KEY, ''))}: {shown(b.x)}" for c, b in bests
+        )
+        if spread == 0:
+            verdict = f"the best {x} is the same at every width ({by_width}): it transfers"
+        elif spread == 1:
+            verdict = (
+                f"the best {x} moves by one grid step across the widths ({by_width}): it "
+                "transfers to within the grid's resolution"
+            )
+        else:
+            verdict = (
+                f"the best {x} moves by {spread} grid steps across the widths ({by_width}): it "
+                "does not transfer"
+            )
+        sentences.append(f"{where}{verdict}.")
+    return sentences
+
+
+def runs_label(settings: dict[str, object]) -> str:
+    return ", ".join(f"{key.rsplit('.', 1)[-1]}={shown(v)}" for key, v in settings.items())
+
+
 def fit_context(
     runs: Sequence[Run], loss_key: str, predict: Sequence[str] = ()
 ) -> dict[str, object]:
     """The parametric fit of the runs and, where they hold IsoFLOP budgets, the IsoFLOP fit,
     extrapolated to the `predict` targets (`llmtrain fit --predict`'s); or why there is no fit
-    (nothing is extrapolated from a failed one)."""
+    (nothing is extrapolated from a failed one). `fits`: the fits, for the ladder's lead."""
     from llmtrain.ablate import fit_command
 
     try:
         fits = fit_command.fit_runs(runs, loss_key=loss_key)
     except UserError as error:
-        return {"error": str(error)}
+        return {"error": str(error), "fits": None}
     no_isoflop = ""
     try:
         fits = fit_command.with_isoflop(fits)
@@ -245,11 +301,34 @@ def fit_context(
         targets = [t for t in targets if t.compute is None]
     fits = fit_command.with_predictions(fits, targets)
     url = png_data_url(lambda path: fit_command.draw_fits(fits, path))
-    text = "\n".join(fit_command.render_fits(fits))
-    return {"error": "", "text": text, "no_isoflop": no_isoflop, "url": url}
+    warnings = fits.warnings
+    lines = fit_command.render_fits(fits)
+    text = "\n".join(line for line in lines if not line.startswith("warning: ")).rstrip()
+    return {
+        "error": "",
+        "text": text,
+        "warnings": warnings,
+        "no_isoflop": no_isoflop,
+        "url": url,
+        "fits": fits,
+    }
 
 
-def runs_context(runs: Sequence[Run]) -> dict[str, object]:
+def runs_context(
+    runs: Sequence[Run], ladder: Ladder | None = None, loss_key: str = "eval_loss"
+) -> dict[str, object]:
+    """Each run's settings and status; for a ladder, which rung each run is
+    (`ladder_report.rung_table`)."""
+    if ladder:
+        from llmtrain.ablate.ladder_report import rung_table
+
+        header, body = rung_table(runs, ladder, loss_key)
+        status = header.index("status")
+
+        def not_done(column: int, text: str) -> str:
+            return "unfinished" if column == status and text != "finished" else ""
+
+        return table_context(header, body, css_id="runs", cell_class=not_done)
     keys = varied_keys(runs)
     header = ["run", "status", *keys, "step", "tokens", "wall time s", "error"]
     body = []
@@ -291,6 +370,7 @@ def report_html(
     """The page: the verdict sentences (and a mixture sweep's best mixture, for `target`), the
     mixture fit, the compare table, the metrics' signal and noise (each run's last
     `last_evals` evaluations), curves, fits (extrapolated to `predict`), the runs."""
+    from llmtrain.ablate.ladder_report import lead_context, read_ladder
     from llmtrain.ablate.mixture_report import mixture_context
 
     generated = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -301,23 +381,71 @@ def report_html(
 
         scale_compare, scale_verdicts = report_context(compare_ladders, loss_key, predict)
         verdicts = [*scale_verdicts, *verdicts]
+    mixture = mixture_context(runs, target)
+    transfer = transfer_context(runs, loss_key)
+    fit = fit_context(runs, loss_key, predict) if scale_compare is None else {}
+    ladder = read_ladder(runs)
+    kind = report_kind(
+        ladder=bool(ladder),
+        fitted=bool(fit) and not fit.get("error"),
+        mixture=mixture is not None,
+        transfer=transfer is not None,
+        scale_compare=scale_compare is not None,
+        baseline=baseline is not None,
+    )
+    lead = None
+    if kind == "ladder":
+        from llmtrain.ablate.fit_command import Fits
+
+        fits = fit.get("fits")
+        lead = lead_context(runs, loss_key, fits if isinstance(fits, Fits) else None)
     return render_page(
         title=title,
+        kind=kind,
         runs=len(runs),
         finished=sum(run.finished for run in runs),
         generated=generated,
         verdicts=verdicts,
         no_verdict="No baseline named: with --baseline ROW (e.g. --baseline lr=0.001) each "
         "other row is tested against it here, in one sentence each.",
-        mixture=mixture_context(runs, target),
+        mixture=mixture,
         compare=compare_part,
         signal_noise=signal_noise_context(runs, last_evals, alpha),
         curves=curves_context(runs, metrics, x, alpha),
-        transfer=transfer_context(runs, loss_key),
-        fit=fit_context(runs, loss_key, predict) if scale_compare is None else {},
+        transfer=transfer,
+        lead=lead,
+        fit=fit,
         scale_compare=scale_compare,
-        runs_table=runs_context(runs),
+        runs_table=runs_context(runs, ladder if kind == "ladder" else None, loss_key),
     )
+
+
+KINDS = ("ablation", "ladder", "transfer", "mixture", "scale-compare")
+
+
+def report_kind(
+    *,
+    ladder: bool,
+    fitted: bool,
+    mixture: bool,
+    transfer: bool,
+    scale_compare: bool,
+    baseline: bool,
+) -> str:
+    """What the page opens with (`KINDS`): two ladders compared across scale, or a mixture
+    sweep's best mixture, in the verdict; a learning rate swept at several widths (µP
+    transfer) with the lr-against-width figure and whether the best lr stays put; a ladder (its
+    manifest says so, or the runs fit a scaling law and no baseline was named) with its fit and
+    loss against compute; anything else (an ablation) with the verdict."""
+    if scale_compare:
+        return "scale-compare"
+    if mixture:
+        return "mixture"
+    if transfer:
+        return "transfer"
+    if ladder or (fitted and not baseline):
+        return "ladder"
+    return "ablation"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
