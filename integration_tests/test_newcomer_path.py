@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 from types import SimpleNamespace
@@ -115,3 +116,144 @@ def test_every_printed_next_step_runs_as_printed_and_does_what_it_says(quickstar
     for step in range(STEPS + 10, 2 * STEPS + 1, 10):
         assert metrics[step]["lr"] == pytest.approx(LR * MIN_RATIO, rel=1e-9), step
     assert ts.committed_steps(checkpoints)[-1] == 2 * STEPS
+
+
+def test_the_quickstart_refuses_to_replace_a_longer_run(quickstart):
+    """`llmtrain quickstart --steps 10` (the README's laptop block, once) must not replace the
+    quickstart's longer run: one line naming the run, its steps and --overwrite, exit 2, and
+    nothing in the directory changed."""
+    run_dir, work = quickstart.run_dir, quickstart.work
+    trained = ts.committed_steps(run_dir / "checkpoints")[-1]  # STEPS, or 2 * STEPS once extended
+    config_before = (work / "run.yaml").read_text()
+    proc = ts.run(ts.llmtrain("quickstart", "--dir", work, "--steps", 10), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        f"error: {run_dir} holds a quickstart run that trained {trained} steps, more than "
+        "--steps 10; not replacing it: pass --overwrite to replace it, or use another --dir\n"
+    )
+    assert ts.committed_steps(run_dir / "checkpoints")[-1] == trained
+    assert (work / "run.yaml").read_text() == config_before
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_plugin_example() -> tuple[str, str, list[str]]:
+    """The root README's "Writing a plugin": its pyproject, its plugin module and the lines of
+    the install block (`source ...activate`, `pip install ./llmtrain-mamba`, `llmtrain
+    plugins`), comments dropped."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text[text.index("## Writing a plugin") :]
+
+    def block(fence: str, after: str = "") -> str:
+        start = section.index(fence, section.index(after) if after else 0) + len(fence)
+        return section[start : section.index("```", start)]
+
+    install = [
+        line.split("#")[0].strip()
+        for line in block("```bash\n", "Install it into").splitlines()
+        if line.split("#")[0].strip()
+    ]
+    return block("```toml\n"), block("```python\n"), install
+
+
+def quickstart_venv_installs() -> list[str]:
+    """What the nox session `quickstart` installs besides the checkout's packages, read from
+    noxfile.py's install_for_users (pip, since uv makes venvs without it)."""
+    source = (ROOT / "noxfile.py").read_text(encoding="utf-8")
+    function = source[source.index("def install_for_users") :]
+    function = function[: function.index("\n\n\n")]
+    install = function[function.index("session.install(") :]
+    return [word.strip('"') for word in install.replace(",", " ").split() if word[0] == '"']
+
+
+@pytest.fixture(scope="module")
+def user_venv(tmp_path_factory):
+    """A venv made as `nox -s quickstart` makes its own (uv, then pip and the checkout's
+    packages installed from their paths; here only core-mesh, a CPU box's start, so a missing
+    command's install hint has something to install)."""
+    assert quickstart_venv_installs() == ["pip"], "the quickstart venv must have pip (issue 51)"
+    env = tmp_path_factory.mktemp("user-venv") / "venv"
+    subprocess.run(["uv", "venv", "-q", "--python", sys.executable, str(env)], check=True)
+    subprocess.run(
+        [
+            *("uv", "pip", "install", "-q", "--python", str(env / "bin" / "python")),
+            *quickstart_venv_installs(),
+            str(ROOT / "packages" / "core-mesh"),
+        ],
+        check=True,
+        timeout=600,
+    )
+    return env
+
+
+def test_a_missing_commands_install_hint_works_from_the_checkout(user_venv):
+    """Only core-mesh installed: `llmtrain data` names the command that installs data-pack from
+    this checkout (no package index has it), and that command, run as printed from the
+    checkout's root in the activated venv, makes `llmtrain data` work."""
+    env = shell_without_llmtrain()
+    activate = f"source {user_venv / 'bin' / 'activate'}"
+    proc = subprocess.run(
+        ["bash", "-c", f"{activate}\nllmtrain data pack corpus.jsonl -o corpus.zarr"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert proc.returncode == 2, proc
+    prefix = "error: `data` is provided by llmtrain-data-pack: "
+    assert proc.stderr.startswith(prefix) and proc.stderr.count("\n") == 1, proc.stderr
+    hint = proc.stderr[len(prefix) :].strip()
+    assert hint == "pip install ./packages/data-pack", hint  # the venv's own pip, a path
+    done = subprocess.run(
+        ["bash", "-c", f"{activate}\n{hint} -q\nllmtrain data --help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "pack" in done.stdout
+
+
+def test_a_plugin_installs_into_the_quickstart_venv_as_the_readme_says(user_venv, tmp_path):
+    """The root README's plugin example, written out as it is printed, installed with its
+    commands (`source .../activate`, `pip install ./llmtrain-mamba`, `llmtrain plugins`) into
+    a venv made as the quickstart's: its dependency llmtrain-core-mesh resolves to what is
+    installed. torch, which the example declares, comes from this environment (a .pth file:
+    the quickstart venv has it), added here, after the install-hint test used the venv."""
+    pyproject, module, install = readme_plugin_example()
+    assert [line.split()[0] for line in install] == ["source", "pip", "llmtrain"], install
+    assert install[0] == "source .nox/quickstart/bin/activate", install
+    assert install[1] == "pip install ./llmtrain-mamba", install
+    package = tmp_path / "llmtrain-mamba"
+    (package / "llmtrain_mamba").mkdir(parents=True)
+    (package / "pyproject.toml").write_text(pyproject)
+    (package / "llmtrain_mamba" / "__init__.py").write_text("")
+    (package / "llmtrain_mamba" / "plugin.py").write_text(module)
+    python = user_venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    Path(site, "zz-llmtrain-test-parent.pth").write_text(
+        f"import site; site.addsitedir({ours!r})\n"
+    )
+    commands = [f"source {user_venv / 'bin' / 'activate'}", *install[1:]]
+    done = subprocess.run(
+        ["bash", "-c", "set -e\n" + "\n".join(commands)],
+        capture_output=True,
+        text=True,
+        env=shell_without_llmtrain(),
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"{done.stdout[-2000:]}\n--- stderr\n{done.stderr[-4000:]}"
+    assert [row.split() for row in done.stdout.splitlines() if " mamba " in f" {row} "] == [
+        ["model", "mamba", "mamba", "llmtrain-mamba", "0.1.0"]
+    ], done.stdout
