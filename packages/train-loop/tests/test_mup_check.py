@@ -5,6 +5,12 @@ AdamW lr 5e-3, 10 steps on the generated corpus): under µP every kind's last-st
 against width was within 0.13 in magnitude (logits 0.00) for seed 0 and within 0.37 over seeds
 0-2 (the MLP output, the smallest and noisiest); under standard the logits' slope was 0.71-0.77
 and the hidden outputs' above 1.2.
+
+A µP check that is not flat was one "NOT flat" line; it now tells a steady change (µP not
+holding, with typical causes) from one at widths too small or too few to judge, and from a
+slope without a steady trend (noise), judged by the slopes between neighbouring widths and over
+the last steps (issue 51: the quickstart's config read "NOT flat" with no hint which it was).
+The flat line and the standard parametrization's line are unchanged.
 """
 
 from __future__ import annotations
@@ -58,9 +64,47 @@ def test_verdict_reads_the_slopes():
     ]
     [line] = verdict([fake_check("mup", 0.3, zero=("embedding",))])
     assert line.startswith("mup: NOT flat with width (largest |slope| 0.30, attention size")
+    # a steady growth (the same slope between every two widths) is a µP problem: the line
+    # says which kinds grow and what typically causes it (issue 51: the bare "NOT flat" left
+    # the user guessing between noise and a config problem)
+    assert "change steadily with width" in line and "typical causes: attention:" in line
     [line] = verdict([fake_check("standard", 0.2)])
     assert line.startswith("standard: logits do not grow with width (slope 0.20")
     assert fake_check("mup", 0.1, zero=("mlp",)).as_json()["slopes"]["sizes"]["mlp"] is None
+
+
+def measured_check(attention, widths=(64, 128, 256), head_dim=16, late=None):
+    """Every kind flat at 1.0 but the attention output, sized `attention` by width at the last
+    step; `late`: its sizes at the earlier steps of the last half (one list by width each)."""
+    sizes = {k: [[1.0, 1.0] for _ in widths] for k in KINDS}
+    earlier = list(zip(*late, strict=True)) if late else [() for _ in widths]
+    sizes["attention"] = [[1.0, *e, a] for a, e in zip(attention, earlier, strict=True)]
+    return Check("mup", tuple(widths), sizes, sizes, [[1.0]] * len(widths), head_dim=head_dim)
+
+
+def test_a_slope_without_a_steady_trend_is_called_noise_and_says_what_to_run():
+    # the quickstart's config at widths 64, 128, 256 (4 to 16 heads): the attention output grows
+    # from 64 to 128 and hardly from 128 to 256, a slope of 0.61 over the three
+    [line] = verdict([measured_check([0.598, 1.22, 1.39])])
+    assert line.startswith(
+        "mup: NOT flat, but no steady trend with width (largest |slope| 0.61, attention size; "
+        "flat means below 0.25): its slope between neighbouring widths is not steady "
+        "(64->128: +1.03, 128->256: +0.19). That is finite-width noise rather than a µP "
+        "problem; to judge, use widths of 8 or more heads (the smallest here has 4), e.g. "
+        "--widths 128,256,512,1024;"
+    ), line
+    # two widths: the step-to-step slopes are the noise; and too few widths is said
+    [line] = verdict(
+        [measured_check([1.0, 2.0], widths=(256, 512), late=[[1.0, 1.3], [1.0, 0.7], [1.0, 1.6]])]
+    )
+    assert "its slope over the last 3 steps moves between -0.51 and +1.00" in line, line
+    assert "give 3 or more widths" in line and "heads" not in line
+    # steady on both counts: a µP problem, not noise
+    [line] = verdict(
+        [measured_check([1.0, 1.5, 2.25], widths=(128, 256, 512), late=[[1.0, 1.4, 2.0]])]
+    )
+    assert line.startswith("mup: NOT flat with width (largest |slope| 0.58, attention size")
+    assert "attention size +0.58" in line and "typical causes: attention:" in line
 
 
 def test_flat_under_mup_growing_under_standard(tmp_path, dataset, run_cli):

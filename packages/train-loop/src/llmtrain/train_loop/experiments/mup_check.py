@@ -51,6 +51,20 @@ FORMATS = (".png", ".svg", ".pdf")
 # kind's size and update are within FLAT; standard grows when its logits' slope is above GROWS
 FLAT = 0.25
 GROWS = 0.35
+# fewer heads than this at the smallest width: finite-width noise moves the slopes by 0.1-0.2
+# and more (measured on the quickstart's config: 4 heads at width 64)
+FEW_HEADS = 8
+# what typically makes a kind grow under µP, said when one grows steadily
+CAUSES = {
+    "embedding": "the embedding's init or lr scaled with width (µP keeps both constant)",
+    "attention": "attention scaled by 1/sqrt(head_dim) where the head size grows (µP: 1/d), or "
+    "a hidden weight whose lr the optimizer does not scale by base/width",
+    "mlp": "a hidden weight whose init or lr is not scaled by base/width (a parameter group "
+    "without µP's multiplier)",
+    "block": "a residual branch (attention or MLP) whose init or lr is not scaled by base/width",
+    "logits": "the output layer's multiplier (µP divides the logits by the width multiplier) or "
+    "its lr",
+}
 
 
 @attrs.frozen
@@ -63,10 +77,25 @@ class Check:
     sizes: dict[str, list[list[float]]]
     updates: dict[str, list[list[float]]]
     losses: list[list[float]]  # [w][t]: the training loss of step t + 1
+    head_dim: int | None = None  # the head size kept at every width (None: not known)
 
-    def slope(self, series: dict[str, list[list[float]]], kind: str) -> float:
-        """The log-log slope of `kind` at the last step against width."""
-        return loglog_slope(self.widths, [steps[-1] for steps in series[kind]])
+    def slope(self, series: dict[str, list[list[float]]], kind: str, step: int = -1) -> float:
+        """The log-log slope of `kind` at `step` (default: the last) against width."""
+        return loglog_slope(self.widths, [steps[step] for steps in series[kind]])
+
+    def pair_slopes(self, series: dict[str, list[list[float]]], kind: str) -> list[float]:
+        """The log-log slope between each two neighbouring widths, at the last step."""
+        last = [steps[-1] for steps in series[kind]]
+        return [
+            loglog_slope(self.widths[i : i + 2], last[i : i + 2])
+            for i in range(len(self.widths) - 1)
+        ]
+
+    def late_slopes(self, series: dict[str, list[list[float]]], kind: str) -> list[float]:
+        """The slope at each step of the last half of training (at least the last step): how
+        much the last step's slope moves from step to step, its own noise."""
+        steps = len(series[kind][0]) - 1
+        return [self.slope(series, kind, t) for t in range(max(1, steps - steps // 2), steps + 1)]
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -313,6 +342,7 @@ def coordinate_check(
                 sizes={k: [w[0][k] for w in by_width] for k in KINDS},
                 updates={k: [w[1][k] for w in by_width] for k in KINDS},
                 losses=[w[2] for w in by_width],
+                head_dim=base.head_dim,
             )
         )
     return checks
@@ -336,11 +366,7 @@ def verdict(checks: Sequence[Check]) -> list[str]:
         logits = slopes.get("logits size", math.nan)
         name = check.parametrization
         if name == "mup":
-            flat = abs(slopes[worst]) < FLAT
-            lines.append(
-                f"mup: {'flat' if flat else 'NOT flat'} with width (largest |slope| "
-                f"{abs(slopes[worst]):.2f}, {worst}; flat means below {FLAT})"
-            )
+            lines.append(_mup_verdict(check, slopes, worst))
         else:
             grows = logits > GROWS
             lines.append(
@@ -349,6 +375,72 @@ def verdict(checks: Sequence[Check]) -> list[str]:
                 f"{abs(slopes[worst]):.2f}, {worst})"
             )
     return lines
+
+
+def _steady(check: Check, name: str) -> str | None:
+    """Why the slope of `name` ("attention update") is not a steady trend with width, or None
+    where it is: the same sign, and at least FLAT, between every two neighbouring widths and at
+    every step of the last half of training."""
+    kind, what = name.split()
+    series = check.sizes if what == "size" else check.updates
+    last = check.slope(series, kind)
+    pairs = check.pair_slopes(series, kind)
+    late = [s for s in check.late_slopes(series, kind) if math.isfinite(s)]
+    if len(pairs) > 1 and any(p * last < 0 or abs(p) < FLAT for p in pairs):
+        shown = ", ".join(
+            f"{a}->{b}: {p:+.2f}"
+            for a, b, p in zip(check.widths, check.widths[1:], pairs, strict=False)
+        )
+        return f"its slope between neighbouring widths is not steady ({shown})"
+    if len(late) > 1 and any(s * last < 0 or abs(s) < FLAT for s in late):
+        return (
+            f"its slope over the last {len(late)} steps moves between {min(late):+.2f} and "
+            f"{max(late):+.2f}"
+        )
+    return None
+
+
+def _mup_verdict(check: Check, slopes: dict[str, float], worst: str) -> str:
+    """µP's verdict: flat; or not flat, with what grows steadily and what typically causes it;
+    or not flat but without a steady trend (finite-width noise), with what to run instead."""
+    head = f"largest |slope| {abs(slopes[worst]):.2f}, {worst}; flat means below {FLAT}"
+    if abs(slopes[worst]) < FLAT:
+        return f"mup: flat with width ({head})"
+    widths = check.widths
+    advice = []
+    if check.head_dim is not None and widths[0] // check.head_dim < FEW_HEADS:
+        wider = ",".join(str(FEW_HEADS * check.head_dim << i) for i in range(4))
+        advice.append(
+            f"use widths of {FEW_HEADS} or more heads (the smallest here has "
+            f"{widths[0] // check.head_dim}), e.g. --widths {wider}"
+        )
+    if len(widths) < 3:
+        advice.append("give 3 or more widths")
+    steady = {n: s for n, s in slopes.items() if abs(s) >= FLAT and _steady(check, n) is None}
+    if steady:
+        kinds = sorted({n.split()[0] for n in steady}, key=KINDS.index)
+        grow = ", ".join(
+            f"{n} {s:+.2f}" for n, s in sorted(steady.items(), key=lambda x: -abs(x[1]))
+        )
+        causes = "; ".join(f"{k}: {CAUSES[k]}" for k in kinds)
+        if advice:  # a steady trend at widths too small or too few to trust it
+            return (
+                f"mup: NOT flat at these widths ({head}): {grow} change steadily with width, "
+                f"but the widths are too small or too few to tell µP's failure from "
+                f"finite-width effects: {'; '.join(advice)}. If they still change there, "
+                f"typical causes: {causes}"
+            )
+        return (
+            f"mup: NOT flat with width ({head}): {grow} change steadily with width, between "
+            f"every two widths and over the last steps, so µP does not hold for this model or "
+            f"optimizer; typical causes: {causes}"
+        )
+    reason = _steady(check, worst)
+    advice.append("run more --steps; the figure (-o) shows the trend")
+    return (
+        f"mup: NOT flat, but no steady trend with width ({head}): {reason}. That is "
+        f"finite-width noise rather than a µP problem; to judge, {'; '.join(advice)}"
+    )
 
 
 def table(check: Check) -> str:
