@@ -56,7 +56,7 @@ def test_the_fit_and_the_report_in_a_browser(laptop):
             assert "N=1e+06,D=2e+07" in view.locator("#fit").inner_text()
             # every figure decoded: a broken data: URL leaves naturalWidth 0
             widths = view.eval_on_selector_all("img", "images => images.map(i => i.naturalWidth)")
-            assert len(widths) == 2 and all(w > 100 for w in widths), widths
+            assert len(widths) == 3 and all(w > 100 for w in widths), widths  # + loss vs C
             shot = work / "report.png"
             view.screenshot(path=str(shot), full_page=True)
         finally:
