@@ -1,7 +1,10 @@
 """The newcomer's path of the root README: `llmtrain quickstart` does the whole job, then every
 next step it prints runs as printed, in a shell where `llmtrain` is not on the PATH until the
 printed PATH line puts it there (as after `nox -s quickstart`), exits 0 and does what it says.
-One quickstart run (a real `python -m llmtrain` subprocess) serves every test here."""
+One quickstart run (a real `python -m llmtrain` subprocess) serves every test here. Then what a
+newcomer meets next (issue 51): a second quickstart refuses to replace the longer run; in a venv
+made as the quickstart's (uv, pip), a missing command's install hint runs as printed from the
+checkout, and the root README's plugin example installs with the README's commands."""
 
 from __future__ import annotations
 
