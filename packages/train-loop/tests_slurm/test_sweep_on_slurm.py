@@ -327,7 +327,7 @@ def test_a_failed_run_is_reported_by_the_sweep_with_its_reason(cluster, data, tm
     # the sweep, run again, names the failed run and why; it still lists it to run
     proc = ts.run(sweep_cmd(base, sweeps, *axes, "--launch", "print"), timeout=600)
     assert "1 finished, 1 to run" in proc.stderr
-    assert "1 runs failed on their last attempt" in proc.stderr, proc.stderr
+    assert "1 run failed on the last attempt" in proc.stderr, proc.stderr
     line = next(ln for ln in proc.stderr.splitlines() if ln.startswith(f"  {bad}: "))
     assert re.fullmatch(rf"  {re.escape(bad)}: exit code [1-9]\d*: .*", line), line
     assert f"{missing}: not a packed dataset" in line, line

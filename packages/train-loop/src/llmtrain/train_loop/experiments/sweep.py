@@ -316,7 +316,8 @@ def _report_failures(pending: Sequence[PlannedRun], sweep_dir: Path) -> None:
     """The runs whose last attempt failed (under a SLURM job array, or here), with why."""
     failed = [(run.id, why) for run in pending if (why := failure(run.path(sweep_dir)))]
     if failed:
-        _say(f"{len(failed)} runs failed on their last attempt (they run again when launched):")
+        runs = "1 run" if len(failed) == 1 else f"{len(failed)} runs"
+        _say(f"{runs} failed on the last attempt (launched again with the others):")
         for run_id, why in failed:
             _say(f"  {run_id}: {why}")
 
