@@ -335,3 +335,41 @@ def test_a_failed_run_is_reported_by_the_sweep_with_its_reason(cluster, data, tm
     assert [command[-4:] for command in commands] == [
         ["llmtrain", "run", str(script.parent / bad / "config.yaml"), "--resume"]
     ]
+
+
+def test_decay_branches_wait_for_their_trunk(cluster, data, tmp_path):
+    """A branched ladder (`--branch-decays`): the printed command submits the trunks' array,
+    then the branches' with `--dependency=afterok` on it; the branch starts from the
+    checkpoint its trunk saved."""
+    config = small_config(data, "lad")
+    config["model"] |= {"d_model": 8, "n_heads": 2, "n_kv_heads": 1}
+    config["lr_scheduler"] = {"kind": "wsd", "warmup_steps": 3}
+    config["training"].pop("checkpoint_every")
+    base = ts.write_config(tmp_path / "lad.yaml", config)
+    ladder = (
+        "--ladder",
+        "--params",
+        "3.6e3",
+        "--tokens-per-param",
+        "1,4",
+        "--aspect-ratio",
+        "2,64",
+    )
+    sweeps = tmp_path / "slurm"
+    proc = ts.run(
+        sweep_cmd(base, sweeps, *ladder, "--branch-decays", "0.2", *on_slurm()), timeout=600
+    )
+    command = proc.stdout.strip()
+    assert command.startswith("job=$(sbatch --parsable ") and "--dependency=afterok:" in command
+    # the command as printed, the second sbatch told to print its job id alone
+    parsable = command.replace("&& sbatch ", "&& sbatch --parsable ")
+    submitted = subprocess.run(["bash", "-c", parsable], capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    branches = submitted.stdout.strip().split(";")[0]
+    assert job_field(branches, "Dependency").startswith("afterok:")
+    wait_for_job(branches, sweeps / "lad")
+    manifest = json.loads((sweeps / "lad" / "manifest.json").read_text())
+    ((branch_id, branch),) = manifest["branches"].items()
+    for run_id in (branch["trunk"], branch_id):
+        assert summary_of(sweeps / "lad" / run_id)["status"] == "finished", run_id
+    assert min(metrics_of(sweeps / "lad" / branch_id)) == branch["start"] + 1
