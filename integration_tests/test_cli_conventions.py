@@ -3,7 +3,9 @@ subcommand of every installed package and plugin: the real top-level parser is b
 installed plugins and every subcommand's parser is walked (its own subcommands too).
 
 - every option has a help line, and the help shows its default where it has one;
-- what a command writes is `-o/--output`, machine output is `--json`, no `--format`;
+- what a command writes is `-o/--output` with a metavar that says what it is (`OUTPUTS`),
+  machine output is `--json` with one wording (`JSON_HELP`), no `--format`;
+- a positional is named in capitals (CONFIG, RUN_OR_SWEEP), as argparse shows options' values;
 - one concept, one flag name across commands (`CONCEPTS`);
 - the main object positional on the commands the README lists (`MAIN_OBJECTS`);
 - old spellings hidden from the help, yet working with one deprecation line (`OLD_SPELLINGS`);
@@ -24,14 +26,14 @@ from support import ROOT
 
 from llmtrain.core_mesh.cli import _parse, build_parser
 from llmtrain.core_mesh.cli_conventions import (
+    JSON_HELP,
     DeprecatedAlias,
     DeprecatedMainOption,
     shown_help,
 )
 from llmtrain.core_mesh.plugins import PluginManager
 
-# the main object of each command, positional, with the name its help shows (None: any name;
-# llmtrain-ablate's commands name theirs as they like)
+# the main object of each command, positional, with the name its help shows
 MAIN_OBJECTS = {
     "run": "CONFIG",
     "sweep": "CONFIG",
@@ -47,18 +49,22 @@ MAIN_OBJECTS = {
     "lm-eval": "CHECKPOINT",
     "hf import": "HF_DIR",
     "which": "RUN",
-    "ranks": None,
-    "profile": None,
-    "compare": None,
-    "plot": None,
-    "fit": None,
-    "report": None,
+    "ranks": "RUN",
+    "profile": "RUN",
+    "compare": "RUN_OR_SWEEP",
+    "plot": "RUN_OR_SWEEP",
+    "fit": "RUN_OR_SWEEP",
+    "report": "RUN_OR_SWEEP",
     "data pack": "INPUT",
     "data pack-chat": "INPUT",
     "data train-tokenizer": "INPUT",
     "data inspect": "DATASET",
     "data merge": "DATASET",
 }
+
+# what `-o` names: a directory, a dataset (a zarr directory), or a file, with its suffix where
+# the command writes one kind
+OUTPUTS = re.compile(r"DIR|DATASET|FILE(\.[a-z]+)?")
 
 # one concept, one flag: a visible option may not be spelt like the left side
 CONCEPTS = {
@@ -201,7 +207,26 @@ def test_outputs_are_dash_o_and_machine_output_is_json(commands):
             wrong.append(f"llmtrain {name} {'/'.join(spellings)}: spell it -o/--output")
         if "--json" in spellings and (spellings != ["--json"] or action.nargs != 0):
             wrong.append(f"llmtrain {name} --json: a switch, with no other spelling")
+        if "-o" in spellings and not OUTPUTS.fullmatch(action.metavar or ""):
+            wrong.append(
+                f"llmtrain {name} -o {action.metavar or action.dest.upper()}: name what it "
+                "writes (DIR, DATASET, FILE or FILE.<suffix>)"
+            )
+        if "--json" in spellings and not (action.help or "").startswith(JSON_HELP):
+            wrong.append(f"llmtrain {name} --json: its help starts {JSON_HELP!r}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_positionals_are_named_in_capitals(commands):
+    wrong = [
+        f"llmtrain {name} {action.metavar or action.dest}"
+        for name, parser in commands.items()
+        for action in parser._actions
+        if not action.option_strings
+        and not isinstance(action, argparse._SubParsersAction)
+        and not str(action.metavar or action.dest).isupper()
+    ]
+    assert not wrong, "positionals not in capitals:\n" + "\n".join(wrong)
 
 
 def test_one_concept_one_flag_name(commands):
@@ -226,7 +251,7 @@ def test_the_main_object_is_positional(commands):
         first = positionals[0] if positionals else None
         if first is None or first.nargs not in (None, "+"):
             wrong.append(f"llmtrain {name}: no required positional main object")
-        elif expected is not None and (first.metavar or first.dest) != expected:
+        elif (first.metavar or first.dest) != expected:
             wrong.append(f"llmtrain {name}: the positional is {first.metavar or first.dest}")
     assert not wrong, "\n".join(wrong)
 

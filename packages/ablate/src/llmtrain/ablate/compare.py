@@ -667,13 +667,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "-o",
         "--output",
         default=None,
+        metavar="FILE",
         help="write to this file, its format by its suffix: .txt (the table), .md (markdown), "
         ".csv (plain numbers), .json (default: print the table on stdout)",
     )
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print (or write) every number as JSON instead of the table (default: off)",
+        help="print JSON instead of text (the table); with -o, write it (default: off)",
     )
     # 0.1's `--format table|markdown|csv`: hidden, one deprecation line (-o's suffix says it)
     parser.add_argument(

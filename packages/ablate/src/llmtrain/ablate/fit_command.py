@@ -645,12 +645,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "dataset, in order); repeatable (default: none)",
     )
     parser.add_argument(
-        "-o", "--output", default=None, help="write the fits as JSON here (default: none)"
+        "-o",
+        "--output",
+        default=None,
+        metavar="FILE.json",
+        help="write the fits as JSON here; the figure is --plot's (default: none)",
     )
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print the fits as JSON on stdout instead of the tables (default: off)",
+        help="print JSON instead of text (the tables) (default: off)",
     )
     parser.add_argument(
         "--plot",

@@ -454,7 +454,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
     )
-    parser.add_argument("-o", "--output", required=True, help="the HTML file to write (required)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE.html",
+        help="the HTML file to write (required)",
+    )
     parser.add_argument("--title", default=None, help="default: the sweeps' names")
     compare.add_metric_arguments(parser)
     compare.add_baseline_arguments(parser)

@@ -235,7 +235,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "paths", nargs="+", metavar="RUN_OR_SWEEP", help="run directories, sweeps or run folders"
     )
     parser.add_argument(
-        "-o", "--output", required=True, help="the figure: .png, .svg or .pdf (required)"
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the figure: .png, .svg or .pdf (required)",
     )
     parser.add_argument(
         "--x",

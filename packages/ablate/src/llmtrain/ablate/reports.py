@@ -305,14 +305,14 @@ def find_trace(run: Path, step: int | None, rank: int) -> Path:
 
 
 def configure_profile(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", help="a run directory, or a trace file (.json)")
+    parser.add_argument("run", metavar="RUN", help="a run directory, or a trace file (.json)")
     parser.add_argument("--step", type=int, default=None, help="the window (default: the newest)")
     parser.add_argument("--rank", type=int, default=0, help="whose trace (default: 0)")
     parser.add_argument(
         "--top", type=int, default=20, help="how many operators (and kernels) (default: 20)"
     )
     parser.add_argument(
-        "--json", action="store_true", help="print the numbers as JSON (default: the tables)"
+        "--json", action="store_true", help="print JSON instead of text (the tables)"
     )
     parser.add_argument(
         "--sort",
@@ -473,9 +473,9 @@ def rank_stats(run: Path, skip_first: bool = True) -> list[RankStats]:
 
 
 def configure_ranks(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run", help="a run directory")
+    parser.add_argument("run", metavar="RUN", help="a run directory")
     parser.add_argument(
-        "--json", action="store_true", help="print the numbers as JSON (default: the table)"
+        "--json", action="store_true", help="print JSON instead of text (the table)"
     )
 
 

@@ -7,7 +7,12 @@ import argparse
 import json
 
 from llmtrain.core_mesh.cli import Command, Context
-from llmtrain.core_mesh.cli_conventions import deprecated_alias, main_object, positive_int
+from llmtrain.core_mesh.cli_conventions import (
+    deprecated_alias,
+    json_option,
+    main_object,
+    positive_int,
+)
 from llmtrain.core_mesh.plugins import Register, hookimpl
 
 # what --dtype accepts, for `export` and `hf export` alike
@@ -86,7 +91,7 @@ def _list_args(parser: argparse.ArgumentParser) -> None:
         metavar="CHECKPOINT",
         help="checkpoint directory (runs/<name>/checkpoints), path or URL",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    json_option(parser)
     parser.add_argument(
         "--verify", action="store_true", help="also check every byte of each committed step "
         "against its hashes (reads the whole checkpoint); exit 2 if one is damaged",
@@ -164,7 +169,7 @@ def _average_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite", action="store_true", help="replace a checkpoint the output already holds"
     )
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    json_option(parser)
 
 
 def _average(args: argparse.Namespace, ctx: Context) -> int:

@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 
 from llmtrain.core_mesh.cli import Command, Context
+from llmtrain.core_mesh.cli_conventions import json_option
 from llmtrain.core_mesh.plugins import DISABLE_ENV, Register, hookimpl
 
 
@@ -19,7 +20,7 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def _configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    json_option(parser)
     parser.add_argument(
         "--check", action="store_true", help="exit 1 if any plugin is broken (for CI)"
     )

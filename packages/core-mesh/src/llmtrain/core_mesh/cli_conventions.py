@@ -2,7 +2,9 @@
 "Command-line conventions"; `integration_tests/test_cli_conventions.py` holds it):
 
 - the main object (a config, a checkpoint, runs, datasets) is positional: `main_object`;
-- `-o/--output` names what a command writes, `--json` asks for machine-readable output;
+- `-o/--output` names what a command writes, its metavar what that is (`DIR`, `DATASET`, `FILE`
+  or `FILE.<suffix>`); a second output has a flag of its own (`fit --plot FILE`); `--json` asks
+  for machine-readable output (`json_option`: one wording);
 - every option has a help line, and the help shows its default (`HelpFormatter`);
 - a mistyped subcommand gets the closest names (`unknown_subcommand`), exit 2;
 - an old spelling keeps working for one release as a hidden alias that prints one deprecation
@@ -145,6 +147,18 @@ class DeprecatedMainOption(argparse.Action):
     def message(self, prog: str, option: str) -> str:
         name = self.positional.metavar or self.positional.dest.upper()
         return f"{prog}: {option} {name} is deprecated; use {prog} {name}"
+
+
+# `--json`'s help on every command, before what else the flag changes on one
+JSON_HELP = "print JSON instead of text"
+
+
+def json_option(parser: argparse.ArgumentParser, *, also: str = "") -> None:
+    """`--json`: machine output on stdout in place of the tables or text, in one wording for
+    every command; `also`: what else it changes on this one."""
+    parser.add_argument(
+        "--json", action="store_true", help=JSON_HELP + (f"; {also}" if also else "")
+    )
 
 
 def positive_int(text: str) -> int:

@@ -12,7 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from llmtrain.core_mesh.cli import Command, Context
-from llmtrain.core_mesh.cli_conventions import main_object
+from llmtrain.core_mesh.cli_conventions import json_option, main_object
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.plugins import Register, hookimpl
 from llmtrain.data_pack.builtin_formats import (
@@ -186,7 +186,13 @@ def _configure_pack(actions: argparse._SubParsersAction[argparse.ArgumentParser]
         "(kind data_format). Local paths or URLs; globs and directories allowed",
     )
     main_object(p, "inputs", nargs="+", metavar="INPUT", help="files, globs or directories")
-    p.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DATASET",
+        help="the dataset to write (path or URL)",
+    )
     _tokenizer_args(p, required=True)
     _record_selection_args(p)
     p.add_argument("--workers", type=int, default=None, help="processes (default: one per core)")
@@ -275,7 +281,13 @@ def _configure_pack_chat(actions: argparse._SubParsersAction[argparse.ArgumentPa
         "them into blocks of --seq-len tokens that no conversation crosses",
     )
     main_object(c, "inputs", nargs="+", metavar="INPUT", help="JSONL files or globs")
-    c.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
+    c.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DATASET",
+        help="the dataset to write (path or URL)",
+    )
     _tokenizer_args(c, required=True)
     c.add_argument(
         "--seq-len",
@@ -336,7 +348,9 @@ def _configure_train_tokenizer(
         metavar="INPUT",
         help="files (read by the format their suffix names), globs or directories",
     )
-    t.add_argument("-o", "--output", required=True, help="the tokenizer.json to write")
+    t.add_argument(
+        "-o", "--output", required=True, metavar="FILE.json", help="the tokenizer.json to write"
+    )
     t.add_argument("--vocab-size", type=int, required=True, help="the vocabulary size to reach")
     t.add_argument(
         "--field", default="text", help="the text field or column (dotted for nested ones)"
@@ -366,7 +380,7 @@ def _configure_inspect(actions: argparse._SubParsersAction[argparse.ArgumentPars
     main_object(i, "path", metavar="DATASET", help="a packed dataset (path or URL)")
     i.add_argument("--window", type=int, default=64, help="tokens in the decoded sample")
     i.add_argument("--seed", type=int, default=0, help="which sample window")
-    i.add_argument("--json", action="store_true", help="print JSON instead of text")
+    json_option(i)
     i.add_argument(
         "--verify",
         action="store_true",
@@ -381,7 +395,13 @@ def _configure_merge(actions: argparse._SubParsersAction[argparse.ArgumentParser
     """`llmtrain data merge`: packed datasets of one tokenizer concatenated."""
     m = actions.add_parser("merge", help="concatenate packed datasets of one tokenizer")
     main_object(m, "inputs", nargs="+", metavar="DATASET", help="packed datasets, in order")
-    m.add_argument("-o", "--output", required=True, help="the dataset to write (path or URL)")
+    m.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="DATASET",
+        help="the dataset to write (path or URL)",
+    )
     m.add_argument("--overwrite", action="store_true", help="replace an existing output")
     m.add_argument("--compression", default="none", help="none, zstd or zstd:LEVEL")
     _common(m)

@@ -387,8 +387,8 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="print the result as one JSON object (what it prints anyway: the flag is "
-        "accepted as every command's --json is) (default: off)",
+        help="print JSON instead of text; eval prints its one JSON object either way, so the "
+        "flag changes nothing (default: off)",
     )
 
 

@@ -519,10 +519,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="which parametrization to check; both: side by side (default: both)",
     )
     parser.add_argument(
-        "-o", "--output", default=None, help="also draw the figure: a .png, .svg or .pdf file"
+        "-o",
+        "--output",
+        default=None,
+        metavar="FILE",
+        help="also draw the figure: a .png, .svg or .pdf file",
     )
     parser.add_argument(
-        "--json", action="store_true", help="print the numbers as JSON instead of the tables"
+        "--json", action="store_true", help="print JSON instead of text (the tables)"
     )
 
 

@@ -28,7 +28,7 @@ import attrs
 
 from llmtrain.ablate.runs import read_summary
 from llmtrain.core_mesh.cli import Context
-from llmtrain.core_mesh.cli_conventions import main_object
+from llmtrain.core_mesh.cli_conventions import json_option, main_object
 from llmtrain.core_mesh.config import ConfigValueError, parse_yaml, structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.core_mesh.mesh import MeshSpec
@@ -406,7 +406,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the data-parallel size that read the step (default: from the run's logs)",
     )
     parser.add_argument("--words", type=int, default=8, metavar="K", help="first words shown")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    json_option(parser)
 
 
 def run(args: argparse.Namespace, ctx: Context) -> int:
