@@ -96,3 +96,20 @@ def test_an_ablation_still_leads_with_its_verdict_and_the_baseline_hint(tmp_path
     page = report(run_cli, root, tmp_path, "--baseline", "lr=0.001")
     assert "lr=0.003 vs lr=0.001" in element(page, "section", "verdict")
     assert "No baseline named" not in page
+
+
+def test_two_ladders_compared_keep_their_rung_table(tmp_path, run_cli):
+    """`report --compare BASELINE VARIANT` opens with the comparison's verdict and its runs
+    table still says which rung each run is (one ladder by budget, one by size)."""
+    base = ladder_sweep(tmp_path / "base", branches=False)
+    variant = ladder_sweep(tmp_path / "variant", by_size=True, branches=False)
+    out = tmp_path / "compare.html"
+    code, _, err = run_cli(
+        "report", "--compare", base, variant, "--predict", "N=1e8,D=2e9", "-o", out
+    )
+    assert code == 0, err
+    page = out.read_text(encoding="utf-8")
+    assert page.index('id="verdict"') < page.index('id="scale-compare"')
+    assert "No baseline named" not in page
+    heads = re.findall(r"<th>(.*?)</th>", element(page, "table", "runs"))
+    assert heads[:3] == ["run", "rung", "budget C or size N asked"]  # one ladder of each

@@ -416,7 +416,7 @@ def report_html(
         lead=lead,
         fit=fit,
         scale_compare=scale_compare,
-        runs_table=runs_context(runs, ladder if kind == "ladder" else None, loss_key),
+        runs_table=runs_context(runs, ladder if ladder else None, loss_key),  # rungs: a ladder
     )
 
 

@@ -142,7 +142,10 @@ def rung_table(
     its status and final loss."""
     from llmtrain.ablate.fit_command import final_value
 
+    kinds = {rung.by_size for rung in ladder.rungs.values()}
     asked = "size N asked" if ladder.by_size else "budget C asked"
+    if len(kinds) > 1:  # ladders of both kinds: each row's label says which it asked
+        asked = "budget C or size N asked"
     header = ["run", "rung", asked, "tokens/param", "N", "D", "C", "status", f"final {loss_key}"]
     if ladder.branched:
         header.insert(7, "decay branch of")
