@@ -585,3 +585,24 @@ def test_bad_mixture_inputs_are_one_line(installed, tmp_path, run_cli, args, bas
     assert code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1, err
     assert not sweeps.exists()
+
+
+def test_the_time_left_counts_the_steps_still_to_train():
+    from types import SimpleNamespace
+
+    from llmtrain.train_loop.experiments.sweep_launch import TimeLeft
+
+    def run(run_id: str, steps: int, start: int | None = None) -> SimpleNamespace:
+        init = None if start is None else SimpleNamespace(state="all", step=start)
+        return SimpleNamespace(
+            id=run_id, config=SimpleNamespace(training=SimpleNamespace(steps=steps), init=init)
+        )
+
+    # a trunk of 100 steps, a branch of 40 from step 30 (10 to train), a run of 160
+    trunk, branch, long = run("a", 100), run("b", 40, start=30), run("c", 160)
+    clock = TimeLeft([trunk, branch, long])
+    # 100 steps in 50 s: 0.5 s a step, 170 steps to go
+    assert clock.done(trunk, 50.0) == "; 2 runs to go, about 85 s left"
+    # 110 steps in 66 s: 0.6 s a step, 160 steps: 96 s
+    assert clock.done(branch, 16.0) == "; 1 run to go, about 2 min left"
+    assert clock.done(long, 200.0) == ""

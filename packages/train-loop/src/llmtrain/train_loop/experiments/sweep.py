@@ -26,7 +26,6 @@ from pathlib import Path
 import yaml
 
 from llmtrain.ablate.files import write_atomically
-from llmtrain.ablate.runs import read_summary
 from llmtrain.core_mesh.cli import Context
 from llmtrain.core_mesh.cli_conventions import main_object
 from llmtrain.core_mesh.config import parse_override
@@ -44,6 +43,7 @@ from llmtrain.train_loop.experiments.mixtures import Mixtures, mixtures_from
 from llmtrain.train_loop.experiments.sweep_launch import (
     CPUS_PER_PROCESS,
     failure,
+    finished,
     run_command,
     run_here,
     slurm_script,
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
                 print(run.id)
         return 0
     write(planned, sweep_dir, _manifest_meta(args, name, axes, rungs, mixtures, branched))
-    pending = [r for r in planned if not _finished(r.path(sweep_dir))]
+    pending = [r for r in planned if not finished(r.path(sweep_dir))]
     if args.launch != "here":  # here, they run again at once and say how it went
         _report_failures(pending, sweep_dir)
     if args.launch == "print":
@@ -525,11 +525,6 @@ def _command_of(args: argparse.Namespace) -> list[str]:
     if args.name:
         words += ["--name", args.name]
     return [*words, "--dir", args.dir]
-
-
-def _finished(path: Path) -> bool:
-    summary = read_summary(path)
-    return summary is not None and summary.get("status") == "finished"
 
 
 def _base_name(config: str, overrides: Sequence[str]) -> str:

@@ -177,6 +177,7 @@ def _ends_mid_line(path: Path) -> bool:
 def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list[tuple[str, str]]:
     """Run the unfinished runs one after another; returns (run id, why) of the failed ones."""
     failed = []
+    clock = TimeLeft([run for run in planned if not finished(run.path(sweep_dir))])
 
     def say(text: str) -> None:
         print(text, file=sys.stderr, flush=True)
@@ -219,9 +220,10 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
                 proc.wait()
                 raise
         seconds = time.perf_counter() - started
+        left = clock.done(run, seconds)
         summary = read_summary(path)
         if code == 0 and summary is not None and summary.get("status") == "finished":
-            say(f"{prefix}: finished in {seconds:.0f} s{_result(path)}")
+            say(f"{prefix}: finished in {seconds:.0f} s{_result(path)}{left}")
         else:
             why = (summary or {}).get("error") or _last_error(log_file)
             if summary is None or summary.get("status") != "failed":
@@ -229,8 +231,53 @@ def run_here(planned: Sequence[PlannedRun], sweep_dir: Path, nproc: int) -> list
                 record = {"status": "failed", "step": 0, "error": why, "exit_code": code}
                 write_atomically(path / "summary.json", json.dumps(record, indent=1) + "\n")
             failed.append((run.id, f"exit code {code}: {why}"))
-            say(f"{prefix}: FAILED (exit code {code}) after {seconds:.0f} s: {why}")
+            say(f"{prefix}: FAILED (exit code {code}) after {seconds:.0f} s: {why}{left}")
     return failed
+
+
+def finished(path: Path) -> bool:
+    """Whether the run in `path` has finished (its summary says so)."""
+    summary = read_summary(path)
+    return summary is not None and summary.get("status") == "finished"
+
+
+class TimeLeft:
+    """The sweep's time left, from the runs done so far: their seconds per step trained (their
+    start-up included), times the steps the runs still to go will train (a decay branch only
+    its own). A rough figure: runs of other sizes run at other speeds."""
+
+    def __init__(self, pending: Sequence[PlannedRun]):
+        self.left = {run.id: _steps_to_train(run) for run in pending}
+        self.seconds = 0.0
+        self.steps = 0
+
+    def done(self, run: PlannedRun, seconds: float) -> str:
+        """Count `run` as done in `seconds`; the tail of its line: the runs and time left."""
+        self.seconds += seconds
+        self.steps += self.left.pop(run.id, 0)
+        if not self.left:
+            return ""
+        runs = f"{len(self.left)} run{'s' * (len(self.left) != 1)} to go"
+        if not self.steps:
+            return f"; {runs}"
+        remaining = sum(self.left.values()) * self.seconds / self.steps
+        return f"; {runs}, about {_duration(remaining)} left"
+
+
+def _steps_to_train(run: PlannedRun) -> int:
+    """The steps a run trains itself (its config's steps; a branch's after its start)."""
+    training, init = run.config.training, run.config.init
+    steps = training.steps or 0
+    start = init.step if init is not None and init.state == "all" and init.step else 0
+    return max(steps - start, 0)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 @contextlib.contextmanager
