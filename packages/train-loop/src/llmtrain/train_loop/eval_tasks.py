@@ -117,7 +117,7 @@ def run(args: argparse.Namespace, ctx: Context) -> int:
     tasks = tasks_of(args.tasks, args, ctx)
     for task in tasks:
         task.items()  # every file read and checked before the model loads
-    reports = [_score(args, ctx, tasks, step) for step in steps]
+    reports = [_score(args, ctx, tasks, step, several=len(steps) > 1) for step in steps]
     if args.output:
         document = reports[0] if len(reports) == 1 else {"evaluations": reports}
         with open(args.output, "w", encoding="utf-8") as f:
@@ -141,7 +141,7 @@ def steps_of(args: argparse.Namespace) -> Sequence[int | None]:
 
 
 def _score(
-    args: argparse.Namespace, ctx: Context, tasks: list[Task], step: int | None
+    args: argparse.Namespace, ctx: Context, tasks: list[Task], step: int | None, *, several: bool
 ) -> dict[str, object]:
     """One checkpoint's scores: printed, recorded in its run, and returned as the JSON report."""
     import torch
@@ -170,8 +170,9 @@ def _score(
         print(f"{task.name}: {len(result.items)} items in {seconds:.1f} s", file=sys.stderr)
         results.append(result)
     averaged = " (the ema callback's moving average)" if args.weights == "ema" else ""
-    print(f"step {step}{averaged}")
-    print(render(results), end="")
+    # one table alone, as it always was; several, each under the step it scores
+    heading = f"step {step}{averaged}\n" if several else ""
+    print(heading + render(results), end="\n" if several else "")
     run_dir = run_dir_of(str(args.checkpoint))
     if run_dir is not None:
         settings = {"shots": args.shots, "seed": args.seed, "limit": args.limit, "max_len": max_len}
