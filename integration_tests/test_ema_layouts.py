@@ -1,8 +1,8 @@
-"""The `ema` callback at two gloo ranks, under FSDP and a 2-stage pipeline: each run's saved
-average equals a hand computation from the weights it saved at every step (the average is
-updated on each rank's own shards or stage), an average saved at one layout resumes at the
-other, and the average is scored and exported with `--weights ema` (`eval-tasks --last`
-records each step's scores of it as `<task>@ema`; `hf export` writes it)."""
+"""The `ema` callback at two gloo ranks, under FSDP, tensor parallelism and a 2-stage pipeline:
+each run's saved average equals a hand computation from the weights it saved at every step (the
+average is updated on each rank's own shards, pieces or stage), an average saved at one layout
+resumes at another, and the average is scored and exported with `--weights ema` (`eval-tasks
+--last` records each step's scores of it as `<task>@ema`; `hf export` writes it)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from test_downstream_eval import write_tasks
 from llmtrain.checkpoint.export import load_model_weights
 
 STEPS, DECAY, START = 8, 0.7, 2
-LAYOUTS = {"fsdp": [], "pp": ["mesh.pp=2"]}
+LAYOUTS = {"fsdp": [], "pp": ["mesh.pp=2"], "tp": ["mesh.tp=2"]}
 
 
 def weights(run_dir, step: int, which: str = "model") -> dict[str, torch.Tensor]:
