@@ -262,12 +262,27 @@ def test_the_missing_command_hint_from_the_console_script(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    # from this checkout, and away from its root: the package's absolute path (its siblings
-    # are installed here, so only train-loop is named)
-    train_loop = CHECKOUT / "packages" / "train-loop"
-    assert proc.stderr == (
-        f"error: `run` is provided by llmtrain-train-loop: {cli._installer()} {train_loop}\n"
-    )
+    # from this checkout, and away from its root: absolute paths, train-loop's last, after
+    # those of the llmtrain packages it needs that are not installed here (all of them in
+    # core-mesh's own session, none in a venv with everything)
+    lead = f"error: `run` is provided by llmtrain-train-loop: {cli._installer()} "
+    assert proc.stderr.startswith(lead) and proc.stderr.endswith("\n"), proc.stderr
+    named = [Path(word) for word in proc.stderr[len(lead) :].split()]
+    assert named[-1] == CHECKOUT / "packages" / "train-loop"
+    needed = {"data-pack", "models", "parallel", "checkpoint", "ablate", "downstream"}
+    missing = {name for name in needed if not _installed(f"llmtrain-{name}")}
+    assert {path.name for path in named[:-1]} == missing
+    assert all(path.parent == CHECKOUT / "packages" for path in named)
+
+
+def _installed(distribution: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 # the tests run from a checkout (an editable install, or nox's install from the checkout's path)
