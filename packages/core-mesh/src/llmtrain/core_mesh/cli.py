@@ -13,7 +13,6 @@ a bug: one line and exit 1, the traceback only with `--debug`. Startup imports n
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import re
@@ -245,7 +244,10 @@ def _installer() -> str:
     activated venv); this interpreter's pip by path where another `pip` comes first; `uv pip
     install` for a venv without pip (uv makes them so), aimed at this interpreter."""
     python = sys.executable
-    if importlib.util.find_spec("pip") is not None:
+    # pip's metadata, not importlib.util.find_spec("pip"): asking the import system for pip
+    # switches off setuptools' distutils shim for the rest of the process (it takes it for a
+    # pip run), and a later torch.compile then fails to build its C++ kernels
+    if _is_installed("pip"):
         on_path = shutil.which("pip")
         if on_path is not None and Path(on_path).parent == Path(python).parent:
             return "pip install"
