@@ -326,12 +326,12 @@ def test_the_install_hint_from_a_checkout_names_paths_that_resolve(monkeypatch, 
 def test_the_install_hint_uses_this_interpreters_installer(monkeypatch):
     python = sys.executable
     bin_dir = Path(python).parent
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(cli, "_is_installed", lambda name: name == "pip")
     monkeypatch.setattr(cli.shutil, "which", lambda name: str(bin_dir / name))
     assert cli._installer() == "pip install"  # an activated venv with pip
     monkeypatch.setattr(cli.shutil, "which", lambda name: f"/usr/bin/{name}")
     assert cli._installer() == f"{python} -m pip install"  # another pip comes first
-    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(cli, "_is_installed", lambda name: False)
     assert cli._installer() == f"uv pip install --python {python}"  # a venv uv made
 
 
