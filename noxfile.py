@@ -199,7 +199,7 @@ def ensure_programs(session: nox.Session, tests_of: str | None = None) -> None:
     missing = list(dict.fromkeys(missing))  # a package that brings several programs, once
     if not missing:
         return
-    # one apt at a time: CI runs two sessions at once (.ci/run), and apt refuses a second
+    # one apt at a time: CI runs three sessions at once (.ci/run), and apt refuses a second
     lock = ["flock", str(ROOT / ".nox" / "apt.lock")]
     session.run(*lock, "apt-get", "update", "-qq", external=True)
     apt = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing]
@@ -288,20 +288,19 @@ def plugin_hf_transformers4(session: nox.Session) -> None:
         *PACKAGES,
         *PLUGIN_SESSIONS,
         "plugin-hf-transformers4",
-        "slurm",
     ],
 )
 def units(session: nox.Session) -> None:
-    """Every session of `tests` but integration: lint, typecheck, each package alone, each
-    plugin with its tests, the SLURM job script under a real Slurm. CI (.ci/run) runs it beside
-    `integration`, one lane a core."""
+    """Every session of `tests` but integration and slurm: lint, typecheck, each package alone,
+    each plugin with its tests. CI (.ci/run) runs it beside `integration`, one lane a core, and
+    `slurm` beside both."""
     session.log("lint, typecheck and every package and plugin session passed")
 
 
-@nox.session(python=False, requires=["units", "integration"])
+@nox.session(python=False, requires=["units", "slurm", "integration"])
 def tests(session: nox.Session) -> None:
-    """The whole suite, one session after another: `units`, then integration. CI runs the same
-    two in parallel (.ci/run)."""
+    """The whole suite, one session after another: `units`, `slurm`, then integration. CI runs
+    the three side by side (.ci/run)."""
     session.log("lint, every package and plugin session and integration passed")
 
 
