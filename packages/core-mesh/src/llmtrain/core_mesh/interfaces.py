@@ -96,6 +96,35 @@ class Task(Protocol):
 
 
 @attrs.frozen
+class AttentionDescription:
+    """What a model's attention computes, as the layout check sees it (parallel never looks at
+    the model's code).
+
+    - `layers`: per block, the names of the mask functions its attention composes, e.g.
+      `("causal", "document", "window=1024")`; every key is visible to a query only where every
+      function allows it. Empty: plain causal attention in every block.
+    - `score_mod`: what is done to the scores before the softmax, e.g. `"softcap=50.0"`; None
+      when they are left as they are.
+    """
+
+    layers: tuple[tuple[str, ...], ...] = ()
+    score_mod: str | None = None
+
+    @property
+    def masks(self) -> frozenset[str]:
+        """Every mask function some block uses (`window=N` kept with its N)."""
+        return frozenset(name for layer in self.layers for name in layer)
+
+    @property
+    def document_masking(self) -> bool:
+        return "document" in self.masks
+
+    @property
+    def plain_causal(self) -> bool:
+        return self.masks <= {"causal"} and self.score_mod is None
+
+
+@attrs.frozen
 class ModelDescription:
     """What a model tells the parallel and training code about itself.
 
@@ -121,8 +150,15 @@ class ModelDescription:
       output matrix)` in place of the logits, so a loss can run the output projection itself
       (chunked, without the batch's logits).
 
+    - `attention`: its attention masks and score changes (`AttentionDescription`); the default
+      is plain causal attention.
+
     Context parallelism calls `module(tokens, positions=...)` with each token's position in its
-    sequence, and replaces causal attention; a model that supports it accepts `positions`.
+    sequence, and replaces causal attention; a model that supports it accepts `positions`. A
+    model whose attention is not plain causal also gets `sequence_length=T` (and `doc_starts` of
+    the whole sequence): it builds each block's boolean mask over (its queries, every key in
+    position order) and passes it as `attn_mask` to scaled_dot_product_attention, which context
+    parallelism answers with the keys and values of every rank.
     """
 
     module: torch.nn.Module
@@ -137,6 +173,7 @@ class ModelDescription:
     # (its own model class, the stage's layers, has the embedding, has the head)
     trim_to_stage: Callable[[Any, Sequence[int], bool, bool], None] | None = None
     takes_head_fn: bool = False
+    attention: AttentionDescription = AttentionDescription()
 
 
 @runtime_checkable

@@ -47,27 +47,83 @@ def _follows_bias(name: str) -> Any:
 
 @attrs.frozen(kw_only=True)
 class RopeScaling:
-    """Llama 3's RoPE frequency scaling (`rope_type: llama3` in transformers): frequencies whose
-    wavelength exceeds `original_max_seq_len / low_freq_factor` are divided by `factor`, those
-    shorter than `original_max_seq_len / high_freq_factor` are kept, and the band between is
-    interpolated smoothly. It stretches a model trained at `original_max_seq_len` to longer
-    contexts."""
+    """RoPE frequency scaling. `kind: llama3` (`rope_type: llama3` in transformers): frequencies
+    whose wavelength exceeds `original_max_seq_len / low_freq_factor` are divided by `factor`,
+    those shorter than `original_max_seq_len / high_freq_factor` are kept, and the band between
+    is interpolated smoothly; it stretches a model trained at `original_max_seq_len` to longer
+    contexts. `kind: linear` (Gemma 3's global blocks): every frequency is divided by `factor`,
+    i.e. positions are."""
 
-    kind: Literal["llama3"] = attrs.field(
-        default="llama3", validator=attrs.validators.in_(("llama3",))
+    kind: Literal["llama3", "linear"] = attrs.field(
+        default="llama3", validator=attrs.validators.in_(("llama3", "linear"))
     )
     factor: float = attrs.field(validator=_positive_float)
     low_freq_factor: float = attrs.field(default=1.0, validator=_positive_float)
     high_freq_factor: float = attrs.field(default=4.0, validator=_positive_float)
-    original_max_seq_len: int = attrs.field(validator=_positive)
+    # llama3's only
+    original_max_seq_len: int | None = attrs.field(default=None, validator=_positive)
 
     def __attrs_post_init__(self) -> None:
+        if self.kind == "llama3" and self.original_max_seq_len is None:
+            raise ConfigValueError(
+                "original_max_seq_len", "kind llama3 needs the context the model was trained at"
+            )
         if self.high_freq_factor <= self.low_freq_factor:
             raise ConfigValueError(
                 "high_freq_factor",
                 f"must be larger than low_freq_factor ({self.low_freq_factor}), "
                 f"got {self.high_freq_factor}",
             )
+
+
+def _window_pattern(
+    instance: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]
+) -> None:
+    if not value or any(kind not in ("local", "global") for kind in value):
+        raise ValueError(f"must be a non-empty list of local and global, got {list(value)}")
+
+
+def _positive_or_none(instance: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
+    if value is not None:
+        _positive_float(instance, attribute, value)
+
+
+@attrs.frozen(kw_only=True)
+class AttentionOptions:
+    """What each block's attention sees and how it scores (`model.attention`).
+
+    - `window`: a local block's query attends to the `window` most recent tokens, itself
+      included (Mistral's, Qwen2's and Gemma's `sliding_window`); null: every block is global.
+    - `pattern`: which blocks are local, repeated over the blocks from the first: `[local]` (the
+      default: every block, as Mistral), `[local, global]` (Gemma 2), five locals then a global
+      (Gemma 3); a list as long as the model gives each block its own.
+    - `local_rope_base`: the RoPE base of local blocks (Gemma 3: 10000); null: `rope_base`.
+      RoPE scaling applies to global blocks only when it is set.
+    - `softcap`: scores pass through `softcap * tanh(score / softcap)` (Gemma 2: 50).
+    - `scale`: the scores' multiplier; null: 1/sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2).
+    """
+
+    window: int | None = attrs.field(default=None, validator=_positive)
+    pattern: tuple[str, ...] = attrs.field(
+        default=("local",), converter=tuple, validator=_window_pattern
+    )
+    local_rope_base: float | None = attrs.field(default=None)
+    softcap: float | None = attrs.field(default=None, validator=_positive_or_none)
+    scale: float | None = attrs.field(default=None, validator=_positive_or_none)
+
+    def __attrs_post_init__(self) -> None:
+        if self.local_rope_base is not None and not (
+            math.isfinite(self.local_rope_base) and self.local_rope_base > 1
+        ):
+            raise ConfigValueError(
+                "local_rope_base", f"must be a number above 1, got {self.local_rope_base}"
+            )
+
+    def window_of(self, layer: int) -> int | None:
+        """The window of block `layer`, None where it attends to the whole context."""
+        if self.window is None or self.pattern[layer % len(self.pattern)] == "global":
+            return None
+        return self.window
 
 
 @attrs.frozen(kw_only=True)
@@ -94,13 +150,13 @@ class TransformerConfig:
         default="layernorm", validator=attrs.validators.in_(("layernorm", "rmsnorm"))
     )
     norm_eps: float = attrs.field(default=1e-5, validator=_positive_float)
-    mlp: Literal["gelu", "swiglu"] = attrs.field(
-        default="gelu", validator=attrs.validators.in_(("gelu", "swiglu"))
+    mlp: Literal["gelu", "swiglu", "geglu"] = attrs.field(
+        default="gelu", validator=attrs.validators.in_(("gelu", "swiglu", "geglu"))
     )
     mlp_hidden: int | None = attrs.field(default=None, validator=_positive)
     mlp_multiple_of: int = attrs.field(default=256, validator=_positive)
-    norm_placement: Literal["pre", "after_sublayer"] = attrs.field(
-        default="pre", validator=attrs.validators.in_(("pre", "after_sublayer"))
+    norm_placement: Literal["pre", "after_sublayer", "sandwich"] = attrs.field(
+        default="pre", validator=attrs.validators.in_(("pre", "after_sublayer", "sandwich"))
     )
     qk_norm: bool = False
     qk_norm_scope: Literal["head", "all_heads"] = attrs.field(
@@ -119,6 +175,11 @@ class TransformerConfig:
     init_std: float = attrs.field(default=0.02, validator=_positive_float)
     scale_residual_init: bool = True
     doc_masking: bool = False
+    attention: AttentionOptions = attrs.field(factory=AttentionOptions)
+    # Gemma: token embeddings are multiplied by sqrt(d_model) before the first block
+    scale_embeddings: bool = False
+    # Gemma 2: logits pass through `logit_softcap * tanh(logits / logit_softcap)`
+    logit_softcap: float | None = attrs.field(default=None, validator=_positive_or_none)
     # µP (Tensor Programs V): init, output multiplier, attention scale and per-parameter learning
     # rates follow the width multiplier d_model / mup_base_width, so settings tuned at the base
     # width transfer to wider models; at d_model == mup_base_width it is the standard model
@@ -144,6 +205,24 @@ class TransformerConfig:
             )
         if self.rope_scaling is not None and self.positions != "rope":
             raise ConfigValueError("rope_scaling", "scales RoPE; set positions: rope or remove it")
+        pattern = self.attention.pattern
+        if len(pattern) > self.n_layers:
+            raise ConfigValueError(
+                "attention.pattern",
+                f"has {len(pattern)} entries for {self.n_layers} layers; give at most one a layer",
+            )
+        if self.attention.window is not None and self.attention.window >= self.max_seq_len:
+            raise ConfigValueError(
+                "attention.window",
+                f"{self.attention.window} covers the whole context (max_seq_len "
+                f"{self.max_seq_len}); set it below max_seq_len, or null for global attention",
+            )
+        if self.attention.local_rope_base is not None and self.positions != "rope":
+            raise ConfigValueError("attention.local_rope_base", "needs positions: rope")
+        if self.attention.scale is not None and self.parametrization == "mup":
+            raise ConfigValueError(
+                "attention.scale", "µP sets the attention scale itself; remove one of them"
+            )
         if self.mup_base_width < 1:
             raise ConfigValueError(
                 "mup_base_width",
@@ -166,14 +245,15 @@ class TransformerConfig:
 
     @property
     def attention_scale(self) -> float | None:
-        """The attention scores' scale: None under standard (SDPA's 1/sqrt(head_dim)); under µP
+        """The attention scores' scale: under standard `attention.scale` (None: SDPA's
+        1/sqrt(head_dim)); under µP
         sqrt(b) / head_dim, b the head size this config has at d_model = mup_base_width. A head
         size derived from d_model widens with it (b = mup_base_width / n_heads) and the scale
         falls as 1/head_dim; an explicit `head_dim` stays put as width grows by adding heads, so
         b = head_dim and the scale is the standard one. Written as 1/sqrt(head_dim * head_dim/b)
         so that at m == 1 it is exactly the float SDPA computes by default."""
         if self.parametrization != "mup":
-            return None
+            return self.attention.scale
         base_head_dim = (
             self._head_dim if self._head_dim is not None else self.mup_base_width / self.n_heads
         )
