@@ -83,9 +83,11 @@ def _window_pattern(
         raise ValueError(f"must be a non-empty list of local and global, got {list(value)}")
 
 
-def _positive_or_none(instance: object, attribute: attrs.Attribute[float | None], value: float | None) -> None:
-    if value is not None:
-        _positive_float(instance, attribute, value)
+def _positive_or_none(
+    instance: object, attribute: attrs.Attribute[float | None], value: float | None
+) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"must be a positive number or null, got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -217,8 +219,14 @@ class TransformerConfig:
                 f"{self.attention.window} covers the whole context (max_seq_len "
                 f"{self.max_seq_len}); set it below max_seq_len, or null for global attention",
             )
-        if self.attention.local_rope_base is not None and self.positions != "rope":
-            raise ConfigValueError("attention.local_rope_base", "needs positions: rope")
+        if self.attention.local_rope_base is not None and (
+            self.positions != "rope" or self.attention.window is None
+        ):
+            raise ConfigValueError(
+                "attention.local_rope_base",
+                "is the RoPE base of windowed blocks: it needs positions: rope and "
+                "attention.window",
+            )
         if self.attention.scale is not None and self.parametrization == "mup":
             raise ConfigValueError(
                 "attention.scale", "µP sets the attention scale itself; remove one of them"

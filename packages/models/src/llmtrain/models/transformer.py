@@ -19,11 +19,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.interfaces import AttentionDescription, ModelDescription
 from llmtrain.models.attention_masks import (
-    DocumentMask,
+    AttentionMask,
+    Causal,
+    Document,
+    Given,
+    MaskFunction,
+    MaskRows,
+    SlidingWindow,
     attend,
-    document_mask,
+    attention_masks,
+    document_ids,
     positions_in_document,
 )
 from llmtrain.models.config import TransformerConfig
@@ -32,27 +39,36 @@ from llmtrain.models.config import TransformerConfig
 HeadFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # the cos and sin tables at each token's position, (.., T, 1, head_dim / 2) each
 Rope = tuple[torch.Tensor, torch.Tensor]
-# what attention runs under: causal (None), a boolean mask, or packed documents
-Mask = torch.Tensor | DocumentMask | None
+# what attention runs under: plain causal (None) or a composition of mask functions
+Mask = AttentionMask | None
 
 
 def make_norm(cfg: TransformerConfig, dim: int) -> nn.Module:
+    # Gemma's norms multiply by (1 + weight): importers store 1 + weight, the same function
     if cfg.norm == "rmsnorm":
         return nn.RMSNorm(dim, eps=cfg.norm_eps)
     return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
 
 
-def rope_frequencies(cfg: TransformerConfig, device: torch.device | None = None) -> torch.Tensor:
+def rope_frequencies(
+    cfg: TransformerConfig, device: torch.device | None = None, *, local: bool = False
+) -> torch.Tensor:
     """The angle per position of each rotated pair, (head_dim / 2,): base^(-2i/head_dim), then
-    Llama 3's scaling when `rope_scaling` is set (see `RopeScaling`)."""
+    the scaling `rope_scaling` sets (see `RopeScaling`). `local`: for local (windowed) blocks
+    when `attention.local_rope_base` gives them their own base, unscaled."""
     # 1 / base^(2i/head_dim), computed in this order in float32 as transformers does: the same
     # bits, so logits agree at long positions too (base^(-i/half) differs by an ulp, which grows
     # with the position)
+    local_base = cfg.attention.local_rope_base
+    base = local_base if local and local_base is not None else cfg.rope_base
     even = torch.arange(0, cfg.head_dim, 2, device=device, dtype=torch.int64).float()
-    freqs = 1.0 / (cfg.rope_base ** (even / cfg.head_dim))
+    freqs = 1.0 / (base ** (even / cfg.head_dim))
     scaling = cfg.rope_scaling
-    if scaling is None:
+    if scaling is None or local:
         return freqs
+    if scaling.kind == "linear":
+        return freqs / scaling.factor
+    assert scaling.original_max_seq_len is not None  # the config refuses llama3 without it
     wavelength = 2 * math.pi / freqs
     long_wave = scaling.original_max_seq_len / scaling.low_freq_factor
     short_wave = scaling.original_max_seq_len / scaling.high_freq_factor
@@ -67,10 +83,10 @@ def rope_frequencies(cfg: TransformerConfig, device: torch.device | None = None)
 
 
 def rope_tables(
-    cfg: TransformerConfig, device: torch.device | None = None
+    cfg: TransformerConfig, device: torch.device | None = None, *, local: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of position x frequency, (max_seq_len, head_dim / 2)."""
-    freqs = rope_frequencies(cfg, device)
+    freqs = rope_frequencies(cfg, device, local=local)
     angles = torch.outer(torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
@@ -83,7 +99,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class LayerCache:
-    """Keys and values of one layer for incremental decoding, preallocated to a maximum length."""
+    """Keys and values of one layer for incremental decoding: preallocated to a maximum length,
+    or, for a block with a sliding window, only the `window - 1` latest (all a new token can
+    see besides itself), so its memory is bounded by the window, not the length."""
 
     def __init__(
         self,
@@ -94,17 +112,36 @@ class LayerCache:
         *,
         device: torch.device | str | None,
         dtype: torch.dtype | None,
+        window: int | None = None,
     ) -> None:
-        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
+        self.window = window
+        kept = max_len if window is None else min(max_len, window - 1)
+        self.k = torch.zeros(batch, kv_heads, kept, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
+        # with a window: how many of the latest keys it holds (they end where the next chunk starts)
+        self.held = 0
+
+    def key_start(self, start: int) -> int:
+        """The position of the first key `update` returns for a chunk starting at `start`."""
+        return 0 if self.window is None else start - self.held
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        end = start + k.size(2)
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        """The chunk's keys and values stored; returns every key and value the chunk's queries
+        may see, in position order from `key_start(start)`."""
+        if self.window is None:
+            end = start + k.size(2)
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
+            return self.k[:, :, :end], self.v[:, :, :end]
+        keys = torch.cat((self.k[:, :, : self.held], k), dim=2)
+        values = torch.cat((self.v[:, :, : self.held], v), dim=2)
+        self.held = min(keys.size(2), self.k.size(2))
+        if self.held:
+            self.k[:, :, : self.held] = keys[:, :, -self.held :]
+            self.v[:, :, : self.held] = values[:, :, -self.held :]
+        return keys, values
 
 
 class Attention(nn.Module):
@@ -128,8 +165,9 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(k_norm_dim, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
-        # None (SDPA's 1/sqrt(head_dim)) but under µP
+        # None (SDPA's 1/sqrt(head_dim)) but under µP or with `attention.scale`
         self.scale = cfg.attention_scale
+        self.softcap = cfg.attention.softcap
 
     def forward(
         self,
@@ -160,9 +198,9 @@ class Attention(nn.Module):
             k,
             v,
             mask,
-            is_causal=mask is None and cache is None,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.scale,
+            softcap=self.softcap,
         )
         y = y.transpose(1, 2).reshape(B, T, -1)
         out: torch.Tensor = self.resid_dropout(self.wo(y))
@@ -176,21 +214,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU: w2(gelu(w1 x)). SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """GELU: w2(gelu(w1 x)). SwiGLU: w2(silu(w1 x) * w3 x). GeGLU (Gemma): w2(gelu(w1 x) * w3 x).
+    GELU is the tanh approximation throughout (GPT-2's and Gemma's)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         hidden = cfg.hidden_size
+        gated = cfg.mlp in ("swiglu", "geglu")
         self.w1 = nn.Linear(cfg.d_model, hidden, bias=cfg.mlp_bias)
-        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.mlp_bias) if cfg.mlp == "swiglu" else None
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=cfg.mlp_bias) if gated else None
         self.w2 = nn.Linear(hidden, cfg.d_model, bias=cfg.mlp_bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.silu_gate = cfg.mlp == "swiglu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
             h = F.gelu(self.w1(x), approximate="tanh")
-        else:
+        elif self.silu_gate:
             h = F.silu(self.w1(x)) * self.w3(x)
+        else:
+            h = F.gelu(self.w1(x), approximate="tanh") * self.w3(x)
         out: torch.Tensor = self.dropout(self.w2(h))
         return out
 
@@ -198,7 +241,8 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Attention then MLP, each in a residual branch. `norm_placement: pre` normalises each
     branch's input (GPT-2, Llama); `after_sublayer` normalises each branch's output before it
-    joins the residual stream (OLMo-2)."""
+    joins the residual stream (OLMo-2); `sandwich` does both, with a second norm per branch
+    (`attn_out_norm`, `mlp_out_norm`: Gemma 2 and 3)."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -206,7 +250,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg, cfg.d_model)
         self.mlp = MLP(cfg)
-        self.norm_before = cfg.norm_placement == "pre"
+        self.norm_before = cfg.norm_placement != "after_sublayer"
+        sandwich = cfg.norm_placement == "sandwich"
+        self.attn_out_norm = make_norm(cfg, cfg.d_model) if sandwich else None
+        self.mlp_out_norm = make_norm(cfg, cfg.d_model) if sandwich else None
 
     def forward(
         self,
@@ -217,7 +264,10 @@ class Block(nn.Module):
         start_pos: int = 0,
     ) -> torch.Tensor:
         out: torch.Tensor
-        if self.norm_before:
+        if self.attn_out_norm is not None and self.mlp_out_norm is not None:
+            x = x + self.attn_out_norm(self.attn(self.attn_norm(x), rope, mask, cache, start_pos))
+            out = x + self.mlp_out_norm(self.mlp(self.mlp_norm(x)))
+        elif self.norm_before:
             x = x + self.attn(self.attn_norm(x), rope, mask, cache, start_pos)
             out = x + self.mlp(self.mlp_norm(x))
         else:
@@ -236,6 +286,9 @@ class Transformer(nn.Module):
     # persistent (not in the state dict a checkpoint keeps)
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    # and for local blocks when `attention.local_rope_base` is set
+    local_rope_cos: torch.Tensor
+    local_rope_sin: torch.Tensor
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -257,6 +310,10 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
+        if cfg.attention.local_rope_base is not None:
+            cos, sin = rope_tables(cfg, local=True)
+            self.register_buffer("local_rope_cos", cos, persistent=False)
+            self.register_buffer("local_rope_sin", sin, persistent=False)
 
     def make_block(self, cfg: TransformerConfig) -> nn.Module:
         """One repeated block. A subclass may build another kind (a plugin's Mixture-of-Experts
@@ -274,11 +331,15 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         logits_at: torch.Tensor | None = None,
         head_fn: HeadFn | None = None,
+        sequence_length: int | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages.
 
         `positions` (1 or B, T) gives each token's place in its sequence when the tokens are not
         one contiguous run (context parallelism hands each rank a shard of the sequence).
+        `sequence_length`, with `positions`: the tokens are a shard of a sequence this long
+        (context parallelism), `doc_starts` then covering the whole of it; each block's mask
+        spans every key in position order, which attention gathers from the other shards.
         `attention_mask` (B, T, T), with `positions`: which tokens each token sees (True) in
         place of causal attention; a row may then hold several sequences that share a prefix.
         `logits_at` (B, T) bool: the logits of only those tokens, (N, padded vocab), row-major.
@@ -286,39 +347,24 @@ class Transformer(nn.Module):
         projection, its result returned; a loss that needs no logits (the memory-lean
         cross-entropy) takes the final hidden states and the output matrix this way.
         """
-        B, T = tokens.shape[:2]
-        if attention_mask is not None and positions is None:
-            raise ValueError("an attention_mask goes with explicit positions")
-        if positions is not None and attention_mask is not None:
-            # sequences packed side by side: the row may be longer than one sequence may be
-            end = int(positions.max()) + 1
-        else:
-            end = start_pos + T
-        if end > self.cfg.max_seq_len:
-            raise ValueError(
-                f"sequence of {end} tokens is longer than the model's max_seq_len "
-                f"({self.cfg.max_seq_len}); raise model.max_seq_len or shorten the input"
-            )
-        if positions is None:
-            # a pipeline stage's input may be a sequence shard (sequence parallelism): the
-            # document starts cover the whole sequence
-            seq = doc_starts.size(1) if doc_starts is not None else T
-            positions, mask = self._positions_and_mask(
-                B, seq, tokens.device, doc_starts, cache, start_pos
-            )
-        elif doc_starts is not None or cache is not None:
-            raise ValueError("explicit positions go with neither document masking nor a cache")
-        else:
-            mask = None if attention_mask is None else attention_mask.unsqueeze(1)
+        T = tokens.size(1)
+        self._check_inputs(
+            T, doc_starts, cache, start_pos, positions, attention_mask, sequence_length
+        )
+        positions, masks = self._positions_and_masks(
+            tokens, doc_starts, cache, start_pos, positions, attention_mask, sequence_length
+        )
         h: torch.Tensor = self.tok_emb(tokens) if self.tok_emb is not None else tokens
+        if self.tok_emb is not None and self.cfg.scale_embeddings:
+            # Gemma rounds its sqrt(d_model) to the hidden states' dtype first
+            h = h * torch.tensor(math.sqrt(self.cfg.d_model), dtype=h.dtype)
         if self.pos_emb is not None:
             h = h + self.pos_emb(positions)
         h = self.drop(h)
-        rope = None
-        if self.cfg.positions == "rope":
-            rope = (self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))
-        for i, block in enumerate(self.blocks.values()):
-            h = block(h, rope, mask, cache[i] if cache is not None else None, start_pos)
+        ropes = self._ropes(positions)
+        for i, (name, block) in enumerate(self.blocks.items()):
+            rope = ropes[self.local_rope(int(name))]
+            h = block(h, rope, masks[i], cache[i] if cache is not None else None, start_pos)
         if self.norm is None:
             return h
         if logits_at is not None:
@@ -329,11 +375,18 @@ class Transformer(nn.Module):
             # a tensor-parallel head and a pipeline's last stage all see it
             h = h * self.cfg.output_multiplier
         if head_fn is not None:
+            if self.cfg.logit_softcap is not None:
+                raise ValueError("soft-capped logits need the output projection of the model")
             return head_fn(h, self._output_matrix())
+        logits: torch.Tensor
         if self.head is not None:
-            logits: torch.Tensor = self.head(h)
-            return logits
-        return F.linear(h, self._output_matrix())
+            logits = self.head(h)
+        else:
+            logits = F.linear(h, self._output_matrix())
+        cap = self.cfg.logit_softcap
+        if cap is not None:
+            logits = cap * torch.tanh(logits / cap)
+        return logits
 
     def _output_matrix(self) -> torch.Tensor:
         """The output projection's weight (padded vocab, d): the head's, else the tied token
@@ -345,26 +398,158 @@ class Transformer(nn.Module):
             raise ValueError("a model with tied embeddings needs its token embedding for logits")
         return self.tok_emb.weight
 
-    def _positions_and_mask(
+    def _check_inputs(
         self,
-        B: int,
         T: int,
-        device: torch.device,
         doc_starts: torch.Tensor | None,
         cache: list[LayerCache] | None,
         start_pos: int,
-    ) -> tuple[torch.Tensor, Mask]:
-        """Positions (1 or B, T) and an attention mask (a boolean tensor, or a DocumentMask that
-        every layer shares), or None for plain causal attention."""
-        index = torch.arange(start_pos, start_pos + T, device=device)
-        if doc_starts is not None and self.cfg.doc_masking:
-            if cache is not None:
-                raise ValueError("document masking is for training; decode one document at a time")
-            return positions_in_document(doc_starts), document_mask(doc_starts)
-        mask: torch.Tensor | None = None
-        if cache is not None and T > 1:
-            mask = index.unsqueeze(1) >= torch.arange(start_pos + T, device=device).unsqueeze(0)
-        return index.unsqueeze(0), mask
+        positions: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        sequence_length: int | None,
+    ) -> None:
+        """The input combinations forward takes, and a sequence no longer than max_seq_len."""
+        if attention_mask is not None and positions is None:
+            raise ValueError("an attention_mask goes with explicit positions")
+        if sequence_length is not None and (positions is None or attention_mask is not None):
+            raise ValueError("a sequence_length goes with a shard's positions alone")
+        sharded = sequence_length is not None
+        if positions is not None and (
+            cache is not None or (doc_starts is not None and not sharded)
+        ):
+            raise ValueError("explicit positions go with neither document masking nor a cache")
+        if doc_starts is not None and cache is not None and self.cfg.doc_masking:
+            raise ValueError("document masking is for training; decode one document at a time")
+        if positions is not None and attention_mask is not None:
+            # sequences packed side by side: the row may be longer than one sequence may be
+            end = int(positions.max()) + 1
+        elif sequence_length is not None:
+            end = sequence_length
+        else:
+            end = start_pos + T
+        if end > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {end} tokens is longer than the model's max_seq_len "
+                f"({self.cfg.max_seq_len}); raise model.max_seq_len or shorten the input"
+            )
+
+    def _ropes(self, positions: torch.Tensor) -> dict[bool, Rope | None]:
+        """The RoPE cos and sin at `positions` (None without RoPE), keyed by `local_rope`."""
+        if self.cfg.positions != "rope":
+            return {False: None, True: None}
+        rope = (self.rope_cos[positions].unsqueeze(2), self.rope_sin[positions].unsqueeze(2))
+        if self.cfg.attention.local_rope_base is None:
+            return {False: rope, True: rope}
+        local = (
+            self.local_rope_cos[positions].unsqueeze(2),
+            self.local_rope_sin[positions].unsqueeze(2),
+        )
+        return {False: rope, True: local}
+
+    def local_rope(self, layer: int) -> bool:
+        """Whether block `layer` rotates with the local RoPE base (a windowed block when
+        `attention.local_rope_base` is set)."""
+        return (
+            self.cfg.attention.local_rope_base is not None
+            and self.cfg.attention.window_of(layer) is not None
+        )
+
+    def layer_masks(self, documents: bool) -> list[tuple[MaskFunction, ...]]:
+        """The mask functions of each block this model holds (in `blocks` order), with document
+        masking or not. The seam for attention variants: a model that brings its own mask
+        function returns it here (and `describe()` names it to the layout check)."""
+        layers = []
+        for name in self.blocks:
+            functions: list[MaskFunction] = [Causal()]
+            if documents:
+                functions.append(Document())
+            window = self.cfg.attention.window_of(int(name))
+            if window is not None:
+                functions.append(SlidingWindow(window))
+            layers.append(tuple(functions))
+        return layers
+
+    def _positions_and_masks(
+        self,
+        tokens: torch.Tensor,
+        doc_starts: torch.Tensor | None,
+        cache: list[LayerCache] | None,
+        start_pos: int,
+        positions: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        sequence_length: int | None,
+    ) -> tuple[torch.Tensor, list[Mask]]:
+        """Each token's position (1 or B, T) for RoPE or learned positions, and each block's mask
+        (None: plain causal, which SDPA's own causal kernel answers)."""
+        B, T = tokens.shape[:2]
+        device = tokens.device
+        documents = doc_starts is not None and self.cfg.doc_masking
+        layers = self.layer_masks(documents)
+        if positions is not None and attention_mask is not None:
+            # packed rows: the given mask in place of causal, windows counted in `positions`
+            rows = MaskRows(
+                q_pos=torch.arange(T, device=device),
+                k_pos=torch.arange(T, device=device),
+                places=positions.expand(B, T),
+                given=attention_mask,
+            )
+            given = [(Given(), *(f for f in fs if not isinstance(f, Causal))) for fs in layers]
+            return positions, list(attention_masks(given, rows, dense_only=True))
+        doc_ids = None
+        if positions is not None:
+            # a shard of the sequence (context parallelism), or a pipeline's whole sequence
+            q_pos = positions[0]
+            k_pos = (
+                q_pos if sequence_length is None else torch.arange(sequence_length, device=device)
+            )
+            if documents:
+                assert doc_starts is not None
+                doc_ids = document_ids(doc_starts)
+                positions = positions_in_document(doc_starts).gather(1, positions.expand(B, -1))
+        elif documents:
+            assert doc_starts is not None
+            # a pipeline stage's input may be a sequence shard (sequence parallelism): the
+            # document starts cover the whole sequence
+            doc_ids = document_ids(doc_starts)
+            positions = positions_in_document(doc_starts)
+            q_pos = k_pos = torch.arange(doc_starts.size(1), device=device)
+        else:
+            seq = T if doc_starts is None else doc_starts.size(1)
+            q_pos = torch.arange(start_pos, start_pos + seq, device=device)
+            k_pos = q_pos
+            positions = q_pos.unsqueeze(0)
+        if cache is not None:
+            return positions, self._cached_masks(layers, cache, q_pos, start_pos)
+        plain = self.cfg.attention.softcap is None
+        if plain and all(fs == (Causal(),) for fs in layers):
+            return positions, [None] * len(layers)
+        rows = MaskRows(q_pos=q_pos, k_pos=k_pos, doc_ids=doc_ids)
+        masks: list[Mask] = list(
+            attention_masks(layers, rows, dense_only=sequence_length is not None)
+        )
+        if plain and sequence_length is None:
+            # blocks of plain causal attention keep SDPA's causal kernel
+            masks = [None if fs == (Causal(),) else m for fs, m in zip(layers, masks, strict=True)]
+        return positions, masks
+
+    def _cached_masks(
+        self,
+        layers: list[tuple[MaskFunction, ...]],
+        cache: list[LayerCache],
+        q_pos: torch.Tensor,
+        start_pos: int,
+    ) -> list[Mask]:
+        """Masks over the keys each block's cache returns for this chunk: every earlier token,
+        or the latest of a window's."""
+        by_start: dict[int, MaskRows] = {}
+        masks: list[Mask] = []
+        for functions, layer_cache in zip(layers, cache, strict=True):
+            k_start = layer_cache.key_start(start_pos)
+            if k_start not in by_start:
+                k_pos = torch.arange(k_start, start_pos + q_pos.numel(), device=q_pos.device)
+                by_start[k_start] = MaskRows(q_pos=q_pos, k_pos=k_pos)
+            masks.append(attention_masks([functions], by_start[k_start], dense_only=True)[0])
+        return masks
 
     @property
     def options(self) -> TransformerConfig:
@@ -380,9 +565,15 @@ class Transformer(nn.Module):
         kv_heads = ref.size(0) // self.cfg.head_dim
         return [
             LayerCache(
-                batch, kv_heads, max_len, self.cfg.head_dim, device=ref.device, dtype=ref.dtype
+                batch,
+                kv_heads,
+                max_len,
+                self.cfg.head_dim,
+                device=ref.device,
+                dtype=ref.dtype,
+                window=self.cfg.attention.window_of(int(name)),
             )
-            for _ in self.blocks
+            for name in self.blocks
         ]
 
     @torch.no_grad()
@@ -410,6 +601,10 @@ class Transformer(nn.Module):
             cos, sin = rope_tables(cfg, device=self.rope_cos.device)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+        if cfg.attention.local_rope_base is not None:
+            cos, sin = rope_tables(cfg, device=self.local_rope_cos.device, local=True)
+            self.local_rope_cos.copy_(cos)
+            self.local_rope_sin.copy_(sin)
 
     def hidden_matrices(self) -> list[nn.Module]:
         """The Linear layers whose weights µP treats as hidden matrices (both dimensions grow
@@ -441,13 +636,16 @@ class Transformer(nn.Module):
         # parameters a token multiplies by (forward 2, backward 4), the LM head's V x d included
         # whether tied or not (a tied head multiplies by the token embedding, left out above as
         # a lookup), no lookups, no idle experts; attention's scores and weighted sums
-        # 12 x L x H x head_dim x T, no causal halving. Every MFU figure uses this count.
+        # 12 x H x head_dim x (keys a query sees) per block: T, no causal halving, or a local
+        # block's window where it is shorter. Every MFU figure uses this count.
         tied_head = cfg.padded_vocab_size * cfg.d_model if cfg.tied_embeddings else 0
         active = non_embedding + tied_head - self.inactive_params()
-        attention_flops = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim
+        per_key = 12 * cfg.n_heads * cfg.head_dim
+        windows = [cfg.attention.window_of(layer) for layer in range(cfg.n_layers)]
 
         def flops_per_token(seq_len: int) -> float:
-            return float(6 * active + attention_flops * seq_len)
+            keys = sum(seq_len if w is None else min(w, seq_len) for w in windows)
+            return float(6 * active + per_key * keys)
 
         return ModelDescription(
             module=self,
@@ -460,7 +658,19 @@ class Transformer(nn.Module):
             n_kv_heads=cfg.kv_heads,
             tied_embeddings=cfg.tied_embeddings,
             trim_to_stage=None if cfg.tied_embeddings else type(self).trim_to_stage,
-            takes_head_fn=True,
+            # a loss that runs the output projection itself would skip the logits' soft-capping
+            takes_head_fn=cfg.logit_softcap is None,
+            attention=self.describe_attention(),
+        )
+
+    def describe_attention(self) -> AttentionDescription:
+        """Each block's mask functions by name, and the scores' soft-capping."""
+        layers = tuple(
+            tuple(f.name for f in functions) for functions in self.layer_masks(self.cfg.doc_masking)
+        )
+        softcap = self.cfg.attention.softcap
+        return AttentionDescription(
+            layers=layers, score_mod=None if softcap is None else f"softcap={softcap}"
         )
 
     def inactive_params(self) -> int:
@@ -498,11 +708,15 @@ class Transformer(nn.Module):
             "blocks.*.attn.wv": "colwise",
             "blocks.*.attn.wo": "rowwise",
             "blocks.*.mlp_norm": "sequence_parallel",
+            "blocks.*.attn_out_norm": "sequence_parallel",
+            "blocks.*.mlp_out_norm": "sequence_parallel",
             "blocks.*.mlp.w1": "colwise",
             "blocks.*.mlp.w2": "rowwise",
         }
-        if self.cfg.mlp == "swiglu":
+        if self.cfg.mlp != "gelu":
             plan["blocks.*.mlp.w3"] = "colwise"
+        if self.cfg.norm_placement != "sandwich":
+            del plan["blocks.*.attn_out_norm"], plan["blocks.*.mlp_out_norm"]
         if self.pos_emb is not None:
             plan["pos_emb"] = "embedding"
         if self.head is not None:
@@ -513,9 +727,11 @@ class Transformer(nn.Module):
 def splits_across_tp_ranks(cfg: TransformerConfig) -> bool:
     """Whether a tensor-parallel plan can split a model of `cfg` (a subclass's `tp_plan` asks
     too): not with a query/key norm over a whole projection, which would need the heads of every
-    rank, nor with norms after each sublayer, since the plan places its sequence-parallel norms
-    on the branches' inputs."""
-    return not (cfg.qk_norm and cfg.qk_norm_scope == "all_heads") and cfg.norm_placement == "pre"
+    rank, nor with norms after each sublayer alone, since the plan places its sequence-parallel
+    norms on the branches' inputs (a sandwich's second norms take the row-wise output's sequence
+    shards)."""
+    whole_projection_norm = cfg.qk_norm and cfg.qk_norm_scope == "all_heads"
+    return not whole_projection_norm and cfg.norm_placement != "after_sublayer"
 
 
 def build_model(cfg: TransformerConfig) -> Transformer:
