@@ -65,8 +65,8 @@ def _logits_and_grads(model, tokens, inputs, bf16: bool):
 def test_flex_document_masking_equals_the_dense_mask_on_cuda(compiled):
     model = _model(compile_blocks=compiled)
     tokens, starts = _batch()
-    mask = model._positions_and_mask(B, T, "cuda", starts, None, 0)[1]
-    assert mask.block_mask is not None  # FlexAttention, not the dense fallback
+    masks = model._positions_and_masks(tokens, starts, None, 0, None, None, None)[1]
+    assert all(m.block_mask is not None for m in masks)  # FlexAttention, not the dense fallback
     got, got_grads = _logits_and_grads(model, tokens, dict(doc_starts=starts), bf16=compiled)
     want, want_grads = _logits_and_grads(model, tokens, _dense_inputs(starts), bf16=compiled)
     # float32: the kernels differ in summation order only; bf16: both round their inputs

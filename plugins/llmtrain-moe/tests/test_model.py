@@ -322,6 +322,8 @@ def test_dense_options_the_moe_block_does_not_have_are_refused():
     plugins = PluginManager(blocked=()).load_entry_points()
     for key, value, message in (
         ("norm_placement", "after_sublayer", "the MoE block normalises each branch's input (pre)"),
+        ("norm_placement", "sandwich", "the MoE block normalises each branch's input (pre)"),
+        ("mlp", "geglu", "the experts are swiglu or gelu; geglu is not built for them"),
         ("mlp_bias", True, "the experts have no biases"),
         ("parametrization", "mup", "mup is not supported for Mixture-of-Experts models yet"),
     ):

@@ -71,6 +71,10 @@ class MoEOptions(TransformerConfig):
                 "norm_placement",
                 f"the MoE block normalises each branch's input (pre); got {self.norm_placement}",
             )
+        if self.mlp == "geglu":
+            raise ConfigValueError(
+                "mlp", "the experts are swiglu or gelu; geglu is not built for them"
+            )
         if self._mlp_bias:
             raise ConfigValueError("mlp_bias", "the experts have no biases; remove it")
         if self.parametrization != "standard":
