@@ -27,6 +27,7 @@ from llmtrain.models.attention_masks import (
     Given,
     MaskFunction,
     MaskRows,
+    PrefixBidirectional,
     SlidingWindow,
     attend,
     attention_masks,
@@ -332,6 +333,7 @@ class Transformer(nn.Module):
         logits_at: torch.Tensor | None = None,
         head_fn: HeadFn | None = None,
         sequence_length: int | None = None,
+        prefix: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, padded vocab) for tokens (B, T); hidden states on pipeline stages.
 
@@ -346,13 +348,24 @@ class Transformer(nn.Module):
         `head_fn(hidden (B, T, d), weight (padded vocab, d))`: called in place of the output
         projection, its result returned; a loss that needs no logits (the memory-lean
         cross-entropy) takes the final hidden states and the output matrix this way.
+        `prefix` (B, T) bool: a prefix LM's prefix, whose tokens see each other both ways (within
+        their document with document masking); every other token attends causally.
         """
         T = tokens.size(1)
         self._check_inputs(
             T, doc_starts, cache, start_pos, positions, attention_mask, sequence_length
         )
+        if prefix is not None and (positions is not None or cache is not None):
+            raise ValueError("a prefix goes with neither explicit positions nor a cache")
         positions, masks = self._positions_and_masks(
-            tokens, doc_starts, cache, start_pos, positions, attention_mask, sequence_length
+            tokens,
+            doc_starts,
+            cache,
+            start_pos,
+            positions,
+            attention_mask,
+            sequence_length,
+            prefix=prefix,
         )
         h: torch.Tensor = self.tok_emb(tokens) if self.tok_emb is not None else tokens
         if self.tok_emb is not None and self.cfg.scale_embeddings:
@@ -478,6 +491,8 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None,
         attention_mask: torch.Tensor | None,
         sequence_length: int | None,
+        *,
+        prefix: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[Mask]]:
         """Each token's position (1 or B, T) for RoPE or learned positions, and each block's mask
         (None: plain causal, which SDPA's own causal kernel answers)."""
@@ -485,6 +500,11 @@ class Transformer(nn.Module):
         device = tokens.device
         documents = doc_starts is not None and self.cfg.doc_masking
         layers = self.layer_masks(documents)
+        if prefix is not None:
+            layers = [
+                tuple(PrefixBidirectional() if isinstance(f, Causal) else f for f in fs)
+                for fs in layers
+            ]
         if positions is not None and attention_mask is not None:
             # packed rows: the given mask in place of causal, windows counted in `positions`
             rows = MaskRows(
@@ -523,7 +543,7 @@ class Transformer(nn.Module):
         plain = self.cfg.attention.softcap is None
         if plain and all(fs == (Causal(),) for fs in layers):
             return positions, [None] * len(layers)
-        rows = MaskRows(q_pos=q_pos, k_pos=k_pos, doc_ids=doc_ids)
+        rows = MaskRows(q_pos=q_pos, k_pos=k_pos, doc_ids=doc_ids, prefix=prefix)
         masks: list[Mask] = list(
             attention_masks(layers, rows, dense_only=sequence_length is not None)
         )
