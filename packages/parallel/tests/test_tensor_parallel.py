@@ -73,7 +73,8 @@ def test_unknown_style_names_the_entry(make_toy):
         resolve_plan(model, {"tok_emb": "embedding", "blocks.*.attn.wq": "columnwise"})
     assert str(info.value) == (
         "tp_plan entry 'blocks.*.attn.wq': unknown style 'columnwise'; known: "
-        "embedding, colwise, rowwise, sequence_parallel, gather_input, colwise_output"
+        "embedding, colwise, rowwise, sequence_parallel, sequence_parallel_residual, "
+        "gather_input, colwise_output"
     )
 
 
@@ -141,6 +142,36 @@ def test_loss_parallel_leaves_logits_vocab_sharded(one_process_mesh, make_toy, t
     reference.backward()
     torch.testing.assert_close(loss.full_tensor(), reference)
     torch.testing.assert_close(model.head.weight.grad.full_tensor(), plain.head.weight.grad)
+
+
+def test_a_norm_whose_output_joins_the_residual_gives_a_plain_tensor(one_process_mesh, make_toy):
+    # Gemma's norms after each sublayer: their output is added to the residual stream, which
+    # under sequence parallelism is this rank's positions as a plain tensor (the embedding's and
+    # the row-wise layers' outputs); a norm that feeds attention or the head stays a DTensor
+    model = make_toy(n_layers=1)
+    plain = copy.deepcopy(model)
+    plan = {
+        "blocks.0.attn_norm": "sequence_parallel",
+        "blocks.0.mlp_norm": "sequence_parallel_residual",
+    }
+    apply_tensor_parallel(
+        model, plan, one_process_mesh["tp"], sequence_parallel=True, loss_parallel=False
+    )
+    block, reference = model.blocks["0"], plain.blocks["0"]
+    assert isinstance(block.mlp_norm.weight, DTensor)
+    x = torch.randn(2, 8, 32)
+    out = block.mlp_norm(x)
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, reference.mlp_norm(x))
+    residual = x + out  # no mixing of DTensors and tensors
+    torch.testing.assert_close(residual, x + reference.mlp_norm(x))
+    assert isinstance(block.attn_norm(x), DTensor)
+    # without sequence parallelism it is left alone, as `sequence_parallel` is
+    other = make_toy(n_layers=1)
+    apply_tensor_parallel(
+        other, plan, one_process_mesh["tp"], sequence_parallel=False, loss_parallel=False
+    )
+    assert not isinstance(other.blocks["0"].mlp_norm.weight, DTensor)
 
 
 def test_gather_input_and_sequence_parallel_are_left_alone_without_sp(one_process_mesh, make_toy):

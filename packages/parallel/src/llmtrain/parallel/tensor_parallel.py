@@ -9,6 +9,7 @@ each name into a torch ParallelStyle (or a small hook) on the `tp` mesh:
 | `colwise` | output features sharded; input replicated |
 | `rowwise` | input features sharded; output reduced (reduce-scattered along the sequence with SP) |
 | `sequence_parallel` | norms run on sequence shards (only with SP; otherwise left alone) |
+| `sequence_parallel_residual` | the same for a norm whose output joins the residual stream (Gemma's norms after each sublayer): its output is this rank's positions as a plain tensor |
 | `gather_input` | the module's first input is gathered from sequence shards (only with SP) |
 | `colwise_output` | the output projection; logits replicated, or vocab-sharded with loss parallelism |
 """
@@ -37,6 +38,7 @@ STYLES = (
     "colwise",
     "rowwise",
     "sequence_parallel",
+    "sequence_parallel_residual",
     "gather_input",
     "colwise_output",
 )
@@ -93,6 +95,10 @@ def _style(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelS
         return RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())
     if name == "sequence_parallel":
         return SequenceParallel() if sp else None
+    if name == "sequence_parallel_residual":
+        # a plain tensor of this rank's positions out, as the row-wise layers and the embedding
+        # give, so that it joins the residual stream
+        return SequenceParallel(use_local_output=True) if sp else None
     if name == "colwise_output":
         return ColwiseParallel(
             input_layouts=Shard(1) if sp else Replicate(),
