@@ -59,7 +59,6 @@ def test_signatures_must_take_every_call_the_protocol_allows():
 
     assert protocol_mismatches(Narrow, ParallelStrategy) == [
         "check: takes no keyword 'microbatches'",
-        "check: takes no keyword 'document_masking'",
         "parallelize: takes no positional argument 3 ('device')",
         "parallelize: needs 'extra', which the Protocol does not pass",
     ]

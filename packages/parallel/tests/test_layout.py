@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from llmtrain.core_mesh.errors import UserError
+from llmtrain.core_mesh.interfaces import AttentionDescription
 from llmtrain.core_mesh.mesh import MeshSpec
 from llmtrain.parallel.float8 import float8_problem
 from llmtrain.parallel.layout import LayoutError, check_layout
@@ -44,7 +45,6 @@ def problems_of(
     seq_len=16,
     device_type="cpu",
     microbatches=1,
-    document_masking=False,
 ) -> list[str]:
     with pytest.raises(LayoutError) as info:
         check_layout(
@@ -55,7 +55,6 @@ def problems_of(
             seq_len=seq_len,
             device_type=device_type,
             microbatches=microbatches,
-            document_masking=document_masking,
         )
     assert isinstance(info.value, UserError)
     message = str(info.value)
@@ -235,15 +234,50 @@ def test_context_parallel_sequence_length_without_load_balancing(describe):
     assert "load balancing" not in problem
 
 
-def test_context_parallel_refuses_document_masking(describe):
-    [problem] = problems_of(
-        describe, mesh=MeshSpec(cp=2), world_size=2, seq_len=8, document_masking=True
+def with_attention(description, *layers, score_mod=None):
+    """The description with its attention said to be `layers` (one tuple a block), e.g. Gemma 2's
+    local and global blocks over packed documents."""
+    return attrs.evolve(description, attention=AttentionDescription(layers, score_mod))
+
+
+GEMMA_LIKE = (("causal", "document", "window=4"), ("causal", "document"))
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        (("causal", "document"),),
+        (("causal", "window=4"), ("causal",)),
+        GEMMA_LIKE,
+    ],
+)
+def test_context_parallel_takes_document_masks_and_windows(describe, layers):
+    # the model builds each block's mask over every key; context parallelism gathers the keys
+    model = with_attention(describe(), *layers)
+    assert not model.attention.plain_causal
+    run = {"seq_len": 8, "device_type": "cpu"}
+    assert check_layout(ParallelOptions(), MeshSpec(cp=2), 2, model, **run).cp == 2
+    assert check_layout(ParallelOptions(), MeshSpec(cp=2, tp=2), 4, model, **run).cp == 2
+
+
+def test_context_parallel_refuses_a_change_to_the_scores(describe):
+    model = with_attention(describe(), *GEMMA_LIKE, score_mod="softcap=50.0")
+    [problem] = problems_of(describe, mesh=MeshSpec(cp=2), world_size=2, seq_len=8, model=model)
+    assert problem == (
+        "mesh.cp=2: the model's attention changes its scores before the softmax "
+        "(softcap=50.0), which context parallelism cannot do over the gathered keys (it attends "
+        "through scaled_dot_product_attention); set mesh.cp: 1 and shard with FSDP or tp, or "
+        "turn the score change off (model.attention.softcap: null)"
     )
-    assert problem.startswith("mesh.cp=2: context parallelism needs plain causal attention")
-    assert "turn document masking off" in problem
-    # document masking is fine without cp
-    run = {"seq_len": 8, "device_type": "cpu", "document_masking": True}
-    assert check_layout(ParallelOptions(), MeshSpec(), 2, describe(), **run).dp_shard == 2
+    # another score change is named as it is, without the soft-capping key
+    model = with_attention(describe(), score_mod="alibi")
+    [problem] = problems_of(describe, mesh=MeshSpec(cp=2), world_size=2, seq_len=8, model=model)
+    assert "(alibi)" in problem and problem.endswith("or turn the score change off")
+    # without cp, every other split computes the scores where the model does
+    model = with_attention(describe(), *GEMMA_LIKE, score_mod="softcap=50.0")
+    run = {"seq_len": 8, "device_type": "cpu", "microbatches": 2}
+    for mesh in (MeshSpec(), MeshSpec(tp=2), MeshSpec(pp=2)):
+        assert check_layout(ParallelOptions(), mesh, 2, model, **run).cp == 1
 
 
 def test_float8_needs_a_gpu(describe):
@@ -323,10 +357,11 @@ def test_every_problem_at_once(describe):
         options=options,
         mesh=MeshSpec(pp=2, tp=4, cp=2, dp_shard=2),
         world_size=8,
-        model=describe(tied_embeddings=True, n_layers=3),
+        model=with_attention(
+            describe(tied_embeddings=True, n_layers=3), *GEMMA_LIKE, score_mod="softcap=30.0"
+        ),
         seq_len=10,
         microbatches=1,
-        document_masking=True,
     )
     expected_starts = [
         "mesh pp=2 x dp_replicate=1 x dp_shard=2 x cp=2 x tp=4 multiplies to 32 processes",
@@ -337,7 +372,7 @@ def test_every_problem_at_once(describe):
         "mesh.pp=2 x 2 stages per rank = 4 pipeline stages, but the model has only 3 blocks",
         "1 micro-batches per step cannot fill a pipeline of 2 ranks",
         "mesh.cp=2: the sequence length 10 must be divisible by 4",
-        "mesh.cp=2: context parallelism needs plain causal attention",
+        "mesh.cp=2: the model's attention changes its scores before the softmax (softcap=30.0)",
         "parallel.float8: float8 training needs a CUDA GPU",
     ]
     assert len(problems) == len(expected_starts)

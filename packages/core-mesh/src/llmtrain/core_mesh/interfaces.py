@@ -391,9 +391,11 @@ class ParallelStrategy(Protocol):
     """What a `parallel` plugin builds from its options: it checks a layout before any process
     group exists, then lays a model out over the device mesh.
 
-    - `check(mesh, world_size, description, *, seq_len, device_type, microbatches,
-      document_masking)`: the resolved mesh spec, or a UserError naming every reason the model
-      does not fit the layout (`microbatches`: gradient accumulation steps per optimizer step).
+    - `check(mesh, world_size, description, *, seq_len, device_type, microbatches)`: the
+      resolved mesh spec, or a UserError naming every reason the model does not fit the layout
+      (`microbatches`: gradient accumulation steps per optimizer step). What the model's
+      attention masks and how it scores (document masking, windows, soft-capping) it reads from
+      `description.attention`.
     - `parallelize(description, device_mesh, device, *, microbatches)`: the model of
       `description` (built on the meta device) as a `ParallelModel` on `device_mesh`.
     """
@@ -408,7 +410,6 @@ class ParallelStrategy(Protocol):
         seq_len: int,
         device_type: str,
         microbatches: int,
-        document_masking: bool,
     ) -> MeshSpec: ...
 
     def parallelize(

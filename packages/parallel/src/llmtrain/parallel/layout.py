@@ -1,10 +1,11 @@
 """Check a parallel layout against the world, the model and the run before any process group
-exists: every problem in one message, each naming the config key to change."""
+exists: every problem in one message, each naming the config key to change. What the model's
+attention computes comes from its description (`ModelDescription.attention`)."""
 
 from __future__ import annotations
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.core_mesh.interfaces import ExpertParallel, ModelDescription
+from llmtrain.core_mesh.interfaces import AttentionDescription, ExpertParallel, ModelDescription
 from llmtrain.core_mesh.mesh import MeshError, MeshSpec
 from llmtrain.parallel.float8 import float8_problem
 from llmtrain.parallel.options import SINGLE_STAGE_SCHEDULES, V_SCHEDULES, ParallelOptions
@@ -23,7 +24,6 @@ def check_layout(
     seq_len: int,
     device_type: str,
     microbatches: int = 1,
-    document_masking: bool = False,
 ) -> MeshSpec:
     """The resolved mesh spec, or a LayoutError listing every problem."""
     problems: list[str] = []
@@ -33,7 +33,7 @@ def check_layout(
         problems.append(str(e))
     problems += _tensor_parallel(options, mesh, model, seq_len)
     problems += _pipeline(options, mesh, model, microbatches)
-    problems += _context_parallel(options, mesh, seq_len, document_masking)
+    problems += _context_parallel(options, mesh, seq_len, model.attention)
     problems += _expert_parallel(mesh, model)
     if options.float8 and (why := float8_problem(device_type)):
         problems.append(f"parallel.float8: {why}; set parallel.float8: false")
@@ -116,7 +116,7 @@ def _pipeline(
 
 
 def _context_parallel(
-    options: ParallelOptions, mesh: MeshSpec, seq_len: int, document_masking: bool
+    options: ParallelOptions, mesh: MeshSpec, seq_len: int, attention: AttentionDescription
 ) -> list[str]:
     if mesh.cp == 1:
         return []
@@ -131,10 +131,20 @@ def _context_parallel(
                 else ""
             )
         )
-    if document_masking:
+    # masks (documents, windows) are the model's: it builds them over every key and context
+    # parallelism gathers the keys for them. A change to the scores is not a mask: the gathered
+    # attention runs through scaled_dot_product_attention, which cannot apply one
+    if attention.score_mod is not None:
         problems.append(
-            f"mesh.cp={mesh.cp}: context parallelism needs plain causal attention; "
-            "turn document masking off"
+            f"mesh.cp={mesh.cp}: the model's attention changes its scores before the softmax "
+            f"({attention.score_mod}), which context parallelism cannot do over the gathered "
+            "keys (it attends through scaled_dot_product_attention); set mesh.cp: 1 and "
+            "shard with FSDP or tp, or turn the score change off"
+            + (
+                " (model.attention.softcap: null)"
+                if attention.score_mod.startswith("softcap")
+                else ""
+            )
         )
     return problems
 

@@ -407,9 +407,9 @@ class DefaultStrategy:
         seq_len: int,
         device_type: str,
         microbatches: int = 1,
-        document_masking: bool = False,
     ) -> MeshSpec:
-        """See `check_layout`: call before starting process groups."""
+        """See `check_layout` (it reads the model's attention from `model.attention`): call
+        before starting process groups."""
         return check_layout(
             self.options,
             mesh,
@@ -418,7 +418,6 @@ class DefaultStrategy:
             seq_len=seq_len,
             device_type=device_type,
             microbatches=microbatches,
-            document_masking=document_masking,
         )
 
     def parallelize(

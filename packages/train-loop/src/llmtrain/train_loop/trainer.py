@@ -174,7 +174,6 @@ class Trainer:
             seq_len=c.data.seq_len,
             device_type=device_type,
             microbatches=self.accum,
-            document_masking=self.doc_masking,
         )
 
     def _open_data(self) -> None:
