@@ -3,7 +3,9 @@
 The parallel package must work on any model that fills in `ModelDescription`, so these tests
 never import llmtrain.models: `ToyDecoder` is a small pre-norm decoder (learned positions,
 grouped-query causal attention through scaled_dot_product_attention, a GELU MLP, a final norm and
-an output head) written here for the purpose.
+an output head) written here for the purpose. It can also mask documents and give every other
+block a sliding window, building its masks as context parallelism asks of a model whose attention
+is not plain causal: over its queries' `positions` and every key of `sequence_length`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from shared_fixtures import one_torch_thread  # noqa: F401
 from torch import nn
 
-from llmtrain.core_mesh.interfaces import ModelDescription
+from llmtrain.core_mesh.interfaces import AttentionDescription, ModelDescription
 
 
 @attrs.frozen(kw_only=True)
@@ -32,6 +34,14 @@ class ToyConfig:
     dropout: float = 0.0
     tied_embeddings: bool = False
     can_trim: bool = True
+    # what describe() says of the forward's `doc_starts` masking (the forward masks documents
+    # whenever it is given them)
+    doc_masking: bool = False
+    # blocks 0, 2, ... (the pattern [local, global]) see the `window` most recent keys
+    window: int | None = None
+
+    def window_of(self, block: int) -> int | None:
+        return self.window if block % 2 == 0 else None
 
     @property
     def head_dim(self) -> int:
@@ -106,34 +116,58 @@ class ToyDecoder(nn.Module):
         doc_starts: torch.Tensor | None = None,
         *,
         positions: torch.Tensor | None = None,
+        sequence_length: int | None = None,
         head_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, vocab) for tokens (B, T); hidden states in and out on pipeline stages.
 
-        `doc_starts` (B, T, bool) limits attention to the token's own document. `head_fn(hidden,
-        output matrix)` is returned in place of the logits."""
+        `doc_starts` (B, T, bool) limits attention to the token's own document. `positions`
+        (1 or B, T) are the tokens' places in their sequence, and `sequence_length` its length
+        where the tokens are a shard of it (context parallelism: `doc_starts` are then the whole
+        sequence's). `head_fn(hidden, output matrix)` is returned in place of the logits."""
         T = tokens.size(1)
         if positions is None:
             positions = torch.arange(T, device=tokens.device).unsqueeze(0)
-        mask = None
-        if doc_starts is not None:
-            starts = doc_starts.to(torch.bool).clone()
-            starts[:, 0] = True
-            segment = starts.cumsum(dim=1)
-            causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()
-            mask = ((segment.unsqueeze(2) == segment.unsqueeze(1)) & causal).unsqueeze(1)
+        masks = {
+            window: self._mask(positions, doc_starts, sequence_length, window)
+            for window in {self.cfg.window_of(int(name)) for name in self.blocks}
+        }
         if self.tok_emb is None:
             h = tokens
         else:
             h = self.drop(self.tok_emb(tokens) + self.pos_emb(positions))
-        for block in self.blocks.values():
-            h = block(h, mask)
+        for name, block in self.blocks.items():
+            h = block(h, masks[self.cfg.window_of(int(name))])
         if self.norm is None:
             return h
         h = self.norm(h)
         if head_fn is not None:
             return head_fn(h, self.head.weight if self.head is not None else self.tok_emb.weight)
         return self.head(h) if self.head is not None else F.linear(h, self.tok_emb.weight)
+
+    @staticmethod
+    def _mask(
+        positions: torch.Tensor,
+        doc_starts: torch.Tensor | None,
+        sequence_length: int | None,
+        window: int | None,
+    ) -> torch.Tensor | None:
+        """(B or 1, 1, queries, keys) may a query see a key, the keys every position of the
+        sequence in order; None where attention is plain causal over the tokens given."""
+        if doc_starts is None and window is None and sequence_length is None:
+            return None
+        keys = torch.arange(sequence_length or positions.size(-1), device=positions.device)
+        q, k = positions.unsqueeze(-1), keys.view(1, 1, -1)
+        mask = k <= q
+        if window is not None:
+            mask = mask & (q - k < window)
+        if doc_starts is not None:
+            starts = doc_starts.to(torch.bool).clone()
+            starts[:, 0] = True
+            segment = starts.cumsum(dim=1)  # (B, T) of the whole sequence
+            of_query = segment.gather(1, positions.expand(segment.size(0), -1))
+            mask = mask & (of_query.unsqueeze(-1) == segment.unsqueeze(1))
+        return mask.unsqueeze(1)
 
     def trim_to_stage(self, block_ids: Sequence[int], first: bool, last: bool) -> None:
         keep = {str(i) for i in block_ids}
@@ -174,6 +208,12 @@ class ToyDecoder(nn.Module):
             return float(6 * non_embedding + attention_flops * seq_len)
 
         trim = None if cfg.tied_embeddings or not cfg.can_trim else ToyDecoder.trim_to_stage
+        layers = tuple(
+            ("causal",)
+            + (("document",) if cfg.doc_masking else ())
+            + ((f"window={w}",) if (w := cfg.window_of(i)) is not None else ())
+            for i in range(cfg.n_layers)
+        )
         return ModelDescription(
             module=self,
             blocks=list(self.blocks.values()),
@@ -186,6 +226,7 @@ class ToyDecoder(nn.Module):
             tied_embeddings=cfg.tied_embeddings,
             trim_to_stage=trim,
             takes_head_fn=True,
+            attention=AttentionDescription(layers=layers),
         )
 
 

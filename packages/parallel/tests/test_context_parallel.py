@@ -1,5 +1,6 @@
-"""Context parallelism's arithmetic in one process: which positions each rank holds, and that
-attention over gathered keys with the global causal mask is the plain causal attention."""
+"""Context parallelism's arithmetic in one process: which positions each rank holds, that
+attention over gathered keys with the global causal mask is the plain causal attention, and that
+a model's own mask over every key (documents, windows) gets the keys in position order."""
 
 from __future__ import annotations
 
@@ -87,7 +88,91 @@ def test_gathered_attention_equals_causal_attention(monkeypatch, size, load_bala
         torch.testing.assert_close(got, want)
 
 
-def test_only_plain_causal_attention_is_replaced(monkeypatch):
+def masks_over_positions(T: int, window: int | None, seed: int = 1) -> torch.Tensor:
+    """(B=2, 1, T, T): causal, within each row's documents, and within `window` (if any)."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.rand(2, T, generator=g) < 0.2
+    starts[:, 0] = starts[0, T // 2 + 1] = starts[1, 3] = True
+    doc = starts.cumsum(dim=1)
+    pos = torch.arange(T)
+    mask = (pos.view(-1, 1) >= pos.view(1, -1)) & (doc.unsqueeze(2) == doc.unsqueeze(1))
+    if window is not None:
+        mask = mask & (pos.view(-1, 1) - pos.view(1, -1) < window)
+    return mask.unsqueeze(1)
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("window", [None, 3])
+def test_gathered_attention_takes_the_models_mask_over_every_key(
+    monkeypatch, size, load_balance, window
+):
+    # what the model does under cp with document masking or windows: a mask over its queries and
+    # every key of the sequence in position order; keys arrive in rank order and are put back
+    B, H, KV, T, D = 2, 4, 2, 16, 8
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, T, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, KV, T, D, generator=g, requires_grad=True) for _ in range(2))
+    weight = torch.randn(B, H, T, D, generator=g)
+    mask = masks_over_positions(T, window)
+    sdpa = {"scale": 0.3, "enable_gqa": True}
+
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **sdpa)
+    (expected * weight).sum().backward()
+    expected_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    # guard: the mask is neither causal attention nor the same with another scale
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert not torch.allclose(causal, expected)
+
+    shards = [shard_index(T, r, size, load_balance) for r in range(size)]
+    fake = FakeGather([k, v], shards)
+    monkeypatch.setattr(context_parallel, "all_gather_tensor_autograd", fake)
+    total = torch.zeros(())
+    for rank, index in enumerate(shards):
+        with attention_over("cp-group", T, rank, size, load_balance, "cpu"):
+            out = F.scaled_dot_product_attention(
+                q[:, :, index],
+                k[:, :, index],
+                v[:, :, index],
+                mask[:, :, index],  # positionally, as a model may pass it
+                is_causal=False,
+                **sdpa,
+            )
+        torch.testing.assert_close(out, expected[:, :, index].detach())
+        total = total + (out * weight[:, :, index]).sum()
+    assert fake.calls == 2 * size
+    total.backward()
+    for got, want in zip((q.grad, k.grad, v.grad), expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_attention_other_than_the_two_forms_is_refused(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
+    monkeypatch.setattr(
+        context_parallel, "all_gather_tensor_autograd", lambda t, gather_dim, group: t
+    )
+    own_keys = torch.ones(4, 4, dtype=torch.bool)
+    with attention_over("cp-group", 8, 0, 2, True, "cpu"):
+        with pytest.raises(RuntimeError, match="this call has a mask over only this rank's 4"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=own_keys)
+        with pytest.raises(RuntimeError, match="this call has no mask and is_causal=False"):
+            F.scaled_dot_product_attention(q, k, v)
+        with pytest.raises(RuntimeError, match="both a mask and is_causal=True"):
+            F.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(4, 8, dtype=torch.bool), is_causal=True
+            )
+        # a mask over more keys than the sequence has, or over other queries
+        for shape in ((4, 12), (3, 8)):
+            with pytest.raises(RuntimeError, match=r"must cover this rank's 4 queries and every"):
+                F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=torch.ones(*shape, dtype=torch.bool)
+                )
+
+
+def test_only_attention_is_replaced(monkeypatch):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4, 8, generator=g) for _ in range(3))
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -101,10 +186,6 @@ def test_only_plain_causal_attention_is_replaced(monkeypatch):
         torch.testing.assert_close(
             F.scaled_dot_product_attention(q, k, v, is_causal=True), expected
         )
-        with pytest.raises(RuntimeError, match="needs plain causal attention"):
-            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool))
-        with pytest.raises(RuntimeError, match="document masking"):
-            F.scaled_dot_product_attention(q, k, v)
     # outside the context attention is torch's again
     mask = torch.ones(4, 4, dtype=torch.bool)
     torch.testing.assert_close(

@@ -27,7 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from llmtrain.core_mesh.interfaces import AfterOptimizerStep, ModelDescription
+from llmtrain.core_mesh.interfaces import (
+    AfterOptimizerStep,
+    AttentionDescription,
+    ModelDescription,
+)
 from llmtrain.core_mesh.mesh import DIM_NAMES, MeshSpec
 from llmtrain.parallel import context_parallel, pipeline
 from llmtrain.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -41,6 +45,9 @@ from llmtrain.parallel.tensor_parallel import apply_tensor_parallel, resolve_pla
 
 # loss_fn(logits, targets) -> the summed loss over those targets (a scalar tensor)
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# keyword inputs of the model's forward besides the tokens: tensors split with the batch, and
+# numbers (context parallelism's `sequence_length`) passed to every piece as they are
+ModelInputs = dict[str, torch.Tensor | int]
 # what a step's loss is multiplied by: a number, or a float64 tensor on the device (the trainer's
 # 1 / count, never read on the host)
 Scale = float | torch.Tensor
@@ -86,6 +93,8 @@ class Parallelized:
     autocast_dtype: torch.dtype | None = None
     # the model's forward takes `head_fn` and its output is whole on this rank (no TP, no PP)
     head_fn_ok: bool = False
+    # what the model's attention masks (ModelDescription.attention)
+    attention: AttentionDescription = attrs.field(factory=AttentionDescription)
     # the pipeline's loss and its factor; None as the factor: the loss's value, zero gradient
     _pp_loss: tuple[LossFn, Scale | None] | None = None
     _cp_seq_len: int = 0
@@ -240,13 +249,21 @@ class Parallelized:
     # --- internals ---
     def _shard_sequence(
         self, tokens: torch.Tensor, targets: torch.Tensor, doc_starts: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        kwargs: dict[str, torch.Tensor] = {}
+    ) -> tuple[torch.Tensor, torch.Tensor, ModelInputs]:
+        """This rank's share of the batch and the model's further inputs. Under context
+        parallelism: the shard's tokens and their global `positions`; a model whose attention is
+        not plain causal also gets `sequence_length` and the whole sequence's `doc_starts`, from
+        which it builds each block's mask over (its queries, every key in position order)."""
+        kwargs: ModelInputs = {}
         if doc_starts is not None:
             kwargs["doc_starts"] = doc_starts
         if self.size("cp") > 1:
-            if doc_starts is not None:
-                raise ValueError("context parallelism does not support document masking")
+            if self.attention.plain_causal and doc_starts is not None:
+                raise ValueError(
+                    "context parallelism: document starts were given, but the model describes "
+                    "plain causal attention (ModelDescription.attention); a model that masks "
+                    "documents must say so, and build its mask over every key"
+                )
             index = context_parallel.shard_index(
                 tokens.size(1),
                 self.dim("cp").get_local_rank(),
@@ -256,6 +273,8 @@ class Parallelized:
             tokens, targets = tokens[:, index], targets[:, index]
             kwargs["positions"] = index.unsqueeze(0).expand(tokens.size(0), -1)
             self._cp_seq_len = index.numel() * self.size("cp")
+            if not self.attention.plain_causal:
+                kwargs["sequence_length"] = self._cp_seq_len
         elif self.size("pp") > 1 and doc_starts is None:
             # a later stage's input can be a sequence shard (SP): positions come with the data
             positions = torch.arange(tokens.size(1), device=tokens.device)
@@ -293,7 +312,7 @@ class Parallelized:
         tokens: torch.Tensor,
         targets: torch.Tensor,
         loss_fn: LossFn,
-        kwargs: dict[str, torch.Tensor],
+        kwargs: ModelInputs,
     ) -> torch.Tensor:
         """The summed loss of one (micro-)batch: from the hidden states where the loss and the
         layout allow (no logits of the whole batch), else from the logits."""
@@ -306,7 +325,7 @@ class Parallelized:
             return loss
         return loss_fn(self._logits(tokens, kwargs), targets)
 
-    def _logits(self, tokens: torch.Tensor, kwargs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, kwargs: ModelInputs) -> torch.Tensor:
         logits: torch.Tensor = self.parts[0](tokens, **kwargs)
         if isinstance(logits, DTensor) and not self.options.loss_parallel:
             logits = logits.full_tensor()
@@ -318,7 +337,7 @@ class Parallelized:
         targets: torch.Tensor,
         loss_fn: LossFn,
         scale: Scale,
-        kwargs: dict[str, torch.Tensor],
+        kwargs: ModelInputs,
     ) -> torch.Tensor:
         n = self.microbatches
         factor = as_factor(scale * self._grad_average)
@@ -330,7 +349,7 @@ class Parallelized:
         pieces = zip(
             tokens.chunk(n),
             targets.chunk(n),
-            *(v.chunk(n) for v in kwargs.values()),
+            *(v.chunk(n) if isinstance(v, torch.Tensor) else [v] * n for v in kwargs.values()),
             strict=True,
         )
         for i, (tok, tgt, *extra) in enumerate(pieces):
@@ -357,7 +376,7 @@ class Parallelized:
         targets: torch.Tensor,
         loss_fn: LossFn,
         scale: Scale,
-        kwargs: dict[str, torch.Tensor],
+        kwargs: ModelInputs,
         *,
         train: bool,
     ) -> torch.Tensor:
@@ -465,6 +484,7 @@ class DefaultStrategy:
             has_last_stage=len(ranges) - 1 in stage_ids,
             autocast_dtype=self._autocast_dtype(size),
             head_fn_ok=model.takes_head_fn and size["tp"] == 1 and size["pp"] == 1,
+            attention=model.attention,
         )
         if size["pp"] > 1:
             result.schedule = pipeline.build_schedule(
