@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llmtrain.parallel import context_parallel
 from llmtrain.parallel.activation_checkpoint import apply_activation_checkpointing
 from llmtrain.parallel.options import ActivationCheckpointing
 
@@ -156,3 +157,34 @@ def test_ops_mode_keeps_attention_and_every_other_matmul(make_toy, toy_batch, lo
     assert ops.matmuls() - none.matmuls() == (per_block // 2) * n_blocks
     for cheap in ("native_layer_norm", "gelu"):
         assert ops.counts[cheap] == full.counts[cheap] > none.counts[cheap]
+
+
+@pytest.mark.parametrize("mode", ["full", "ops"])
+def test_a_recomputed_block_attends_under_context_parallelism_again(
+    monkeypatch, make_toy, toy_batch, loss_fn, mode
+):
+    # backward runs outside the context-parallel attention (a TorchFunctionMode sets itself
+    # aside while it runs `.backward()`), so the checkpoint's recompute re-enters it; otherwise
+    # recomputed attention would see only this rank's keys (and torch refuses the recompute)
+    model = make_toy()
+    plain = copy.deepcopy(model)
+    checkpointed(model, mode)
+    gathers = Counter()
+
+    def gather(tensor, gather_dim, group):  # a cp group of one: the keys are all here
+        gathers["recompute" if torch.is_grad_enabled() and in_backward[0] else "forward"] += 1
+        return tensor
+
+    in_backward = [False]
+    monkeypatch.setattr(context_parallel, "all_gather_tensor_autograd", gather)
+    tokens, targets = toy_batch(2, 16)
+    with context_parallel.attention_over("cp-group", 16, 0, 1, True, "cpu"):
+        loss = loss_fn(model(tokens), targets)
+        in_backward[0] = True
+        loss.backward()
+    # keys and values of 4 blocks in forward; `full` recomputes every block's attention, `ops`
+    # keeps attention's output but recomputes the gathers before it
+    assert gathers == {"forward": 8, "recompute": 8}
+    loss_fn(plain(tokens), targets).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

@@ -3,12 +3,15 @@
 A checkpointed block keeps only its inputs in forward and recomputes the rest in backward.
 `ops` mode keeps the outputs of the expensive operators (every other matmul, attention) and
 recomputes the cheap ones (norms, activations, elementwise), PyTorch's selective checkpointing.
+A block recomputed in backward runs under the context-parallel attention its forward ran under.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
@@ -21,6 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from llmtrain.parallel.context_parallel import recompute_context
 from llmtrain.parallel.options import ActivationCheckpointing
 
 _aten = torch.ops.aten
@@ -62,14 +66,31 @@ def _op_policy() -> tuple[AbstractContextManager[object], AbstractContextManager
     )
 
 
+def _contexts(
+    selective: bool,
+) -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
+    """checkpoint's (forward, recompute) contexts: selective checkpointing's policy, and for the
+    recompute the context-parallel attention of this forward (backward runs outside it)."""
+    forward, recompute = (
+        _op_policy() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
+    )
+    attention = recompute_context()
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with recompute, attention:
+            yield
+
+    return forward, both()
+
+
 def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
     inner = block.forward
 
     @functools.wraps(inner)
     def forward(*args: object, **kwargs: Any) -> object:
-        if selective:
-            return checkpoint(inner, *args, use_reentrant=False, context_fn=_op_policy, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        context_fn = functools.partial(_contexts, selective)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     block.forward = forward
 

@@ -12,12 +12,17 @@ scaled_dot_product_attention is answered this way in one of two forms:
   order, (B or 1, 1, T_local, T), which the model builds from the `positions`, `doc_starts` and
   `sequence_length` it is given (document masking, sliding windows): the gathered keys and values
   are put in position order and the model's mask applies as it is.
-It must also be active during backward, where activation checkpointing recomputes attention.
+
+Backward needs it again where activation checkpointing recomputes a block. A TorchFunctionMode
+is not on the stack while backward runs inside it (`.backward()` is itself a torch function, and
+the mode runs it with itself set aside), so the checkpoint's recompute context re-enters the
+attention that was active at the block's forward (`recompute_context`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +107,19 @@ class _GatheredAttention(TorchFunctionMode):
         return gathered
 
 
+# the gathered attention a forward runs under, for activation checkpointing's recompute
+_ACTIVE: contextvars.ContextVar[_GatheredAttention | None] = contextvars.ContextVar(
+    "context_parallel_attention", default=None
+)
+
+
+def recompute_context() -> contextlib.AbstractContextManager[object]:
+    """Enter where a block that runs now is recomputed in backward: the context-parallel
+    attention active now, if any (activation checkpointing's `context_fn` takes it at forward)."""
+    attention = _ACTIVE.get()
+    return contextlib.nullcontext() if attention is None else attention
+
+
 @contextlib.contextmanager
 def attention_over(
     group: ProcessGroup,
@@ -119,5 +137,10 @@ def attention_over(
     causal = (queries.unsqueeze(1) >= keys.unsqueeze(0)).to(device)
     in_order = bool(torch.equal(keys, torch.arange(seq_len)))
     order = None if in_order else torch.argsort(keys).to(device)
-    with _GatheredAttention(group, causal, order):
-        yield
+    attention = _GatheredAttention(group, causal, order)
+    token = _ACTIVE.set(attention)
+    try:
+        with attention:
+            yield
+    finally:
+        _ACTIVE.reset(token)
