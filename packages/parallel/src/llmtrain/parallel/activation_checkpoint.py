@@ -24,7 +24,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from llmtrain.parallel.context_parallel import recompute_context
+from llmtrain.parallel.context_parallel import active_attention
 from llmtrain.parallel.options import ActivationCheckpointing
 
 _aten = torch.ops.aten
@@ -67,14 +67,14 @@ def _op_policy() -> tuple[AbstractContextManager[object], AbstractContextManager
 
 
 def _contexts(
-    selective: bool,
+    selective: bool, attention: AbstractContextManager[object]
 ) -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
-    """checkpoint's (forward, recompute) contexts: selective checkpointing's policy, and for the
-    recompute the context-parallel attention of this forward (backward runs outside it)."""
+    """checkpoint's (forward, recompute) contexts under context parallelism: selective
+    checkpointing's policy, and for the recompute the attention of this forward (backward runs
+    outside it)."""
     forward, recompute = (
         _op_policy() if selective else (contextlib.nullcontext(), contextlib.nullcontext())
     )
-    attention = recompute_context()
 
     @contextlib.contextmanager
     def both() -> Iterator[None]:
@@ -89,8 +89,14 @@ def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
 
     @functools.wraps(inner)
     def forward(*args: object, **kwargs: Any) -> object:
-        context_fn = functools.partial(_contexts, selective)
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        # (a compiled block's checkpoint takes dispatch modes alone as its contexts)
+        attention = None if torch.compiler.is_compiling() else active_attention()
+        if attention is not None:
+            context_fn = functools.partial(_contexts, selective, attention)
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        if selective:
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=_op_policy, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward
 

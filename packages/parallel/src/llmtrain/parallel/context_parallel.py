@@ -16,7 +16,7 @@ scaled_dot_product_attention is answered this way in one of two forms:
 Backward needs it again where activation checkpointing recomputes a block. A TorchFunctionMode
 is not on the stack while backward runs inside it (`.backward()` is itself a torch function, and
 the mode runs it with itself set aside), so the checkpoint's recompute context re-enters the
-attention that was active at the block's forward (`recompute_context`).
+attention that was active at the block's forward (`active_attention`).
 """
 
 from __future__ import annotations
@@ -113,11 +113,10 @@ _ACTIVE: contextvars.ContextVar[_GatheredAttention | None] = contextvars.Context
 )
 
 
-def recompute_context() -> contextlib.AbstractContextManager[object]:
-    """Enter where a block that runs now is recomputed in backward: the context-parallel
-    attention active now, if any (activation checkpointing's `context_fn` takes it at forward)."""
-    attention = _ACTIVE.get()
-    return contextlib.nullcontext() if attention is None else attention
+def active_attention() -> contextlib.AbstractContextManager[object] | None:
+    """The context-parallel attention active now, if any: activation checkpointing enters it
+    where it recomputes a block that runs now."""
+    return _ACTIVE.get()
 
 
 @contextlib.contextmanager
