@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from llmtrain.core_mesh.config import structure
 from llmtrain.core_mesh.mesh import MeshSpec, build_device_mesh
 from llmtrain.core_mesh.world import World, init_distributed, shutdown_distributed
+from llmtrain.models.config import AttentionOptions
 from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import build_model
 from llmtrain.parallel.options import ParallelOptions
@@ -36,6 +37,8 @@ STEPS, BATCH, SEQ, LR, MAX_NORM = 3, 8, 32, 3e-3, 1.0
 
 def model_config(**overrides):
     base = dict(vocab_size=320, n_layers=4, max_seq_len=64, tied_embeddings=False)
+    if "attention" in overrides:  # a section of its own, as `model.attention` in a run config
+        overrides["attention"] = structure(overrides["attention"], AttentionOptions)
     return preset_config("tiny", **{**base, **overrides})
 
 

@@ -22,6 +22,17 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 RTOL, ATOL = 1e-4, 1e-6
 
 GPT2_LIKE = {"positions": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
+# local and global blocks (a window of 8 keys in blocks 0 and 2) over packed documents
+WINDOWED = {"attention": {"window": 8, "pattern": ["local", "global"]}, "doc_masking": True}
+# Gemma 2's block: sandwich norms, GeGLU, scaled embeddings, soft-capped scores and logits
+GEMMA_LIKE = {
+    **WINDOWED,
+    "norm_placement": "sandwich",
+    "mlp": "geglu",
+    "scale_embeddings": True,
+    "attention": {**WINDOWED["attention"], "softcap": 50.0},
+    "logit_softcap": 30.0,
+}
 CASES = {
     # name: (processes, layout)
     "ddp2": (2, {"mesh": {"dp_replicate": 2, "dp_shard": 1}, "microbatches": 2}),
@@ -51,6 +62,15 @@ CASES = {
     "pp2xfsdp2": (4, {"mesh": {"pp": 2, "dp_shard": 2}, "microbatches": 2}),
     "pp2xtp2": (4, {"mesh": {"pp": 2, "tp": 2}, "microbatches": 2}),
     "cp2": (2, {"mesh": {"cp": 2}}),
+    # the model's masks over every key of the sequence, answered with the gathered keys
+    "cp2_doc_masking": (2, {"mesh": {"cp": 2}, "model": {"doc_masking": True}}),
+    "cp2_windows": (2, {"mesh": {"cp": 2}, "model": WINDOWED}),
+    "tp2_windows": (2, {"mesh": {"tp": 2}, "model": WINDOWED}),
+    "pp2_windows": (2, {"mesh": {"pp": 2}, "microbatches": 4, "model": WINDOWED}),
+    # (without sequence parallelism until the model's plan puts its sandwich norms'
+    # sequence_parallel_residual, whose output joins the residual stream)
+    "tp2_gemma": (2, {"mesh": {"tp": 2}, "model": GEMMA_LIKE, "options": {"sequence_parallel": False}}),
+    "pp2_gemma": (2, {"mesh": {"pp": 2}, "microbatches": 4, "model": GEMMA_LIKE}),
     "cp2xfsdp2": (4, {"mesh": {"cp": 2, "dp_shard": 2}}),
     "fsdp2_ac_full": (2, {"mesh": {"dp_shard": 2}, "options": {"activation_checkpointing": {"mode": "full"}}}),
     "fsdp2_ac_every2": (
