@@ -20,8 +20,10 @@ STEPS = [
     "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "gpt2-syncs",
     "float8-run", "moe-run", "moe-olmoe", "dense-olmoe-active", "moe-ep2", "deterministic",
     "torchtitan-b4", "llama-b4", "llama-b4-docmask", "llama-b4-float8", "llama-b4-syncs",
-    "torchtitan-b8", "llama-b8", "bare-loop", "profile-b4",
+    "torchtitan-b8", "llama-b8", "llama-causal-8k", "llama-window-8k", "llama-cp2-8k",
+    "llama-cp2-docmask", "bare-loop", "profile-b4",
 ]  # fmt: skip
+LONG = ("llama-causal-8k", "llama-window-8k", "llama-cp2-8k", "llama-cp2-docmask")
 TORCHTITAN = ("torchtitan-b4", "torchtitan-b8")
 
 
@@ -104,6 +106,22 @@ def test_dry_run_passes_every_step(tmp_path):
     goals = {g["goal"]: g["status"] for g in report["side_by_side"]["torchtitan"]["goals"]}
     assert goals["b4: llmtrain tokens/s >= 1.0x TorchTitan's"] == "not run"
     assert "| llmtrain b4 | llama-b4 |" in (tmp_path / "out" / "report.md").read_text()
+    # long context: the tiny model at seq 32, window 8 against causal on one process, cp=2 with
+    # and without doc masking in two; a local block's FLOPs count 8 keys a query, not 32
+    for name in LONG:
+        assert runs[name]["tokens_per_s"] > 0 and runs[name]["mfu"] > 0, name
+    causal, window = runs["llama-causal-8k"], runs["llama-window-8k"]
+    assert causal["flops_per_token"] - window["flops_per_token"] == 12 * 2 * 64 * (32 - 8)
+    pairs = {p["step"]: p for p in report["side_by_side"]["long_context"]}
+    assert pairs["llama-window-8k"]["ratio"] == pytest.approx(
+        window["tokens_per_s"] / causal["tokens_per_s"], rel=1e-3
+    )
+    assert pairs["llama-cp2-docmask"]["reference"] == "llama-cp2-8k"
+    assert pairs["llama-cp2-docmask"]["ratio"] > 0
+    assert (
+        "| window 1024 / full causal (seq 8192, one GPU) |"
+        in (tmp_path / "out" / "report.md").read_text()
+    )
 
 
 @pytest.mark.slow
@@ -265,6 +283,103 @@ def test_the_moe_steps_as_the_gpu_gets_them(tmp_path):
     )
     ep = yaml.safe_load(Path(command[-1]).read_text())
     assert ep["mesh"] == {"dp_shard": 2, "ep": 2} and ep["model"] == moe
+
+
+def test_the_long_context_steps_as_the_gpu_gets_them(tmp_path):
+    """llama-1b at seq 8192 x 2, bf16 + compile: every block local (window 1024) against full
+    causal in one process; cp=2 with doc masking against without under torchrun where there
+    are 2 GPUs, skipped saying why where there is one. Each pair differs in that alone."""
+    plan = gpu_plan(tmp_path, gpus=1)
+    configs = {}
+    for name in ("llama-causal-8k", "llama-window-8k"):
+        (command,) = plan[name].commands
+        assert command[-2] == "run" and "PYTORCH_ALLOC_CONF=expandable_segments:True" in command
+        configs[name] = yaml.safe_load(Path(command[-1]).read_text())
+    causal, window = configs["llama-causal-8k"], configs["llama-window-8k"]
+    assert causal["model"] == {"kind": "llama-1b", "max_seq_len": 8192}
+    assert (causal["data"]["seq_len"], causal["data"]["micro_batch"]) == (8192, 2)
+    assert causal["training"] == {"steps": 40, "log_every": 10} and "mesh" not in causal
+    assert causal["parallel"] == {"kind": "default", "compile": True, "param_dtype": "bfloat16"}
+    assert window["model"] == {**causal["model"], "attention": {"window": 1024}}
+    assert {k: v for k, v in window.items() if k not in ("name", "model")} == {
+        k: v for k, v in causal.items() if k not in ("name", "model")
+    }
+    # the FLOPs each run's MFU is on (the meta model's `describe()`): a local block counts
+    # 1,024 keys a query where a causal one counts 8,192
+    import torch
+
+    from llmtrain.core_mesh.config import structure
+    from llmtrain.core_mesh.plugins import MODEL, PluginManager
+    from llmtrain.train_loop.run_config import RunConfig
+
+    plugins, flops = PluginManager().load_entry_points(), {}
+    for name, config in configs.items():
+        options = structure({**config, "data": {**config["data"], "train": [{"path": "x.zarr"}]}},
+                            RunConfig, plugins=plugins)  # fmt: skip
+        with torch.device("meta"):
+            flops[name] = plugins.build(MODEL, options.model).describe().flops_per_token(8192)
+    assert flops["llama-causal-8k"] - flops["llama-window-8k"] == 12 * 16 * 2048 * (8192 - 1024)
+    for name in ("llama-cp2-8k", "llama-cp2-docmask"):
+        assert plan[name].skip == "context parallelism over 2 GPUs; this machine has 1"
+    plan = gpu_plan(tmp_path, gpus=2)
+    cp = {}
+    for name in ("llama-cp2-8k", "llama-cp2-docmask"):
+        assert not plan[name].skip
+        (command,) = plan[name].commands
+        assert "torch.distributed.run --standalone --nproc-per-node=2 -m llmtrain run" in " ".join(
+            map(str, command)
+        )
+        cp[name] = yaml.safe_load(Path(command[-1]).read_text())
+        assert cp[name]["mesh"] == {"cp": 2}
+        assert {k: v for k, v in cp[name].items() if k not in ("name", "mesh", "model")} == {
+            k: v for k, v in causal.items() if k not in ("name", "model")
+        }
+    assert cp["llama-cp2-8k"]["model"] == causal["model"]
+    assert cp["llama-cp2-docmask"]["model"] == {**causal["model"], "doc_masking": True}
+
+
+def test_long_context_ratios_in_a_merged_report(tmp_path):
+    """Window against causal and CP doc masking against CP causal: the ratios of tokens/s and
+    MFU, with both runs' FLOPs per token; a pair whose run did not pass says why."""
+
+    def step(name, tokens_per_s, mfu, flops, status="passed", reason=""):
+        figures = (
+            {
+                "tokens_per_s": tokens_per_s,
+                "mfu": mfu,
+                "flops_per_token": flops,
+                "peak_gib": 60.0,
+                "reserved_gib": 62.0,
+            }
+            if status == "passed"
+            else {}
+        )
+        return {"name": name, "status": status, "reason": reason, "seconds": 1.0, "measures": "",
+                "commands": [], "tail": "", "budget_s": 1, "figures": figures}  # fmt: skip
+
+    report = tmp_path / "call.json"
+    steps = [
+        step("llama-causal-8k", 40000.0, 0.43, 1.0237e10),
+        step("llama-window-8k", 50000.0, 0.40, 7.8e9),
+        step("llama-cp2-8k", 0, 0, 0, "skipped", "context parallelism over 2 GPUs; ..."),
+    ]
+    report.write_text(json.dumps({"mode": "gpu", "environment": {}, "steps": steps}))
+    out = tmp_path / "merged"
+    command = [sys.executable, str(RUNNER), "--merge", str(report), "--out", str(out)]
+    subprocess.run(command, check=True, capture_output=True)
+    window, cp = json.loads((out / "report.json").read_text())["side_by_side"]["long_context"]
+    assert window["ratio"] == 1.25 and window["mfu_ratio"] == pytest.approx(0.4 / 0.43, abs=1e-4)
+    assert window["step_flops_per_token"] == 7.8e9
+    assert window["reference_flops_per_token"] == 1.0237e10
+    assert cp["ratio"] is None and cp["note"] == (
+        "llama-cp2-docmask not run; llama-cp2-8k skipped (context parallelism over 2 GPUs; ...)"
+    )
+    text = (out / "report.md").read_text()
+    assert (
+        "| window 1024 / full causal (seq 8192, one GPU) | 1.250 | 0.930 | "
+        "llama-window-8k | 50,000 | 40.0% | 7.8e+09 | 60.0 (62.0) |"
+    ) in text
+    assert "| | | | llama-causal-8k | 40,000 | 43.0% | 1.024e+10 | 60.0 (62.0) |" in text
 
 
 def test_moe_against_dense_in_a_merged_report(tmp_path):

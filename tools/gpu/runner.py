@@ -219,6 +219,7 @@ def side_by_side(steps: list[dict], environment: dict) -> dict:
     return {
         "bare_loop": bare_loop,
         "moe_vs_dense": moe_vs_dense(by_name),
+        "long_context": long_context(by_name),
         "torchtitan": sbs.table(by_name, environment),
     }
 
@@ -246,6 +247,77 @@ def moe_vs_dense(by_name: dict[str, dict]) -> dict:
     return result
 
 
+def long_context(by_name: dict[str, dict]) -> list[dict]:
+    """Per pair of steps.LONG_PAIRS (sliding window against full causal, CP doc masking against
+    CP causal, seq 8192): tokens/s, MFU (as logged: the model's FLOPs per token, which count
+    min(T, window) keys per query in a local block), FLOPs per token and peak memory of both
+    runs, the ratio of their tokens/s and of their MFUs; a note where one did not pass."""
+    pairs = []
+    for label, name, reference in kit.LONG_PAIRS:
+        pair: dict = {"label": label, "step": name, "reference": reference}
+        missing = [why for n in (name, reference) if (why := not_measured(n, by_name.get(n)))]
+        if missing:
+            pairs.append({**pair, "ratio": None, "note": "; ".join(missing)})
+            continue
+        ours, ref = by_name[name]["figures"], by_name[reference]["figures"]
+        pair["ratio"] = round(ours["tokens_per_s"] / ref["tokens_per_s"], 4)
+        if ours.get("mfu") and ref.get("mfu"):
+            pair["mfu_ratio"] = round(ours["mfu"] / ref["mfu"], 4)
+        for side, figures in (("step", ours), ("reference", ref)):
+            for key in ("tokens_per_s", "mfu", "flops_per_token", "peak_gib", "reserved_gib"):
+                pair[f"{side}_{key}"] = figures.get(key)
+        if by_name[name].get("call") != by_name[reference].get("call"):
+            pair["across_calls"] = True
+        pairs.append(pair)
+    return pairs
+
+
+def not_measured(name: str, step: dict | None) -> str:
+    """Why a step has no tokens/s to compare ("" where it has)."""
+    if step is None:
+        return f"{name} not run"
+    if step["status"] != "passed":
+        return f"{name} {step['status']}" + (f" ({step['reason']})" if step["reason"] else "")
+    if not step["figures"].get("tokens_per_s"):
+        return f"{name} passed without tokens/s ({step['figures'].get('error', 'no figures')})"
+    return ""
+
+
+def long_context_markdown(pairs: list[dict], dry: bool) -> list[str]:
+    lines = ["## Long context: sliding window and CP document masking (llama-1b, seq 8192)", ""]
+    if dry:
+        lines += [
+            f"Dry run: CPU figures of the tiny model at seq 32 (window {kit.CPU_WINDOW}).",
+            "",
+        ]
+    lines += [
+        "tokens/s and MFU: the median of the logged windows after the first (compilation); MFU "
+        "as logged, with the FLOPs per token the model reports (a local block counts "
+        "min(T, window) keys per query, so the window run's MFU is on fewer FLOPs); peak GiB: "
+        "allocated (reserved).",
+        "",
+        "| runs | tokens/s ratio | MFU ratio | run | tokens/s | MFU | FLOP/token | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pairs:
+        if p["ratio"] is None:
+            lines.append(f"| {p['label']} | not measured: {p['note']} | | | | | | |")
+            continue
+        value = f"{p['ratio']:.3f}" + (" (another call)" if p.get("across_calls") else "")
+        mfu_ratio = sbs.fmt(p.get("mfu_ratio"), "{:.3f}")
+        for first, side in ((True, "step"), (False, "reference")):
+            memory = sbs.fmt(p[f"{side}_peak_gib"], "{:.1f}")
+            if p[f"{side}_reserved_gib"] is not None:
+                memory += f" ({p[f'{side}_reserved_gib']:.1f})"
+            head = f"| {p['label']} | {value} | {mfu_ratio} |" if first else "| | | |"
+            lines.append(
+                f"{head} {p[side]} | {p[f'{side}_tokens_per_s']:,.0f} "
+                f"| {sbs.fmt(p[f'{side}_mfu'], '{:.1%}')} "
+                f"| {sbs.fmt(p[f'{side}_flops_per_token'], '{:.4g}')} | {memory} |"
+            )
+    return lines
+
+
 def write_report(out: Path, report: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
@@ -268,6 +340,10 @@ def markdown(report: dict) -> str:
     lines.append(
         f"MoE MFU / dense MFU (moe-olmoe / dense-olmoe-active): {report['side_by_side']['moe_vs_dense']}"
     )
+    lines += [
+        "",
+        *long_context_markdown(report["side_by_side"]["long_context"], "dry-run" in report["mode"]),
+    ]
     for r in report["steps"]:
         if r["tail"]:
             lines += ["", f"## Tail of {r['name']}", "", "```", r["tail"], "```"]
@@ -375,6 +451,13 @@ def main() -> int:
     report["steps"] = [vars(r) for r in results]
     report["side_by_side"] = side_by_side(report["steps"], report["environment"])
     write_report(args.out, report)
+    for pair in report["side_by_side"]["long_context"]:  # where only the output is read
+        if any(s["name"] in (pair["step"], pair["reference"]) for s in report["steps"]):
+            print(
+                f"long context: {pair['label']}: tokens/s ratio {pair['ratio']}"
+                f", MFU ratio {pair.get('mfu_ratio')}"
+                + (f" ({pair['note']})" if pair.get("note") else "")
+            )
     print(f"report: {args.out / 'report.md'}")
     return 0 if all(r.status in ("passed", "skipped") for r in results) else 1
 

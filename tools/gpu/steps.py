@@ -212,6 +212,11 @@ def plan(ctx: Context, install: list[str], bundle: str) -> list[Step]:
         llama_side(ctx, 4, "syncs"),
         torchtitan(ctx, 8),
         llama_side(ctx, 8),
+        # long context (issue 50), each variant after the run its ratio is taken against
+        llama_long(ctx),
+        llama_long(ctx, window=True),
+        llama_cp2(ctx),
+        llama_cp2(ctx, doc_masking=True),
         bare_loop(ctx),
         profile_side(ctx),
     ]
@@ -574,6 +579,96 @@ def llama_side(ctx: Context, batch: int, variant: str = "") -> Step:
         {4: 240, 8: 270}[batch],
         None if ctx.dry and variant == "float8" else run_figures(ctx, name),
         keep=[ctx.runs / run / "metrics.jsonl"],
+    )
+
+
+# long context (issue 50): llama-1b at seq 8192, every block local (window 1024) against full
+# causal attention on one GPU, and context parallelism over 2 GPUs with document masking against
+# without. Micro-batch 2 is llama-b8's 16,384 tokens a step, which measured 38.6 GiB reserved on
+# an H100 (flash and FlexAttention keep no T x T scores, so seq 8192 x 2 takes about what
+# 2048 x 8 does); `llmtrain estimate`, which overcounts (43 GiB for llama-b4's 28.6 measured),
+# puts it at 68 GiB, a cp rank at 35 GiB. 40 steps, logged every 10, as the side-by-side's.
+LONG_SEQ = 8192
+WINDOW = 1024
+LONG_SHAPE = (SIDE_STEPS, LONG_SEQ, 2)  # steps, seq_len, micro-batch
+CPU_WINDOW = 8  # the dry run's window: a quarter of its seq 32
+# the report's long-context ratios (runner.long_context): (label, step, its reference)
+LONG_PAIRS = (
+    (
+        f"window {WINDOW} / full causal (seq {LONG_SEQ}, one GPU)",
+        "llama-window-8k",
+        "llama-causal-8k",
+    ),
+    (
+        f"cp=2 doc masking / cp=2 causal (seq {LONG_SEQ}, 2 GPUs)",
+        "llama-cp2-docmask",
+        "llama-cp2-8k",
+    ),
+)
+
+
+def llama_long(ctx: Context, window: bool = False) -> Step:
+    """llama-1b at seq 8192 x 2, bf16 + per-block compile, one process; `window`: every block
+    local, `model.attention: {window: 1024}`. Dry run: the tiny model at seq 32 (window 8), a
+    nominal peak so its MFU is logged."""
+    name = "llama-window-8k" if window else "llama-causal-8k"
+    model, cpu_model = {"kind": "llama-1b"}, dict(TINY)
+    if window:
+        model["attention"] = {"window": WINDOW}
+        cpu_model["attention"] = {"window": CPU_WINDOW}
+    commands = llmtrain_run(ctx, name, model, LONG_SHAPE, cpu_model, **bf16())
+    if ctx.dry:
+        nominal_peak(ctx, f"cpu-{name}")
+    attention = f"every block local, window {WINDOW}" if window else "full causal attention"
+    return Step(
+        name,
+        f"`llmtrain run` llama-1b, {attention}, seq {LONG_SEQ} x 2, bf16 + compile, "
+        f"{SIDE_STEPS} steps, one GPU: tokens/s, MFU (the model's FLOPs: a local block counts "
+        f"min(T, window) keys per query), peak memory"
+        + ("; ratio to llama-causal-8k" if window else ""),
+        [with_env(our_env(ctx), c) for c in commands],
+        180,
+        run_figures(ctx, name),
+        keep=[ctx.runs / (f"cpu-{name}" if ctx.dry else name) / "metrics.jsonl"],
+    )
+
+
+def llama_cp2(ctx: Context, doc_masking: bool = False) -> Step:
+    """llama-1b at seq 8192 x 2 with context parallelism, `mesh: {cp: 2}` (each rank holds 4096
+    tokens of every sequence), under torchrun on 2 GPUs, bf16 + compile; `doc_masking`: with
+    model.doc_masking. Skipped on a machine with fewer GPUs. The dry run starts the tiny model
+    that way on CPU (gloo, 2 processes, seq 32)."""
+    name = "llama-cp2-docmask" if doc_masking else "llama-cp2-8k"
+    model, cpu_model = {"kind": "llama-1b"}, dict(TINY)
+    if doc_masking:
+        model["doc_masking"] = cpu_model["doc_masking"] = True
+    mesh = {"cp": 2}
+    gpu = write_config(ctx, run_config(ctx, name, model, LONG_SHAPE, mesh=mesh, **bf16()))
+    torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    llmtrain = [*torchrun, "-m", "llmtrain"]
+    if ctx.dry:
+        cpu = run_config(ctx, f"cpu-{name}", cpu_model, CPU_SHAPE, mesh=mesh)
+        cpu["training"]["peak_tflops"] = CPU_PEAK_TFLOPS
+        validate = [ctx.python, "-m", "llmtrain", "config", "validate", str(gpu)]
+        commands = [
+            validate,
+            with_env({"OMP_NUM_THREADS": 1}, [*llmtrain, "run", str(write_config(ctx, cpu))]),
+        ]
+    else:
+        commands = [with_env(our_env(ctx), [*llmtrain, "run", str(gpu)])]
+    skip = ""
+    if not ctx.dry and ctx.gpus < 2:
+        skip = f"context parallelism over 2 GPUs; this machine has {ctx.gpus}"
+    return Step(
+        name,
+        f"`llmtrain run` llama-1b, mesh cp 2, {'model.doc_masking' if doc_masking else 'causal'}"
+        f", seq {LONG_SEQ} x 2, torchrun on 2 GPUs, bf16 + compile, {SIDE_STEPS} steps: "
+        "tokens/s, MFU per GPU, peak memory" + ("; ratio to llama-cp2-8k" if doc_masking else ""),
+        commands,
+        240,
+        run_figures(ctx, name),
+        skip=skip,
+        keep=[ctx.runs / (f"cpu-{name}" if ctx.dry else name) / "metrics.jsonl"],
     )
 
 
