@@ -131,6 +131,15 @@ def _context_parallel(
                 else ""
             )
         )
+    # a compiled block's checkpoint traces attention without the gathered keys: the numbers come
+    # out wrong without an error (seen on gloo), so the combination is refused
+    checkpointing = options.activation_checkpointing.mode
+    if options.compile and checkpointing != "none":
+        problems.append(
+            f"mesh.cp={mesh.cp} with parallel.compile and activation_checkpointing.mode="
+            f"{checkpointing}: a compiled, checkpointed block attends without the other ranks' "
+            "keys; set parallel.compile: false or activation_checkpointing.mode: none"
+        )
     # masks (documents, windows) are the model's: it builds them over every key and context
     # parallelism gathers the keys for them. A change to the scores is not a mask: the gathered
     # attention runs through scaled_dot_product_attention, which cannot apply one
