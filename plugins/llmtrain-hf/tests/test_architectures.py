@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 from llmtrain_hf.convert import (
-    UnsupportedModelError,
     from_hf_model,
     options_from_hf,
     portable_config,
@@ -198,19 +197,6 @@ def test_rope_matches_transformers_far_into_a_long_context(hf):
     ours = from_hf_model(theirs)
     tokens = torch.randint(0, 300, (1, 4096), generator=torch.Generator().manual_seed(5))
     assert hf.max_diff(logits(ours, tokens, hf=False), logits(theirs, tokens, hf=True)) <= hf.TOL
-
-
-def test_qwen_layers_that_do_not_slide_import_and_those_that_do_are_refused(hf):
-    """Qwen slides only the layers at and past max_window_layers (its config's layer_types)."""
-    none_slide = hf.rope_family_config(
-        "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=2
-    )
-    assert options_from_hf(none_slide).n_layers == 2
-    one_slides = hf.rope_family_config(
-        "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1
-    )
-    with pytest.raises(UnsupportedModelError, match="sliding_window 16"):
-        options_from_hf(one_slides)
 
 
 def test_rotary_buffers_saved_with_older_weights_are_not_weights(hf, tmp_path):

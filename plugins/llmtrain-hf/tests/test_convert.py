@@ -291,26 +291,8 @@ def _yarn_rope(config):
         (lambda hf: hf.gpt2_config(scale_attn_by_inverse_layer_idx=True), "inverse_layer_idx"),
         (lambda hf: hf.llama_config(hidden_act="gelu"), "hidden_act 'gelu'"),
         (lambda hf: _yarn_rope(hf.llama_config()), "rope_type 'yarn'"),
-        (
-            lambda hf: hf.rope_family_config("mistral", sliding_window=16),
-            "sliding_window 16 \\(shorter than max_position_embeddings 128\\): llmtrain has no "
-            "sliding-window attention",
-        ),
-        (
-            lambda hf: hf.rope_family_config(
-                "qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=0
-            ),
-            "sliding_window 32",
-        ),
     ],
-    ids=[
-        "gpt2-gelu",
-        "gpt2-layer-idx",
-        "llama-gelu",
-        "llama-yarn",
-        "mistral-window",
-        "qwen2-window",
-    ],
+    ids=["gpt2-gelu", "gpt2-layer-idx", "llama-gelu", "llama-yarn"],
 )
 def test_hf_configs_without_equivalent_are_refused(hf, make, message):
     with pytest.raises(UnsupportedModelError, match=message):
@@ -325,6 +307,7 @@ def test_other_architectures_are_refused():
         UnsupportedModelError,
         match=r"model_type 'gemma' is not supported; llmtrain-hf reads LlamaForCausalLM \(llama\), "
         r"MistralForCausalLM \(mistral\), Qwen2ForCausalLM \(qwen2\), Qwen3ForCausalLM "
-        r"\(qwen3\), Olmo2ForCausalLM \(olmo2\), GPT2LMHeadModel \(gpt2\)",
+        r"\(qwen3\), Olmo2ForCausalLM \(olmo2\), Gemma2ForCausalLM \(gemma2\), "
+        r"Gemma3ForCausalLM \(gemma3_text\), GPT2LMHeadModel \(gpt2\)",
     ):
         options_from_hf(config)

@@ -39,6 +39,7 @@ from llmtrain.checkpoint.export import load_model_weights
 from llmtrain.core_mesh.config import structure
 from llmtrain.core_mesh.errors import UserError
 from llmtrain.data_pack.pack import pack
+from llmtrain.models.config import RopeScaling
 from llmtrain.models.generate import generate
 from llmtrain.train_loop.experiments.quickstart import write_corpus
 from llmtrain.train_loop.saved_model import load_model
@@ -318,7 +319,7 @@ def _layout(case: str):
         (dict(qk_norm=False, renormalize=False), "MixtralForCausalLM: model.renormalize: false"),
         (dict(head_dim=24), "OlmoeForCausalLM: model.head_dim: 24 (needs d_model / n_heads)"),
         (
-            dict(rope_scaling={"kind": "llama3", "factor": 8.0}),
+            dict(rope_scaling=RopeScaling(factor=8.0, original_max_seq_len=32)),
             "model.rope_scaling is not supported",
         ),
     ],

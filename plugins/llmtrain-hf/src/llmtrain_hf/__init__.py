@@ -1,7 +1,7 @@
 """llmtrain-hf: Hugging Face interop for llmtrain.
 
 `llmtrain hf export` writes a checkpoint as a transformers model directory (Llama, Mistral,
-Qwen2, Qwen3, OLMo-2 or GPT-2; OLMoE, Qwen3-MoE or Mixtral for llmtrain-moe's models:
+Qwen2, Qwen3, OLMo-2, Gemma 2, Gemma 3 or GPT-2; OLMoE, Qwen3-MoE or Mixtral for llmtrain-moe's models:
 `llmtrain_hf.architectures`), `llmtrain hf import` reads one back as a checkpoint. The Python API lives in
 `llmtrain_hf.convert` (configs, weights, `to_hf_model`, `from_hf_model`) and
 `llmtrain_hf.transfer` (`export_checkpoint`, `import_hf`); the names below load them on first

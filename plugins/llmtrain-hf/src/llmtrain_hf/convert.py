@@ -1,13 +1,16 @@
 """llmtrain's transformer <-> transformers' causal LMs: configs and weights.
 
-Supported: GPT2LMHeadModel, and the RoPE + RMSNorm + SwiGLU family LlamaForCausalLM (Llama 3
-RoPE scaling included), MistralForCausalLM (without sliding-window attention), Qwen2ForCausalLM,
-Qwen3ForCausalLM and Olmo2ForCausalLM; with Mixture-of-Experts layers (llmtrain-moe's models,
-`llmtrain_hf.moe`) OlmoeForCausalLM, Qwen3MoeForCausalLM and MixtralForCausalLM. What an
-architecture can express is a row of `ROPE_FAMILY`; a config it cannot express is refused naming
-the option. An export picks the first architecture of `EXPORT_ORDER` (`MOE_EXPORT_ORDER`) that
-expresses the model (or the one asked for). The weight layouts differ in these ways, all handled
-here:
+Supported: GPT2LMHeadModel, and the RoPE + RMSNorm family: with SwiGLU LlamaForCausalLM (Llama 3
+and linear RoPE scaling included), MistralForCausalLM (a sliding window on every layer or none),
+Qwen2ForCausalLM and Qwen3ForCausalLM (a sliding window on the layers from `max_window_layers`
+on), Olmo2ForCausalLM; with GeGLU Gemma2ForCausalLM and Gemma3ForCausalLM (`gemma3_text`: local
+and global layers in any pattern, soft-capping, `query_pre_attn_scalar`, Gemma 3's local RoPE
+base and linear RoPE scaling of its global layers); with Mixture-of-Experts layers
+(llmtrain-moe's models, `llmtrain_hf.moe`) OlmoeForCausalLM, Qwen3MoeForCausalLM and
+MixtralForCausalLM. What an architecture can express is a row of `ROPE_FAMILY`; a config it
+cannot express is refused naming the option. An export picks the first architecture of
+`EXPORT_ORDER` (`MOE_EXPORT_ORDER`) that expresses the model (or the one asked for). The weight
+layouts differ in these ways, all handled here:
 
 - RoPE: llmtrain rotates the pairs (x[i], x[i + head_dim/2]) with frequencies
   base^(-2i/head_dim), which is exactly HF's `rotate_half`: q/k rows need no permutation
@@ -15,33 +18,48 @@ here:
 - OLMo-2 normalises each branch's output (`post_attention_layernorm`,
   `post_feedforward_layernorm`): llmtrain's `attn_norm` / `mlp_norm` with
   `norm_placement: after_sublayer`; its q/k norms span all heads (`qk_norm_scope: all_heads`),
-  Qwen3's one head (`head`).
+  Qwen3's and Gemma 3's one head (`head`).
+- Gemma normalises each branch's input and output (`norm_placement: sandwich`): `attn_norm`,
+  `attn_out_norm`, `mlp_norm`, `mlp_out_norm` are `input_layernorm`,
+  `post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`. Its
+  RMSNorm multiplies by 1 + weight, torch's by weight: every norm of a Gemma (q/k and final
+  ones too) is its weight + 1 in llmtrain (computed in float32 at least), - 1 in transformers.
+- Sliding windows mean the same on both sides (key j seen by query i iff 0 <= i - j < window):
+  `attention.window` is `sliding_window`; which layers slide is transformers' `layer_types`
+  (Gemma, Qwen; Qwen's from `use_sliding_window` and `max_window_layers`), every layer for
+  Mistral; llmtrain's `attention.pattern` is its shortest repeating prefix. A window as long as
+  the context is no window.
 - GPT-2 fuses q, k, v into one `c_attn` and stores every projection as a `Conv1D`, whose weight
   is (in, out): the transpose of an `nn.Linear` weight.
-- GPT-2's MLP uses the tanh approximation of GELU (`gelu_new`), as llmtrain's does.
+- GPT-2's MLP uses the tanh approximation of GELU (`gelu_new`), as llmtrain's does; Gemma's
+  GeGLU `gelu_pytorch_tanh`, the same function.
 - GPT-2 always has biases: a llmtrain model without them exports zeros (the same function).
 - Padded vocabularies export their padded size: HF's `vocab_size` is the embedding's row count;
   the generation config suppresses the padding ids, which llmtrain never samples either.
-- transformers 5 keeps RoPE settings in `rope_parameters`, 4.x in `rope_theta` and
-  `rope_scaling`: both are read, and an export's config.json carries both (`portable_config`).
+- transformers 5 keeps RoPE settings in `rope_parameters` (Gemma 3's by layer type), 4.x in
+  `rope_theta` and `rope_scaling` (Gemma 3's local layers: `rope_local_base_freq`): both are
+  read, and an export's config.json carries both (`portable_config`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict
 
 import attrs
 import torch
 
 from llmtrain.core_mesh.errors import UserError
-from llmtrain.models.config import RopeScaling, TransformerConfig
+from llmtrain.models.config import AttentionOptions, RopeScaling, TransformerConfig
 from llmtrain.models.transformer import Transformer, build_model
 from llmtrain_hf import moe
 from llmtrain_hf.architectures import (
     ARCHITECTURES,
+    GEMMA2,
+    GEMMA3,
     GPT2,
     LLAMA,
     MISTRAL,
@@ -56,67 +74,113 @@ from llmtrain_hf.architectures import (
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-# the layout (positions, norm, mlp) of GPT-2 and of the RoPE family
+# the layout (positions, norm, mlp) of GPT-2 and of the RoPE family (Gemma: mlp geglu)
 GPT2_LAYOUT = {"positions": "learned", "norm": "layernorm", "mlp": "gelu"}
 ROPE_LAYOUT = {"positions": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
 # HF activations that are llmtrain's GELU (torch's tanh approximation) up to float rounding
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+GEMMA_GELU = "gelu_pytorch_tanh"
 LLAMA3_ROPE = "llama3"
+LINEAR_ROPE: Final = "linear"
+# the RoPE scaling kinds of llmtrain (`RopeScaling.kind`), named as transformers' `rope_type`
+ROPE_SCALINGS = (LLAMA3_ROPE, LINEAR_ROPE)
+# transformers' names of the two kinds of layers in `layer_types`
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@attrs.frozen
+class GemmaLayout:
+    """What a Gemma computes beyond the RoPE family's Llama blocks, all of it: GeGLU
+    (`gelu_pytorch_tanh`), four norms a block (`norm_placement: sandwich`) that multiply by
+    1 + weight, embeddings times sqrt(d_model) (`scale_embeddings`), scores scaled by
+    `query_pre_attn_scalar`^-1/2 (`attention.scale`), logits soft-capped by
+    `final_logit_softcapping` (`logit_softcap`), local and global layers in any pattern
+    (`layer_types`). Then per version:
+
+    `attention_softcap`: Gemma 2 soft-caps attention scores (`attn_logit_softcapping`);
+    transformers' Gemma 3 has the field but never applies it.
+    `local_rope_base`: Gemma 3 rotates its local layers by `rope_local_base_freq`, unscaled, and
+    scales the RoPE of its global layers only (llmtrain's `attention.local_rope_base`)."""
+
+    attention_softcap: bool
+    local_rope_base: bool
 
 
 @attrs.frozen
 class RopeArchitecture:
-    """What one architecture of the RoPE + RMSNorm + SwiGLU family can express.
+    """What one architecture of the RoPE + RMSNorm family can express.
 
     `biases`: which projections carry biases and which config fields switch them —
     "attention+mlp" (Llama: `attention_bias` for q/k/v/o, `mlp_bias`), "attention" (q/k/v/o by
     `attention_bias`, no MLP bias), "qkv" (Qwen2: q/k/v always, o and MLP never), "none".
-    `export_fields`: config values an export sets (sliding windows off). `moe`: how a
-    Mixture-of-Experts architecture lays out its MoE layers (None: a dense one)."""
+    `rope_scaling`: the RoPE scaling kinds it reads and writes. `sliding`: which layers a
+    sliding window may cover — "none", "every_layer" (Mistral: `sliding_window` on all or
+    none), "from_layer" (Qwen: the layers from `max_window_layers` on), "per_layer" (Gemma:
+    `layer_types`). `export_fields`: config values an export sets (sliding windows off where it
+    has no `sliding`). `moe`: how a Mixture-of-Experts architecture lays out its MoE layers
+    (None: a dense one). `gemma`: a Gemma's (None: SwiGLU, norms that multiply by their
+    weight, no soft-capping)."""
 
     name: str
     model_type: str
     config_class: str
     biases: Literal["attention+mlp", "attention", "qkv", "none"]
     qk_norm: Literal["none", "head", "all_heads"]
-    norm_placement: Literal["pre", "after_sublayer"]
-    rope_scaling: bool
+    norm_placement: Literal["pre", "after_sublayer", "sandwich"]
+    rope_scaling: tuple[str, ...]
+    sliding: Literal["none", "every_layer", "from_layer", "per_layer"] = "none"
     export_fields: dict[str, object] = attrs.field(factory=dict)
     moe: moe.MoELayout | None = None
+    gemma: GemmaLayout | None = None
 
 
 ROPE_FAMILY = {
     a.name: a
     for a in (
-        RopeArchitecture(LLAMA, "llama", "LlamaConfig", "attention+mlp", "none", "pre", True),
+        RopeArchitecture(LLAMA, "llama", "LlamaConfig", "attention+mlp", "none", "pre", ROPE_SCALINGS),
         RopeArchitecture(
-            MISTRAL, "mistral", "MistralConfig", "none", "none", "pre", True,
-            {"sliding_window": None},
+            MISTRAL, "mistral", "MistralConfig", "none", "none", "pre", ROPE_SCALINGS,
+            sliding="every_layer",
         ),
         RopeArchitecture(
-            QWEN2, "qwen2", "Qwen2Config", "qkv", "none", "pre", True,
-            {"use_sliding_window": False},
+            QWEN2, "qwen2", "Qwen2Config", "qkv", "none", "pre", ROPE_SCALINGS,
+            sliding="from_layer",
         ),
         RopeArchitecture(
-            QWEN3, "qwen3", "Qwen3Config", "attention", "head", "pre", True,
-            {"use_sliding_window": False},
+            QWEN3, "qwen3", "Qwen3Config", "attention", "head", "pre", ROPE_SCALINGS,
+            sliding="from_layer",
         ),
         # transformers 4.x's Olmo2Config accepts no llama3 RoPE scaling
-        RopeArchitecture(OLMO2, "olmo2", "Olmo2Config", "attention", "all_heads", "after_sublayer", False),
+        RopeArchitecture(OLMO2, "olmo2", "Olmo2Config", "attention", "all_heads", "after_sublayer", ()),
+        # Gemma 2's config classes take no RoPE scaling; Gemma 3's linear scaling (that of its
+        # released models) is its global layers'
+        RopeArchitecture(
+            GEMMA2, "gemma2", "Gemma2Config", "attention", "none", "sandwich", (),
+            sliding="per_layer", gemma=GemmaLayout(attention_softcap=True, local_rope_base=False),
+        ),
+        RopeArchitecture(
+            GEMMA3, "gemma3_text", "Gemma3TextConfig", "attention", "head", "sandwich",
+            (LINEAR_ROPE,), sliding="per_layer",
+            gemma=GemmaLayout(attention_softcap=False, local_rope_base=True),
+        ),
         # Mixture-of-Experts: pre-norm blocks with the MoE layers of `moe`; OLMoE's q/k norms
-        # span all heads (OLMo-2's), Qwen3-MoE's one head; no RoPE scaling llmtrain-hf writes
+        # span all heads (OLMo-2's), Qwen3-MoE's one head; no RoPE scaling llmtrain-hf writes,
+        # no sliding window (llmtrain-moe's attention is global)
         RopeArchitecture(
-            OLMOE, "olmoe", "OlmoeConfig", "attention", "all_heads", "pre", False,
-            {"clip_qkv": None}, moe.OLMOE_LAYOUT,
+            OLMOE, "olmoe", "OlmoeConfig", "attention", "all_heads", "pre", (),
+            export_fields={"clip_qkv": None}, moe=moe.OLMOE_LAYOUT,
         ),
         RopeArchitecture(
-            QWEN3_MOE, "qwen3_moe", "Qwen3MoeConfig", "attention", "head", "pre", False,
-            {"use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []},
-            moe.QWEN3_MOE_LAYOUT,
+            QWEN3_MOE, "qwen3_moe", "Qwen3MoeConfig", "attention", "head", "pre", (),
+            export_fields={
+                "use_sliding_window": False, "decoder_sparse_step": 1, "mlp_only_layers": []
+            },
+            moe=moe.QWEN3_MOE_LAYOUT,
         ),
         RopeArchitecture(
-            MIXTRAL, "mixtral", "MixtralConfig", "none", "none", "pre", False,
-            {"sliding_window": None, "router_jitter_noise": 0.0}, moe.MIXTRAL_LAYOUT,
+            MIXTRAL, "mixtral", "MixtralConfig", "none", "none", "pre", (),
+            export_fields={"sliding_window": None, "router_jitter_noise": 0.0},
+            moe=moe.MIXTRAL_LAYOUT,
         ),
     )
 }  # fmt: skip
@@ -125,8 +189,10 @@ MODEL_TYPES = {
     "gpt2": GPT2,
     **{a.model_type: a.name for a in ROPE_FAMILY.values() if a.moe is not None},
 }
-# an export takes the first that fits: Mistral computes what Llama does, so only when asked
-EXPORT_ORDER = (LLAMA, QWEN2, QWEN3, OLMO2, MISTRAL)
+# an export takes the first that fits: Mistral computes what Llama does, so it is taken for a
+# model that slides on every layer, or when asked; only a Gemma computes Gemma's blocks, and the
+# query/key norm tells Gemma 2 and 3 apart
+EXPORT_ORDER = (LLAMA, QWEN2, QWEN3, OLMO2, MISTRAL, GEMMA2, GEMMA3)
 # the query/key norm tells them apart: at most one fits a model
 MOE_EXPORT_ORDER = (OLMOE, QWEN3_MOE, MIXTRAL)
 
@@ -166,9 +232,10 @@ def mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
         if arch.moe is None:
             return ["a Mixture-of-Experts model (a dense architecture)"]
         return ["a dense model (a Mixture-of-Experts architecture, for llmtrain-moe's models)"]
+    layout = {**ROPE_LAYOUT, "mlp": "geglu" if arch.gemma is not None else "swiglu"}
     problems = [
         f"model.{key}: {getattr(cfg, key)} (needs {value})"
-        for key, value in ROPE_LAYOUT.items()
+        for key, value in layout.items()
         if getattr(cfg, key) != value
     ]
     problems += _bias_mismatches(arch, cfg)
@@ -177,14 +244,106 @@ def mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
         problems.append(f"query/key norm: {scope} (needs {arch.qk_norm})")
     if cfg.norm_placement != arch.norm_placement:
         problems.append(f"model.norm_placement: {cfg.norm_placement} (needs {arch.norm_placement})")
-    if cfg.rope_scaling is not None and not arch.rope_scaling:
-        problems.append("model.rope_scaling is not supported")
-    if arch.name == LLAMA and cfg.d_model % cfg.n_heads:
-        # transformers 5's LlamaConfig refuses it, whatever head_dim says
+    if cfg.rope_scaling is not None and cfg.rope_scaling.kind not in arch.rope_scaling:
+        problems.append(
+            "model.rope_scaling is not supported"
+            if not arch.rope_scaling
+            else f"model.rope_scaling: kind {cfg.rope_scaling.kind} is not supported (it has "
+            f"{' or '.join(arch.rope_scaling)})"
+        )
+    if arch.name in (LLAMA, GEMMA2, GEMMA3) and cfg.d_model % cfg.n_heads:
+        # transformers 5's config classes refuse it, whatever head_dim says
         problems.append(f"model.n_heads: {cfg.n_heads} does not divide d_model {cfg.d_model}")
+    problems += _window_mismatches(arch, cfg)
+    problems += _gemma_only(cfg) if arch.gemma is None else _gemma_mismatches(arch.gemma, cfg)
     if arch.moe is not None and moe.is_moe(cfg):
         problems += moe.mismatches(arch.moe, cfg)
     return problems
+
+
+def local_layers(cfg: TransformerConfig) -> list[bool]:
+    """Whether each block attends through the sliding window (`attention.window_of`)."""
+    return [cfg.attention.window_of(i) is not None for i in range(cfg.n_layers)]
+
+
+def _window_mismatches(arch: RopeArchitecture, cfg: TransformerConfig) -> list[str]:
+    local = local_layers(cfg)
+    if not any(local):
+        return []
+    if arch.sliding == "none":
+        return [f"model.attention.window: {cfg.attention.window} (no sliding-window attention)"]
+    pattern = f"model.attention.pattern: {list(cfg.attention.pattern)}"
+    if arch.sliding == "every_layer" and not all(local):
+        return [f"{pattern} (its window slides on every layer or on none)"]
+    if arch.sliding == "from_layer" and local != sorted(local):
+        return [
+            f"{pattern} (its window slides on the layers from max_window_layers on: global "
+            "layers first, then local ones)"
+        ]
+    return []
+
+
+def _gemma_only(cfg: TransformerConfig) -> list[str]:
+    """The options of `cfg` that only a Gemma architecture expresses, where they are set."""
+    attention = cfg.attention
+    named = [
+        ("model.scale_embeddings", cfg.scale_embeddings or None),
+        ("model.logit_softcap", cfg.logit_softcap),
+        ("model.attention.softcap", attention.softcap),
+        ("model.attention.scale", attention.scale),
+        ("model.attention.local_rope_base", attention.local_rope_base),
+    ]
+    return [
+        f"{name}: {'true' if value is True else value} (Gemma's only)"
+        for name, value in named
+        if value is not None
+    ]
+
+
+def _gemma_mismatches(layout: GemmaLayout, cfg: TransformerConfig) -> list[str]:
+    problems = []
+    attention = cfg.attention
+    if not cfg.scale_embeddings:
+        problems.append("model.scale_embeddings: false (Gemma multiplies them by sqrt(d_model))")
+    if attention.softcap is not None and not layout.attention_softcap:
+        problems.append(
+            f"model.attention.softcap: {attention.softcap} (transformers' Gemma 3 never "
+            "soft-caps attention scores)"
+        )
+    if attention.local_rope_base is not None and not layout.local_rope_base:
+        problems.append(
+            f"model.attention.local_rope_base: {attention.local_rope_base} (one RoPE base for "
+            "every layer)"
+        )
+    if (
+        layout.local_rope_base
+        and attention.local_rope_base is None
+        and cfg.rope_scaling is not None
+        and any(local_layers(cfg))
+    ):
+        problems.append(
+            "model.rope_scaling without attention.local_rope_base (it scales the local layers' "
+            "RoPE too; Gemma 3 scales its global layers' only: set local_rope_base to rope_base)"
+        )
+    if query_pre_attn_scalar(cfg) is None:
+        problems.append(
+            f"model.attention.scale: {attention.scale} (Gemma's is query_pre_attn_scalar^-1/2 "
+            "for a whole number query_pre_attn_scalar)"
+        )
+    return problems
+
+
+def query_pre_attn_scalar(cfg: TransformerConfig) -> int | None:
+    """Gemma's `query_pre_attn_scalar` (scores times its -1/2 power) of `cfg`'s attention scale
+    (None: SDPA's 1/sqrt(head_dim)); None where no whole number gives that scale (transformers
+    5 takes whole numbers only)."""
+    scale = cfg.attention.scale
+    if scale is None:
+        return cfg.head_dim
+    value = round(scale**-2)
+    if value >= 1 and math.isclose(value**-0.5, scale, rel_tol=1e-12):
+        return value
+    return None
 
 
 def architecture_of(cfg: TransformerConfig, prefer: str | None = None) -> str:
@@ -245,7 +404,9 @@ def _gpt2_mismatches(cfg: TransformerConfig) -> list[str]:
         problems.append(f"model.n_kv_heads: {cfg.n_kv_heads} (grouped-query attention)")
     if cfg.head_dim * cfg.n_heads != cfg.d_model:
         problems.append(f"model.head_dim: {cfg.head_dim} (n_heads x head_dim != d_model)")
-    return problems
+    if any(local_layers(cfg)):
+        problems.append(f"model.attention.window: {cfg.attention.window} (no sliding window)")
+    return problems + _gemma_only(cfg)
 
 
 # --- configs ---------------------------------------------------------------------------------------
@@ -309,16 +470,20 @@ def hf_config(
             num_attention_heads=cfg.n_heads,
             num_key_value_heads=cfg.kv_heads,
             head_dim=cfg.head_dim,
-            hidden_act="silu",
             max_position_embeddings=cfg.max_seq_len,
             rms_norm_eps=cfg.norm_eps,
             rope_theta=cfg.rope_base,
             rope_scaling=_hf_rope_scaling(cfg.rope_scaling),
             attention_dropout=cfg.dropout,
             **_bias_fields(spec, cfg),
+            **_window_fields(spec, cfg),
             **spec.export_fields,
             **common,
         )
+        if spec.gemma is None:
+            fields["hidden_act"] = "silu"
+        else:
+            fields.update(_gemma_fields(spec.gemma, cfg))
         if spec.moe is not None and moe.is_moe(cfg):
             if not spec.moe.head_dim:  # OLMoE has no such field: d_model / n_heads (checked)
                 del fields["head_dim"]
@@ -326,6 +491,45 @@ def hf_config(
         config = getattr(transformers, spec.config_class)(**fields)
     config.dtype = dtype
     return config
+
+
+def _window_fields(spec: RopeArchitecture, cfg: TransformerConfig) -> dict[str, object]:
+    """The config fields of which layers slide, and by how much (checked: `mismatches`)."""
+    local = local_layers(cfg)
+    window = cfg.attention.window if any(local) else None
+    if spec.sliding == "every_layer":
+        return {"sliding_window": window}
+    if spec.sliding == "from_layer":
+        if window is None:
+            return {"use_sliding_window": False}
+        return {
+            "use_sliding_window": True,
+            "sliding_window": window,
+            "max_window_layers": local.index(True),
+        }
+    if spec.sliding == "per_layer":
+        # transformers builds the sliding mask whether a layer uses it or not, so it needs a
+        # window: without one, the whole context (which no layer uses: all are global)
+        return {
+            "sliding_window": window if window is not None else cfg.max_seq_len,
+            "layer_types": [SLIDING if slides else FULL for slides in local],
+        }
+    return {}
+
+
+def _gemma_fields(layout: GemmaLayout, cfg: TransformerConfig) -> dict[str, object]:
+    """A Gemma's config fields beyond the RoPE family's (checked: `mismatches`)."""
+    fields: dict[str, object] = {
+        "hidden_activation": GEMMA_GELU,
+        "query_pre_attn_scalar": query_pre_attn_scalar(cfg),
+        "final_logit_softcapping": cfg.logit_softcap,
+        "attn_logit_softcapping": cfg.attention.softcap,
+    }
+    if layout.local_rope_base:
+        local = cfg.attention.local_rope_base
+        fields["rope_local_base_freq"] = local if local is not None else cfg.rope_base
+        fields["use_bidirectional_attention"] = False
+    return fields
 
 
 def _bias_fields(spec: RopeArchitecture, cfg: TransformerConfig) -> dict[str, bool]:
@@ -339,6 +543,8 @@ def _bias_fields(spec: RopeArchitecture, cfg: TransformerConfig) -> dict[str, bo
 def _hf_rope_scaling(scaling: RopeScaling | None) -> dict[str, object] | None:
     if scaling is None:
         return None
+    if scaling.kind == LINEAR_ROPE:
+        return {"rope_type": LINEAR_ROPE, "factor": scaling.factor}
     return {
         "rope_type": LLAMA3_ROPE,
         "factor": scaling.factor,
@@ -352,7 +558,9 @@ def portable_config(directory: str, cfg: TransformerConfig) -> None:
     """Make the config.json that save_pretrained wrote readable by transformers 4.x and 5.x:
     5.x writes RoPE settings only as `rope_parameters`, which 4.x ignores (it would fall back to
     rope_theta 10000), so the 4.x keys are added; 4.x's file already reads in 5.x. Likewise 5.x
-    writes Qwen3-MoE's expert count as `num_local_experts`, 4.x reads `num_experts` (else 128)."""
+    writes Qwen3-MoE's expert count as `num_local_experts`, 4.x reads `num_experts` (else 128),
+    and Gemma 3's RoPE by layer type, where 4.x reads the global layers' in `rope_theta` and
+    `rope_scaling` and the local layers' base in `rope_local_base_freq`."""
     if cfg.positions != "rope":
         return
     path = os.path.join(directory, "config.json")
@@ -361,6 +569,9 @@ def portable_config(directory: str, cfg: TransformerConfig) -> None:
     data["rope_theta"] = cfg.rope_base
     data["rope_scaling"] = _hf_rope_scaling(cfg.rope_scaling)
     spec = ROPE_FAMILY.get((data.get("architectures") or [""])[0])
+    if spec is not None and spec.gemma is not None and spec.gemma.local_rope_base:
+        local = cfg.attention.local_rope_base
+        data["rope_local_base_freq"] = local if local is not None else cfg.rope_base
     if spec is not None and spec.moe is not None and moe.is_moe(cfg):
         data[spec.moe.experts_field] = cfg.n_experts
     with open(path, "w", encoding="utf-8") as f:
@@ -374,9 +585,32 @@ def _rope(config: Any) -> tuple[float, dict[str, Any]]:
     params = dict(getattr(config, "rope_parameters", None) or {})
     scaling = dict(getattr(config, "rope_scaling", None) or {})
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    merged = {**scaling, **params}
-    merged["rope_type"] = merged.get("rope_type") or merged.get("type") or "default"
-    return float(theta if theta is not None else 10000.0), merged
+    return _theta_and_type(theta, {**scaling, **params})
+
+
+def _theta_and_type(theta: Any, params: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return float(theta if theta is not None else 10000.0), params
+
+
+def _gemma3_rope(config: Any) -> tuple[tuple[float, dict[str, Any]], tuple[float, dict[str, Any]]]:
+    """Gemma 3's RoPE (theta, parameters with `rope_type`) of its global and its local layers:
+    transformers 5 keeps them in `rope_parameters` by layer type; 4.x the global layers' in
+    `rope_theta` and `rope_scaling`, the local layers' base in `rope_local_base_freq` (their RoPE
+    is never scaled)."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and FULL in params:
+        full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
+        return (
+            _theta_and_type(full.get("rope_theta"), full),
+            _theta_and_type(local.get("rope_theta"), local),
+        )
+    scaling = dict(getattr(config, "rope_scaling", None) or {})
+    local_theta = getattr(config, "rope_local_base_freq", None)
+    return (
+        _theta_and_type(getattr(config, "rope_theta", None), scaling),
+        _theta_and_type(local_theta, {"rope_type": "default"}),
+    )
 
 
 def _refuse(where: str, what: str) -> UnsupportedModelError:
@@ -421,30 +655,23 @@ def options_from_hf(config: Any, where: str = "config.json") -> TransformerConfi
 def _rope_family_options(
     spec: RopeArchitecture, config: Any, where: str, common: dict[str, Any]
 ) -> TransformerConfig:
-    if config.hidden_act != "silu":
+    if spec.gemma is None and config.hidden_act != "silu":
         raise _refuse(where, f"hidden_act {config.hidden_act!r}: llmtrain's SwiGLU uses silu")
-    _refuse_sliding_window(config, where)
-    theta, rope = _rope(config)
-    if rope["rope_type"] not in ("default", LLAMA3_ROPE):
-        raise _refuse(
-            where,
-            f"rope_type {rope['rope_type']!r} (RoPE frequency scaling) has no llmtrain "
-            f"equivalent; llmtrain reads the default RoPE and {LLAMA3_ROPE!r} scaling",
-        )
-    if rope["rope_type"] == LLAMA3_ROPE and not spec.rope_scaling:
-        raise _refuse(
-            where,
-            f"rope_type {LLAMA3_ROPE!r} with {spec.name}: transformers 4.x's {spec.config_class} "
-            "has no such scaling, so llmtrain-hf reads it for the other architectures only",
-        )
-    scaling = None
-    if rope["rope_type"] == LLAMA3_ROPE:
-        scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_seq_len=int(rope["original_max_position_embeddings"]),
-        )
+    if spec.gemma is not None:
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if act not in GPT2_GELUS:
+            raise _refuse(
+                where,
+                f"hidden_activation {act!r}: llmtrain's GeGLU is the tanh approximation of GELU "
+                f"({' or '.join(GPT2_GELUS)})",
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise _refuse(
+                where,
+                "use_bidirectional_attention: true (an encoder's attention); llmtrain's is causal",
+            )
+    window, pattern = _attention_layers(spec, config, where)
+    theta, scaling, local_theta = _rope_settings(spec, config, where)
     qkv, out, mlp = _biases(spec, config)
     bias = qkv if qkv == out == mlp else False
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -461,7 +688,7 @@ def _rope_family_options(
         norm="rmsnorm",
         norm_eps=float(config.rms_norm_eps),
         norm_placement=spec.norm_placement,
-        mlp="swiglu",
+        mlp="swiglu" if spec.gemma is None else "geglu",
         mlp_hidden=config.intermediate_size,
         qk_norm=spec.qk_norm != "none",
         qk_norm_scope="all_heads" if spec.qk_norm == "all_heads" else "head",
@@ -469,11 +696,89 @@ def _rope_family_options(
         qkv_bias=None if qkv == bias else qkv,
         out_bias=None if out == bias else out,
         mlp_bias=None if mlp == bias else mlp,
+        attention=_attention(window=window, pattern=pattern),
         **common,
     )
+    if spec.gemma is not None:
+        options.update(_gemma_options(spec.gemma, config, window, pattern, local_theta))
     if spec.moe is not None:
         return moe.options(spec.moe, config, where, options)
     return TransformerConfig(**options)
+
+
+def _gemma_options(
+    layout: GemmaLayout,
+    config: Any,
+    window: int | None,
+    pattern: tuple[str, ...],
+    local_theta: float | None,
+) -> dict[str, Any]:
+    """A Gemma's options beyond the RoPE family's (see `GemmaLayout`)."""
+    softcap = config.attn_logit_softcapping if layout.attention_softcap else None
+    final = getattr(config, "final_logit_softcapping", None)
+    return dict(
+        scale_embeddings=True,
+        logit_softcap=None if final is None else float(final),
+        attention=_attention(
+            window=window,
+            pattern=pattern,
+            # the RoPE base of windowed blocks: without a window every layer is global
+            local_rope_base=local_theta if window is not None else None,
+            softcap=None if softcap is None else float(softcap),
+            # as transformers computes it: a Python float, query_pre_attn_scalar**-0.5
+            scale=float(config.query_pre_attn_scalar) ** -0.5,
+        ),
+    )
+
+
+def _attention(**fields: Any) -> AttentionOptions:
+    """`AttentionOptions(**fields)`: its `pattern` converter (`tuple`) leaves mypy no type to
+    check a pattern against."""
+    return AttentionOptions(**fields)
+
+
+def _rope_settings(
+    spec: RopeArchitecture, config: Any, where: str
+) -> tuple[float, RopeScaling | None, float | None]:
+    """(rope_base, rope_scaling, the local layers' base: Gemma 3's) of a RoPE-family config."""
+    local_theta = None
+    if spec.gemma is not None and spec.gemma.local_rope_base:
+        (theta, rope), (local_theta, local) = _gemma3_rope(config)
+        if local["rope_type"] != "default":
+            raise _refuse(
+                where,
+                f"rope_type {local['rope_type']!r} of the local (sliding_attention) layers: "
+                f"llmtrain scales the RoPE of {spec.name}'s global layers only; use the default "
+                "RoPE for its local layers",
+            )
+    else:
+        theta, rope = _rope(config)
+    kind = rope["rope_type"]
+    if kind != "default" and kind not in ROPE_SCALINGS:
+        raise _refuse(
+            where,
+            f"rope_type {kind!r} (RoPE frequency scaling) has no llmtrain equivalent; llmtrain "
+            f"reads the default RoPE and {' and '.join(map(repr, ROPE_SCALINGS))} scaling",
+        )
+    if kind != "default" and kind not in spec.rope_scaling:
+        why = (
+            f"llmtrain-hf reads {' and '.join(map(repr, spec.rope_scaling))} scaling for it only"
+            if spec.rope_scaling
+            else f"transformers 4.x's {spec.config_class} has no such scaling, so llmtrain-hf "
+            "reads it for the other architectures only"
+        )
+        raise _refuse(where, f"rope_type {kind!r} with {spec.name}: {why}")
+    scaling = None
+    if kind == LLAMA3_ROPE:
+        scaling = RopeScaling(
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_seq_len=int(rope["original_max_position_embeddings"]),
+        )
+    elif kind == LINEAR_ROPE:
+        scaling = RopeScaling(kind=LINEAR_ROPE, factor=float(rope["factor"]))
+    return theta, scaling, local_theta
 
 
 def _biases(spec: RopeArchitecture, config: Any) -> tuple[bool, bool, bool]:
@@ -487,24 +792,55 @@ def _biases(spec: RopeArchitecture, config: Any) -> tuple[bool, bool, bool]:
     }[spec.biases]
 
 
-def _refuse_sliding_window(config: Any, where: str) -> None:
-    """llmtrain attends over the whole context: a window shorter than the model's context
-    would compute another function."""
+def _attention_layers(
+    spec: RopeArchitecture, config: Any, where: str
+) -> tuple[int | None, tuple[str, ...]]:
+    """(`attention.window`, `attention.pattern`) of a RoPE-family config: the layers that slide
+    are those of `layer_types` (Gemma; Qwen's, which its config class fills in from
+    `use_sliding_window` and `max_window_layers`), or all of them (Mistral, whose model reads no
+    `layer_types`); a window as long as the context, or none, is global attention."""
+    n_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:  # Qwen: the layers that slide (from use_sliding_window and
-        # max_window_layers, filled in by the config class)
-        slides = "sliding_attention" in layer_types
-    else:  # Mistral: a window, when set, on every layer
-        slides = getattr(config, "use_sliding_window", True)
-    if slides and window is not None and window < config.max_position_embeddings:
+    if spec.sliding == "every_layer" or layer_types is None:
+        # Mistral and Mixtral: a window, when set, on every layer; a config class that fills
+        # in no layer_types (a Qwen before them) slides from max_window_layers on
+        first = getattr(config, "max_window_layers", 0) or 0
+        on = bool(getattr(config, "use_sliding_window", True))
+        slides = [on and i >= first for i in range(n_layers)]
+    else:
+        other = sorted(set(layer_types) - {SLIDING, FULL})
+        if other:
+            raise _refuse(
+                where,
+                f"layer_types {other[0]!r}: llmtrain's layers attend to the whole context "
+                f"({FULL}) or through a sliding window ({SLIDING})",
+            )
+        slides = [kind == SLIDING for kind in layer_types]
+    if window is None or window >= config.max_position_embeddings or not any(slides):
+        return None, ("local",)
+    if spec.sliding == "none":
         raise _refuse(
             where,
             f"sliding_window {window} (shorter than max_position_embeddings "
-            f"{config.max_position_embeddings}): llmtrain has no sliding-window attention; "
+            f"{config.max_position_embeddings}): llmtrain-hf reads sliding windows of "
+            f"{', '.join(a.name for a in ROPE_FAMILY.values() if a.sliding != 'none')} only; "
             "use a model without one, or set sliding_window to null if it was never trained "
             "with one",
         )
+    return int(window), _pattern(slides)
+
+
+def _pattern(slides: list[bool]) -> tuple[str, ...]:
+    """`attention.pattern` of the layers that slide: the shortest prefix that repeats over
+    them (Gemma 2: local, global; Gemma 3: five local, one global)."""
+    kinds = ["local" if s else "global" for s in slides]
+    period = next(
+        p
+        for p in range(1, len(kinds) + 1)
+        if all(kind == kinds[i % p] for i, kind in enumerate(kinds))
+    )
+    return tuple(kinds[:period])
 
 
 def _gpt2_options(config: Any, where: str, common: dict[str, Any]) -> TransformerConfig:
@@ -568,7 +904,17 @@ BLOCK_NORM_NAMES = {
         "blocks.{i}.attn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
         "blocks.{i}.mlp_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
     },
+    # Gemma: both
+    "sandwich": {
+        "blocks.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.attn_out_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blocks.{i}.mlp_norm.weight": "model.layers.{i}.pre_feedforward_layernorm.weight",
+        "blocks.{i}.mlp_out_norm.weight": "model.layers.{i}.post_feedforward_layernorm.weight",
+    },
 }
+# the weights of norms (llmtrain's names: blocks' four, q/k, final), which a Gemma's RMSNorm
+# multiplies by as 1 + weight and torch's as weight (`_offset_norms`)
+NORM_WEIGHT = re.compile(r"norm\.weight$")
 GPT2_NAMES = {
     "tok_emb.weight": "transformer.wte.weight",
     "pos_emb.weight": "transformer.wpe.weight",
@@ -624,6 +970,23 @@ def _layered(names: dict[str, str], n_layers: int) -> dict[str, str]:
     return out
 
 
+def _offset_norms(
+    weights: dict[str, torch.Tensor], cfg: TransformerConfig, offset: float
+) -> dict[str, torch.Tensor]:
+    """`weights` (llmtrain's names) with `offset` added to every norm's weight in a Gemma model
+    (sandwich blocks: Gemma's only), whose RMSNorm multiplies by 1 + weight: +1 from
+    transformers, -1 to it. In float32 at least, as Gemma's norm adds in float32: 1 + w in
+    bfloat16 would keep 8 bits of w."""
+    if cfg.norm_placement != "sandwich":
+        return weights
+    return {
+        k: v.to(torch.promote_types(v.dtype, torch.float32)) + offset
+        if NORM_WEIGHT.search(k)
+        else v
+        for k, v in weights.items()
+    }
+
+
 def _take(weights: dict[str, torch.Tensor], name: str, like: torch.Tensor) -> torch.Tensor:
     """weights[name], or zeros shaped like `like` for a bias the model does not have."""
     if name in weights:
@@ -646,6 +1009,7 @@ def to_hf_state_dict(
     """llmtrain weights (module names) -> the HF state dict of `architecture_of(cfg)` (every
     architecture of the RoPE family names the tensors of a given config alike)."""
     weights = {k: v for k, v in weights.items() if not k.endswith(("rope_cos", "rope_sin"))}
+    weights = _offset_norms(weights, cfg, -1.0)
     arch = architecture_of(cfg)
     names = _names(cfg)
     out = {names[k]: v for k, v in weights.items() if k in names}
@@ -729,6 +1093,7 @@ def from_hf_state_dict(
     extra = sorted(set(state) - used)
     if extra:
         raise UserError(f"HF weights with no llmtrain counterpart: {extra[:5]}")
+    out = _offset_norms(out, cfg, 1.0)
     return {k: v.detach().contiguous() for k, v in out.items()}
 
 
@@ -794,6 +1159,10 @@ def to_hf_model(
     arch = architecture_of(options, architecture)
     config = hf_config(options, eos_token_id=eos_token_id, dtype=dtype, architecture=arch)
     state = to_hf_state_dict(weights, options)
+    spec = ROPE_FAMILY.get(arch)
+    if spec is not None and spec.gemma is not None and spec.gemma.attention_softcap:
+        # transformers' SDPA and flash attention drop the soft-capping (4.x picks SDPA)
+        config._attn_implementation = "eager"
     hf = getattr(transformers, arch)(config)
     layout = ROPE_FAMILY[arch].moe if arch in ROPE_FAMILY else None
     if layout is not None and moe.is_moe(options):  # transformers 5 fuses experts in memory

@@ -94,5 +94,5 @@ def llmtrain_weight_formats(register: Register) -> None:
         "hf",
         lambda _: HFWeights(),
         help="a transformers model directory (config.json + safetensors): Llama, Mistral, Qwen2, "
-        "Qwen3, OLMo-2 or GPT-2",
+        "Qwen3, OLMo-2, Gemma 2, Gemma 3 or GPT-2",
     )
