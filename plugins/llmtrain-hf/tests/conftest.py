@@ -117,13 +117,15 @@ def gpt2_config(**overrides):
     return GPT2Config(**{**values, **overrides})
 
 
-def random_hf_model(config, seed: int = 0):
+def random_hf_model(config, seed: int = 0, attn_implementation: str | None = None):
     """A transformers model with random weights everywhere: norms and biases too (their HF
-    initialisation is ones and zeros, which would hide a swapped or dropped tensor)."""
+    initialisation is ones and zeros, which would hide a swapped or dropped tensor).
+    `attn_implementation`: transformers' default, or "eager" (Gemma 2's soft-capping needs it)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    model = model.eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
