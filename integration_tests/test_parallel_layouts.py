@@ -67,9 +67,7 @@ CASES = {
     "cp2_windows": (2, {"mesh": {"cp": 2}, "model": WINDOWED}),
     "tp2_windows": (2, {"mesh": {"tp": 2}, "model": WINDOWED}),
     "pp2_windows": (2, {"mesh": {"pp": 2}, "microbatches": 4, "model": WINDOWED}),
-    # (without sequence parallelism until the model's plan puts its sandwich norms'
-    # sequence_parallel_residual, whose output joins the residual stream)
-    "tp2_gemma": (2, {"mesh": {"tp": 2}, "model": GEMMA_LIKE, "options": {"sequence_parallel": False}}),
+    "tp2_gemma": (2, {"mesh": {"tp": 2}, "model": GEMMA_LIKE}),
     "pp2_gemma": (2, {"mesh": {"pp": 2}, "microbatches": 4, "model": GEMMA_LIKE}),
     "cp2xfsdp2": (4, {"mesh": {"cp": 2, "dp_shard": 2}}),
     "fsdp2_ac_full": (2, {"mesh": {"dp_shard": 2}, "options": {"activation_checkpointing": {"mode": "full"}}}),

@@ -728,8 +728,9 @@ class Transformer(nn.Module):
             "blocks.*.attn.wv": "colwise",
             "blocks.*.attn.wo": "rowwise",
             "blocks.*.mlp_norm": "sequence_parallel",
-            "blocks.*.attn_out_norm": "sequence_parallel",
-            "blocks.*.mlp_out_norm": "sequence_parallel",
+            # a sandwich's second norms: their output joins the residual stream as a plain shard
+            "blocks.*.attn_out_norm": "sequence_parallel_residual",
+            "blocks.*.mlp_out_norm": "sequence_parallel_residual",
             "blocks.*.mlp.w1": "colwise",
             "blocks.*.mlp.w2": "rowwise",
         }
