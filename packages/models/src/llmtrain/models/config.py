@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
@@ -76,6 +77,10 @@ class RopeScaling:
             )
 
 
+def _as_tuple(value: Iterable[str]) -> tuple[str, ...]:
+    return tuple(value)
+
+
 def _window_pattern(
     instance: object, attribute: attrs.Attribute[tuple[str, ...]], value: tuple[str, ...]
 ) -> None:
@@ -107,7 +112,7 @@ class AttentionOptions:
 
     window: int | None = attrs.field(default=None, validator=_positive)
     pattern: tuple[str, ...] = attrs.field(
-        default=("local",), converter=tuple, validator=_window_pattern
+        default=("local",), converter=_as_tuple, validator=_window_pattern
     )
     local_rope_base: float | None = attrs.field(default=None)
     softcap: float | None = attrs.field(default=None, validator=_positive_or_none)
