@@ -15,10 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmtrain.models import attention_masks
 from llmtrain.models.attention_masks import (
-    DocumentMask,
-    document_block_mask,
+    AttentionMask,
+    Causal,
+    Document,
+    MaskRows,
+    block_mask,
     document_ids,
-    document_mask,
     positions_in_document,
 )
 from llmtrain.models.config import TransformerConfig
@@ -61,6 +63,13 @@ def reference_mask(starts: torch.Tensor) -> torch.Tensor:
     )
 
 
+def document_mask(starts: torch.Tensor) -> AttentionMask:
+    """The AttentionMask of document masking over the whole rows (what a forward builds)."""
+    T = starts.size(1)
+    rows = MaskRows(q_pos=torch.arange(T), k_pos=torch.arange(T), doc_ids=document_ids(starts))
+    return AttentionMask((Causal(), Document()), rows)
+
+
 def torch_block_mask(doc: torch.Tensor, block_size: int):
     """torch's own BlockMask for the documents `doc` (B, T): create_block_mask evaluates the mask
     at every (query, key) pair, then reduces it tile by tile."""
@@ -98,7 +107,7 @@ def test_block_mask_tiles_equal_create_block_mask(name, block_size):
     the (T, T) mask: the same partial and full tiles, in the same order, both directions."""
     starts = layout(name)
     doc = document_ids(starts)
-    got = document_block_mask(doc, block_size)
+    got = block_mask(document_mask(starts), block_size)
     want = torch_block_mask(doc, block_size)
     B, T = starts.shape
     for field in (
@@ -119,7 +128,7 @@ def test_random_layouts_tile_like_create_block_mask():
         block_size = int(torch.randint(1, 10, (), generator=gen))
         starts = torch.rand(3, T, generator=gen) < torch.rand((), generator=gen)
         doc = document_ids(starts)
-        got = document_block_mask(doc, block_size)
+        got = block_mask(document_mask(starts), block_size)
         want = torch_block_mask(doc, block_size)
         assert torch.equal(got.to_dense(), want.to_dense())
         assert torch.equal(got.full_kv_num_blocks, want.full_kv_num_blocks)
@@ -129,8 +138,11 @@ def test_random_layouts_tile_like_create_block_mask():
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_dense_mask_and_positions_follow_the_documents(name):
     starts = layout(name)
-    mask = document_mask(starts)  # on CPU: the dense form only
-    assert mask.block_mask is None
+    model = seeded_model(GQA, doc_masking=True, max_seq_len=starts.size(1))
+    tokens = torch.zeros(starts.shape, dtype=torch.long)
+    _, masks = model._positions_and_masks(tokens, starts, None, 0, None, None, None)
+    mask = masks[0]  # on CPU: the dense form only, one object for every block
+    assert all(m is mask for m in masks) and mask.block_mask is None
     assert torch.equal(mask.dense()[:, 0], reference_mask(starts))
     assert mask.dense() is mask.dense()  # built once per forward, shared by the layers
     positions = positions_in_document(starts)
@@ -162,9 +174,12 @@ def test_the_block_mask_never_holds_a_t_by_t_tensor(T, monkeypatch):
     gen = torch.Generator().manual_seed(0)
     starts = torch.rand(B, T, generator=gen) < 1 / 300
     model = seeded_model(GQA, doc_masking=True, max_seq_len=T)
+    tokens = torch.zeros(B, T, dtype=torch.long)
     with LargestTensor() as largest:
-        positions, mask = model._positions_and_mask(B, T, "cpu", starts, None, 0)
-    assert isinstance(mask, DocumentMask) and mask._dense is None
+        positions, masks = model._positions_and_masks(tokens, starts, None, 0, None, None, None)
+    mask = masks[0]
+    assert all(m is mask for m in masks)
+    assert isinstance(mask, AttentionMask) and mask._dense is None
     assert positions.shape == (B, T)
     assert largest.numel <= B * max(T, n * (n + 1))
     tensors = [x for x in mask.block_mask.as_tuple() if isinstance(x, torch.Tensor)]
