@@ -1,4 +1,5 @@
-"""The Transformer's numbers: causality, GQA, positions, document masking, parameter counts."""
+"""The Transformer's numbers: causality, GQA, positions, document masking, sliding windows,
+parameter counts."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from llmtrain.core_mesh.interfaces import ModelDescription
-from llmtrain.models.config import TransformerConfig
+from llmtrain.models.attention_masks import positions_in_document
+from llmtrain.models.config import AttentionOptions, TransformerConfig
 from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import Transformer
 
@@ -221,6 +223,97 @@ def test_learned_positions_do_depend_on_the_start_position():
         base = model(tokens)
         shifted = model(tokens, start_pos=37)
     assert (shifted - base).abs().max() > 1e-2
+
+
+# -- sliding windows -------------------------------------------------------------------------------
+
+
+def windowed_mask(starts: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(B, T, T) pair by pair: the key is not in the future, in the query's document, and less
+    than `window` tokens back (None: any distance)."""
+    doc = (starts.cumsum(dim=1) - 1).tolist()
+    T = starts.size(1)
+    return torch.tensor(
+        [
+            [
+                [
+                    k <= q and row[k] == row[q] and (window is None or q - k < window)
+                    for k in range(T)
+                ]
+                for q in range(T)
+            ]
+            for row in doc
+        ]
+    )
+
+
+def logits_and_grads(model: Transformer, tokens: torch.Tensor, **inputs):
+    model.train()  # (no dropout: the configs keep 0)
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens, **inputs)
+    logits.float().square().mean().backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@STYLES
+@pytest.mark.parametrize("window", [1, 5, 24])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_a_window_equals_the_explicit_windowed_mask_with_gradients(style, window, documents):
+    """A model whose blocks all have a window against the same weights without one, given the
+    window as an explicit mask (positions + attention_mask written pair by pair): the same
+    logits and gradients."""
+    options = dict(style, init_std=0.1, doc_masking=documents, max_seq_len=32)
+    windowed = seeded_model(small_config(**options, attention=AttentionOptions(window=window)))
+    unwindowed = seeded_model(small_config(**options))
+    unwindowed.load_state_dict(windowed.state_dict())
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(8))
+    starts = torch.stack([doc_starts_for([9, 1, 14]), doc_starts_for([24])])
+    if not documents:
+        starts = doc_starts_for([24]).expand(2, 24)
+    got, got_grads = logits_and_grads(windowed, tokens, doc_starts=starts if documents else None)
+    want, want_grads = logits_and_grads(
+        unwindowed,
+        tokens,
+        positions=positions_in_document(starts),
+        attention_mask=windowed_mask(starts, window),
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    # a window shorter than the documents cuts: the logits are not the unwindowed model's
+    with torch.no_grad():
+        full = unwindowed(tokens, starts if documents else None)
+    assert ((got - full).abs().max() > 1e-3) == (window < 24)
+
+
+@STYLES
+def test_local_and_global_blocks_equal_their_own_masks(style):
+    """With `pattern: [local, global]` only the local blocks are windowed: the explicit path
+    (which applies each block's window to the mask it is given, counting in positions) gives
+    the plain forward's logits and gradients, and both differ from windowing every block or
+    none."""
+    options = dict(style, init_std=0.1, max_seq_len=32)
+
+    def model(pattern: tuple[str, ...] | None) -> Transformer:
+        attention = (
+            AttentionOptions() if pattern is None else AttentionOptions(window=4, pattern=pattern)
+        )
+        return seeded_model(small_config(**options, n_layers=3, attention=attention))
+
+    local_global = model(("local", "global"))
+    tokens = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(8))
+    causal = torch.ones(2, 20, 20, dtype=torch.bool).tril()
+    got, got_grads = logits_and_grads(local_global, tokens)
+    want, want_grads = logits_and_grads(
+        local_global, tokens, positions=torch.arange(20)[None], attention_mask=causal
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():
+        for other in (model(("local",)), model(None)):
+            other.load_state_dict(local_global.state_dict())
+            assert (other(tokens) - got).abs().max() > 1e-3
 
 
 # -- shared prefixes: several continuations after one copy of their context ----------------------
