@@ -1,4 +1,5 @@
-"""Generation: greedy with and without the KV cache, stopping at eod, and sampling controls."""
+"""Generation: greedy with and without the KV cache, stopping at eod, and sampling controls; a
+windowed model's bounded cache."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import torch
 
 from llmtrain.core_mesh.conformance import protocol_mismatches
 from llmtrain.core_mesh.interfaces import LanguageModel
-from llmtrain.models.config import TransformerConfig
+from llmtrain.models.config import AttentionOptions, TransformerConfig
 from llmtrain.models.generate import generate
-from llmtrain.models.transformer import Transformer
+from llmtrain.models.transformer import LayerCache, Transformer
 
 VOCAB = 128  # a multiple of pad_vocab_to: no padded ids that sampling would have to avoid
 PROMPT_LEN = 8
@@ -23,7 +24,7 @@ STYLES = {
 }
 
 
-def make_model(style: str) -> Transformer:
+def make_model(style: str, **overrides) -> Transformer:
     cfg = TransformerConfig(
         vocab_size=VOCAB,
         max_seq_len=64,
@@ -33,7 +34,7 @@ def make_model(style: str) -> Transformer:
         init_std=0.1,  # peaked logits: no near-ties for greedy decoding to flip on
         # a random tied model copies its last token forever; untied, greedy output varies
         tied_embeddings=False,
-        **STYLES[style],
+        **{**STYLES[style], **overrides},
     )
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -175,3 +176,81 @@ def test_a_model_without_a_cache_generates_by_rerunning_the_prefix(model, prompt
     cacheless = Cacheless(model).train()
     assert torch.equal(generate(cacheless, prompt, NEW, temperature=0), greedy)
     assert cacheless.training  # the mode it was in is given back
+
+
+# -- sliding windows: a cache of the window's latest keys -----------------------------------------
+
+WINDOW = 6
+# name: (window, pattern)
+WINDOWED = {
+    "all-local": (WINDOW, ("local",)),
+    "local-global": (WINDOW, ("local", "global")),
+    "global-local": (WINDOW, ("global", "local")),
+    "window=1": (1, ("local",)),
+}
+
+
+def windowed_model(name: str, style: str = "rope") -> Transformer:
+    window, pattern = WINDOWED[name]
+    return make_model(style, attention=AttentionOptions(window=window, pattern=pattern))
+
+
+@pytest.mark.parametrize("style", list(STYLES))
+@pytest.mark.parametrize("prompt_len", [3, 10], ids=["prompt<window", "prompt>window"])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_cached_decoding_with_windows_equals_the_full_forward(name, prompt_len, style):
+    """The prompt in one chunk, then a chunk of 4 and single tokens, through a cache in which
+    each local block keeps only its window's latest keys: the full forward's logits."""
+    model = windowed_model(name, style)
+    window, _ = WINDOWED[name]
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    cache = model.new_cache(2, 24)
+    local = [model.cfg.attention.window_of(i) is not None for i in range(model.cfg.n_layers)]
+    assert [c.k.size(2) for c in cache] == [window - 1 if w else 24 for w in local]
+    assert all(isinstance(c, LayerCache) and c.v.shape == c.k.shape for c in cache)
+    chunks = [(0, prompt_len), (prompt_len, prompt_len + 4)]
+    chunks += [(t, t + 1) for t in range(prompt_len + 4, 24)]
+    with torch.no_grad():
+        full = model(tokens)
+        steps = [model(tokens[:, a:b], cache=cache, start_pos=a) for a, b in chunks]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-4)
+    # the local caches stayed at the window's size: what the last token saw besides itself
+    assert [c.k.size(2) for c in cache] == [window - 1 if w else 24 for w in local]
+    for c, is_local in zip(cache, local, strict=True):
+        if is_local and window > 1:
+            assert c.held == window - 1
+    # and the windows cut: the model without them gives other logits
+    with torch.no_grad():
+        unwindowed = make_model(style)
+        unwindowed.load_state_dict(model.state_dict())
+        assert (unwindowed(tokens) - full).abs().max() > 1e-3
+
+
+def test_the_local_cache_holds_the_latest_keys():
+    """After an 11-token prompt, the local block's cache holds the keys and values of the
+    window - 1 latest tokens, in order (those the first block computes for them alone: its
+    input is their embeddings), the global block's all 11."""
+    model = windowed_model("local-global")
+    tokens = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(3))
+    latest = 11 - (WINDOW - 1)
+    with torch.no_grad():
+        cache = model.new_cache(1, 11)
+        model(tokens, cache=cache)
+        again = model.new_cache(1, 11)
+        model(tokens[:, latest:], cache=again, start_pos=latest)
+    assert (cache[0].k.size(2), cache[0].held, cache[1].k.size(2)) == (WINDOW - 1, WINDOW - 1, 11)
+    assert cache[0].key_start(11) == latest
+    torch.testing.assert_close(cache[0].k, again[0].k, atol=1e-6, rtol=0)
+    torch.testing.assert_close(cache[0].v, again[0].v, atol=1e-6, rtol=0)
+    assert (cache[0].k.abs().sum(-1) > 0).all()  # every row written
+
+
+@pytest.mark.parametrize("prompt_len", [3, PROMPT_LEN + 2], ids=["prompt<window", "prompt>window"])
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_greedy_with_windows_is_the_same_with_and_without_cache(name, prompt_len):
+    model = windowed_model(name)
+    prompt = torch.randint(0, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    uncached = generate(model, prompt, NEW, temperature=0, use_cache=False)
+    cached = generate(model, prompt, NEW, temperature=0, use_cache=True)
+    assert uncached.shape == (1, prompt_len + NEW)
+    assert torch.equal(cached, uncached)
