@@ -4,7 +4,9 @@ The convention (TorchTitan, Megatron, PaLM): 6 x every parameter a token multipl
 forward's multiply-add is 2 FLOPs per parameter, the backward twice that), the LM head's V x d
 included whether it is tied to the token embedding or not, the embedding lookups (token and
 learned position) left out, experts a token is not routed to left out; plus attention's
-12 x layers x heads x head_dim x seq_len (QK^T and AV, forward and backward, no causal halving).
+12 x layers x heads x head_dim x seq_len (QK^T and AV, forward and backward, no causal halving),
+a local block counting the keys its window lets a query see, min(window, seq_len), in place of
+seq_len.
 Norm weights and biases count as parameters (TorchTitan's 6 x (N - N_embedding) counts them too;
 they are a few in ten thousand). Models are built on the meta device: nothing is allocated.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llmtrain.models.config import AttentionOptions
 from llmtrain.models.presets import preset_config
 from llmtrain.models.transformer import Transformer
 
@@ -101,3 +104,47 @@ def test_flops_grow_with_seq_len_by_the_attention_term_only():
     assert flops_per_token("llama-1b", 4096) - flops_per_token("llama-1b", 2048) == (
         per_position * 2048
     )
+
+
+# -- sliding windows: a local block's queries see at most its window of keys ----------------------
+
+LLAMA_1B_PER_KEY = 12 * 32 * 64  # 12 x heads x head_dim: one key's share of one block
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "want"),
+    [
+        # below the window every block sees all seq_len keys: the plain count
+        (256, 6 * 1_235_814_400 + LLAMA_1B_PER_KEY * 16 * 256),
+        (512, 6 * 1_235_814_400 + LLAMA_1B_PER_KEY * 16 * 512),
+        # above it the 8 local blocks stay at 512 keys, the 8 global ones see seq_len
+        (2048, 6 * 1_235_814_400 + LLAMA_1B_PER_KEY * (8 * 512 + 8 * 2048)),
+        (4096, 6 * 1_235_814_400 + LLAMA_1B_PER_KEY * (8 * 512 + 8 * 4096)),
+    ],
+)
+def test_local_global_blocks_count_their_keys(seq_len, want):
+    attention = AttentionOptions(window=512, pattern=("local", "global"))
+    assert want == {256: 7_515_549_696, 512: 7_616_212_992, 2048: 7_918_202_880,
+                    4096: 8_320_856_064}[seq_len]  # fmt: skip
+    assert flops_per_token("llama-1b", seq_len, attention=attention) == want
+
+
+@pytest.mark.parametrize(("seq_len", "want"), [(2048, 7_867_871_232), (8192, 8_169_861_120)])
+def test_gemma3_pattern_counts_two_global_blocks_of_sixteen(seq_len, want):
+    """Five local blocks then a global one, repeated: blocks 5 and 11 are global, the other 14
+    local (window 1024)."""
+    attention = AttentionOptions(window=1024, pattern=("local",) * 5 + ("global",))
+    assert want == 6 * 1_235_814_400 + LLAMA_1B_PER_KEY * (14 * 1024 + 2 * seq_len)
+    assert flops_per_token("llama-1b", seq_len, attention=attention) == want
+
+
+def test_a_window_on_every_block_stops_the_attention_term_growing():
+    """Mistral's layout: past the window, longer sequences cost no more attention per token;
+    the parameters (and their 6 x N) are the plain model's."""
+    attention = AttentionOptions(window=4096)
+    with torch.device("meta"):
+        windowed = Transformer(preset_config("llama-1b", attention=attention)).describe()
+    assert windowed.n_params == 1_235_814_400
+    assert windowed.flops_per_token(2048) == 8_220_192_768  # the plain count: 2048 < window
+    assert windowed.flops_per_token(4096) == 6 * 1_235_814_400 + LLAMA_1B_PER_KEY * 16 * 4096
+    assert windowed.flops_per_token(8191) == windowed.flops_per_token(4096) == 9_025_499_136
