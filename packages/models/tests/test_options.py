@@ -1,5 +1,7 @@
 """The transformer's newer options, each on its own and together: head_dim, per-projection biases,
-qk_norm_scope, norm_placement and rope_scaling. The numbers come from attention, norms and Llama 3's
+qk_norm_scope, norm_placement and rope_scaling, and Gemma's (GeGLU, sandwich norms, embedding
+scale, soft-capped scores and logits, sliding windows with their own RoPE base, linear RoPE
+scaling, an explicit attention scale). The numbers come from attention, norms and Llama 3's
 frequency rule written out here with plain torch ops; then config errors, the TP plan, and a short
 training run per option."""
 
@@ -12,8 +14,9 @@ import torch
 from torch import nn
 
 from llmtrain.core_mesh.config import ConfigError, format_path, structure, unstructure
-from llmtrain.models.config import RopeScaling, TransformerConfig
-from llmtrain.models.transformer import Transformer, rope_frequencies
+from llmtrain.models import transformer
+from llmtrain.models.config import AttentionOptions, RopeScaling, TransformerConfig
+from llmtrain.models.transformer import Attention, Block, Transformer, rope_frequencies
 
 VOCAB = 64
 LLAMA = dict(positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, mlp_multiple_of=16)
@@ -39,6 +42,25 @@ LLAMA31 = dict(
 ROPE_SCALED = RopeScaling(
     factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=8
 )
+GEMMA = dict(LLAMA, mlp="geglu", norm_placement="sandwich", scale_embeddings=True, n_kv_heads=2)
+# Gemma 2: local and global blocks, soft-capped scores and logits, its own attention scale
+GEMMA2 = dict(
+    GEMMA,
+    head_dim=12,
+    logit_softcap=5.0,
+    attention=AttentionOptions(window=4, pattern=("local", "global"), softcap=2.0, scale=0.2),
+)
+# Gemma 3: local blocks (five to a global one; here the second block) with their own RoPE base,
+# the global ones' linearly scaled; per-head qk-norm
+GEMMA3 = dict(
+    GEMMA,
+    qk_norm=True,
+    rope_base=1e6,
+    rope_scaling=RopeScaling(kind="linear", factor=4.0),
+    attention=AttentionOptions(
+        window=3, pattern=("global", "local"), local_rope_base=1e4, scale=0.25
+    ),
+)
 
 # each option on its own, over a llama- or gpt2-style base, then the families that combine them
 OPTION_CASES = {
@@ -58,6 +80,16 @@ OPTION_CASES = {
     "olmo2": OLMO2,
     "qwen3": QWEN3,
     "llama31": LLAMA31,
+    "geglu": dict(LLAMA, mlp="geglu"),
+    "sandwich": dict(LLAMA, norm_placement="sandwich"),
+    "scale_embeddings": dict(GPT2, scale_embeddings=True),
+    "logit_softcap": dict(LLAMA, logit_softcap=2.0),
+    "window": dict(GPT2, attention=AttentionOptions(window=3)),
+    "attention-softcap": dict(LLAMA, attention=AttentionOptions(softcap=1.0)),
+    "attention-scale": dict(LLAMA, attention=AttentionOptions(scale=0.5)),
+    "rope_scaling-linear": dict(LLAMA, rope_scaling=RopeScaling(kind="linear", factor=4.0)),
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
 }
 
 
@@ -104,10 +136,16 @@ def llama3_frequencies(
     return out
 
 
-def reference_frequencies(cfg: TransformerConfig) -> torch.Tensor:
+def reference_frequencies(cfg: TransformerConfig, local: bool = False) -> torch.Tensor:
+    """The frequencies of a block: a local one's with `local_rope_base` unscaled, else
+    `rope_base`'s, scaled."""
     hd, s = cfg.head_dim, cfg.rope_scaling
-    if s is None:
+    if local and cfg.attention.local_rope_base is not None:
+        freqs = [cfg.attention.local_rope_base ** (-2 * i / hd) for i in range(hd // 2)]
+    elif s is None:
         freqs = [cfg.rope_base ** (-2 * i / hd) for i in range(hd // 2)]
+    elif s.kind == "linear":
+        freqs = [cfg.rope_base ** (-2 * i / hd) / s.factor for i in range(hd // 2)]
     else:
         freqs = llama3_frequencies(
             hd,
@@ -156,7 +194,9 @@ class Reference:
             x, self.p[f"{name}.weight"], self.p.get(f"{name}.bias"), self.cfg.norm_eps
         )
 
-    def attention(self, layer: str, x: torch.Tensor, angles: torch.Tensor | None) -> torch.Tensor:
+    def attention(
+        self, layer: str, x: torch.Tensor, angles: torch.Tensor | None, window: int | None = None
+    ) -> torch.Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         h, kv, hd = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -177,38 +217,59 @@ class Reference:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k = k.repeat_interleave(h // kv, dim=1)  # query head i reads kv head i // group
         v = v.repeat_interleave(h // kv, dim=1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(hd)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
-        y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        scale = cfg.attention.scale if cfg.attention.scale is not None else 1 / math.sqrt(hd)
+        scores = q @ k.transpose(-1, -2) * scale
+        if cfg.attention.softcap is not None:
+            scores = cfg.attention.softcap * torch.tanh(scores / cfg.attention.softcap)
+        back = torch.arange(T)[:, None] - torch.arange(T)[None, :]  # how far back the key is
+        visible = (back >= 0) & (back < (window or T))
+        y = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
         return self.linear(f"{layer}.attn.wo", y.transpose(1, 2).reshape(B, T, h * hd))
 
     def mlp(self, layer: str, x: torch.Tensor) -> torch.Tensor:
         a = self.linear(f"{layer}.mlp.w1", x)
+        gelu = 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
         if self.cfg.mlp == "swiglu":
             hidden = a * torch.sigmoid(a) * self.linear(f"{layer}.mlp.w3", x)
+        elif self.cfg.mlp == "geglu":
+            hidden = gelu * self.linear(f"{layer}.mlp.w3", x)
         else:
-            hidden = 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+            hidden = gelu
         return self.linear(f"{layer}.mlp.w2", hidden)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         cfg, p = self.cfg, self.p
         T = tokens.shape[1]
         h = p["tok_emb.weight"][tokens]
-        angles = None
+        if cfg.scale_embeddings:
+            h = h * math.sqrt(cfg.d_model)
         if cfg.positions == "learned":
             h = h + p["pos_emb.weight"][:T]
-        else:
-            angles = torch.arange(T, dtype=torch.float64)[:, None] * reference_frequencies(cfg)
         for i in range(cfg.n_layers):
             layer = f"blocks.{i}"
+            # a local block (pattern repeated from the first block) sees its window
+            local = cfg.attention.pattern[i % len(cfg.attention.pattern)] == "local"
+            window = cfg.attention.window if local else None
+            angles = None
+            if cfg.positions == "rope":
+                freqs = reference_frequencies(cfg, local=window is not None)
+                angles = torch.arange(T, dtype=torch.float64)[:, None] * freqs
+            norm = lambda name, x, layer=layer: self.norm(f"{layer}.{name}", x)  # noqa: E731
             if cfg.norm_placement == "pre":
-                h = h + self.attention(layer, self.norm(f"{layer}.attn_norm", h), angles)
-                h = h + self.mlp(layer, self.norm(f"{layer}.mlp_norm", h))
+                h = h + self.attention(layer, norm("attn_norm", h), angles, window)
+                h = h + self.mlp(layer, norm("mlp_norm", h))
+            elif cfg.norm_placement == "sandwich":
+                attended = self.attention(layer, norm("attn_norm", h), angles, window)
+                h = h + norm("attn_out_norm", attended)
+                h = h + norm("mlp_out_norm", self.mlp(layer, norm("mlp_norm", h)))
             else:
-                h = h + self.norm(f"{layer}.attn_norm", self.attention(layer, h, angles))
-                h = h + self.norm(f"{layer}.mlp_norm", self.mlp(layer, h))
+                h = h + norm("attn_norm", self.attention(layer, h, angles, window))
+                h = h + norm("mlp_norm", self.mlp(layer, h))
         h = self.norm("norm", h)
-        return h @ p.get("head.weight", p["tok_emb.weight"]).T
+        logits = h @ p.get("head.weight", p["tok_emb.weight"]).T
+        if cfg.logit_softcap is not None:
+            logits = cfg.logit_softcap * torch.tanh(logits / cfg.logit_softcap)
+        return logits
 
 
 @pytest.mark.parametrize("options", OPTION_CASES.values(), ids=OPTION_CASES.keys())
@@ -229,10 +290,21 @@ def test_the_reference_tells_the_options_apart():
     flips = {
         "norm_placement": ("pre", "after_sublayer"),
         "rope_scaling": (None, ROPE_SCALED),
+        "mlp": ("swiglu", "geglu"),
+        "scale_embeddings": (False, True),
+        "logit_softcap": (None, 2.0),
+        "attention": (AttentionOptions(), AttentionOptions(window=3)),
     }
+    for attention in (
+        AttentionOptions(softcap=1.0),
+        AttentionOptions(scale=0.5),
+        AttentionOptions(window=3, pattern=("global", "local")),
+    ):
+        flips[f"attention={attention}"] = (AttentionOptions(), attention)
     for key, (one, other) in flips.items():
-        model = perturbed_model(config(**LLAMA, **{key: one}))
-        flipped = perturbed_model(config(**LLAMA, **{key: other}))
+        field = key.split("=")[0]
+        model = perturbed_model(config(**{**LLAMA, "n_layers": 2, field: one}))
+        flipped = perturbed_model(config(**{**LLAMA, "n_layers": 2, field: other}))
         flipped.load_state_dict(model.state_dict())
         with torch.no_grad():
             moved = (Reference(model).logits(tokens) - Reference(flipped).logits(tokens)).abs()
@@ -501,6 +573,178 @@ def test_after_sublayer_differs_from_pre_with_the_same_weights(style):
         want = x1 + pre_block.mlp(pre_block.mlp_norm(x1))
         torch.testing.assert_close(pre_block(x), want, atol=1e-6, rtol=1e-5)
         assert (after(tokens) - pre(tokens)).abs().max() > 0.1
+
+
+# -- Gemma's options -------------------------------------------------------------------------------
+
+
+def gelu_tanh(a: torch.Tensor) -> torch.Tensor:
+    return 0.5 * a * (1 + torch.tanh(math.sqrt(2 / math.pi) * (a + 0.044715 * a**3)))
+
+
+def test_geglu_is_w2_of_gelu_of_w1_times_w3():
+    cfg = config(**{**LLAMA, "mlp": "geglu", "mlp_bias": True})
+    assert cfg.hidden_size == 96  # gated: 8 d / 3 = 85 rounded up to a multiple of 16
+    mlp = perturbed_model(cfg).blocks["0"].mlp
+    assert isinstance(mlp, transformer.MLP) and mlp.w3 is not None
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+    w = {name: getattr(mlp, name) for name in ("w1", "w2", "w3")}
+    with torch.no_grad():
+        hidden = gelu_tanh(x @ w["w1"].weight.T + w["w1"].bias) * (
+            x @ w["w3"].weight.T + w["w3"].bias
+        )
+        want = hidden @ w["w2"].weight.T + w["w2"].bias
+        got = mlp(x)
+        swiglu = mlp.w2(torch.nn.functional.silu(mlp.w1(x)) * mlp.w3(x))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert (got - swiglu).abs().max() > 1e-2
+
+
+def test_sandwich_block_normalises_each_branch_before_and_after():
+    """x + attn_out_norm(attn(attn_norm(x))), then h + mlp_out_norm(mlp(mlp_norm(h))): four
+    RMSNorms of their own (weights perturbed apart), Gemma 2's and 3's block."""
+    model = perturbed_model(config(**GEMMA))
+    block = model.blocks["0"]
+    assert isinstance(block, Block)
+    names = {"attn_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm"}
+    assert names <= {name for name, _ in block.named_children()}
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(5))
+    rope = (model.rope_cos[:9][None, :, None], model.rope_sin[:9][None, :, None])
+    norm = {n: lambda y, n=n: rms_norm(y, getattr(block, n).weight, 1e-5) for n in names}
+    with torch.no_grad():
+        got = block(x, rope)
+        h = x + norm["attn_out_norm"](block.attn(norm["attn_norm"](x), rope, None, None, 0))
+        want = h + norm["mlp_out_norm"](block.mlp(norm["mlp_norm"](h)))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # the TP plan places the extra norms (alike), which a model without them leaves out
+    plan = model.tp_plan()
+    assert plan["blocks.*.attn_out_norm"] == plan["blocks.*.mlp_out_norm"]
+    assert "blocks.*.attn_out_norm" not in Transformer(config(**LLAMA)).tp_plan()
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_scale_embeddings_multiplies_the_embeddings_by_sqrt_d_model(positions):
+    style = LLAMA if positions == "rope" else GPT2
+    scaled = perturbed_model(config(**style, scale_embeddings=True))
+    plain = Transformer(config(**style)).eval()
+    plain.load_state_dict(scaled.state_dict())
+    tokens = tokens_for(2, 7)
+    seen = []
+    for model in (scaled, plain):
+        model.blocks["0"].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+        with torch.no_grad():
+            model(tokens)
+    emb = scaled.tok_emb.weight[tokens]
+    pos = 0 if positions == "rope" else scaled.pos_emb.weight[:7]
+    torch.testing.assert_close(seen[0], emb * math.sqrt(32) + pos, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(seen[1], emb + pos, atol=0, rtol=0)
+
+
+def test_logit_softcap_caps_the_logits_and_refuses_a_head_fn():
+    capped = perturbed_model(config(**LLAMA, logit_softcap=2.0))
+    raw_model = Transformer(config(**LLAMA)).eval()
+    raw_model.load_state_dict(capped.state_dict())
+    tokens = tokens_for(2, 9)
+    with torch.no_grad():
+        got, raw = capped(tokens), raw_model(tokens)
+    assert raw.abs().max() > 2.0  # the cap bites
+    assert got.abs().max() < 2.0
+    torch.testing.assert_close(got, 2.0 * torch.tanh(raw / 2.0), atol=1e-6, rtol=1e-6)
+    # a loss that runs the output projection itself would skip the cap
+    assert not capped.describe().takes_head_fn and raw_model.describe().takes_head_fn
+    with pytest.raises(ValueError, match="soft-capped logits need the output projection"):
+        capped(tokens, head_fn=lambda h, w: h @ w.T)
+
+
+def attention_by_hand(attn: Attention, x: torch.Tensor, scale: float, softcap: float | None):
+    """Causal grouped-query attention written out: scores scaled, soft-capped, masked."""
+    B, T, _ = x.shape
+    heads = lambda y: y.view(B, T, -1, attn.head_dim).transpose(1, 2)  # noqa: E731
+    q, k, v = heads(attn.wq(x)), heads(attn.wk(x)), heads(attn.wv(x))
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    y = scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+    return attn.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+@pytest.mark.parametrize("softcap", [None, 0.5])
+@pytest.mark.parametrize("scale", [None, 0.8])
+def test_attention_softcap_and_scale_equal_attention_by_hand(softcap, scale):
+    """`attention.softcap` passes the scores through softcap * tanh(score / softcap) (the dense
+    path writes the attention out); `attention.scale` replaces 1/sqrt(head_dim)."""
+    cfg = config(**GEMMA, attention=AttentionOptions(softcap=softcap, scale=scale))
+    assert cfg.attention_scale == scale
+    attn = perturbed_model(cfg).blocks["0"].attn
+    x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = attn(x, None, None, None, 0)
+        want = attention_by_hand(attn, x, scale or 1 / math.sqrt(cfg.head_dim), softcap)
+        plain = attention_by_hand(attn, x, 1 / math.sqrt(cfg.head_dim), None)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    # each option moves the output: the check can fail
+    assert ((got - plain).abs().max() > 1e-3) == (softcap is not None or scale is not None)
+
+
+def test_local_rope_base_gives_local_blocks_their_own_table():
+    """Gemma 3: local blocks rotate with `local_rope_base`, unscaled; global blocks with
+    `rope_base`, scaled (here linearly by 4). Each block gets its table in the forward."""
+    cfg = config(**GEMMA3, n_layers=3, max_seq_len=16)
+    model = perturbed_model(cfg)
+    hd, positions = cfg.head_dim, torch.arange(16, dtype=torch.float64)[:, None]
+    local = torch.tensor([1e4 ** (-2 * i / hd) for i in range(hd // 2)], dtype=torch.float64)
+    glob = torch.tensor([1e6 ** (-2 * i / hd) / 4 for i in range(hd // 2)], dtype=torch.float64)
+    torch.testing.assert_close(
+        model.local_rope_cos.double(), (positions * local).cos(), atol=2e-6, rtol=0
+    )
+    torch.testing.assert_close(
+        model.local_rope_sin.double(), (positions * local).sin(), atol=2e-6, rtol=0
+    )
+    torch.testing.assert_close(model.rope_cos.double(), (positions * glob).cos(), atol=2e-6, rtol=0)
+    torch.testing.assert_close(model.rope_sin.double(), (positions * glob).sin(), atol=2e-6, rtol=0)
+    assert [model.local_rope(i) for i in range(3)] == [False, True, False]
+    # the tables each block is handed: (cos, sin) at positions 0..6
+    handed = {}
+
+    def keep(name: str):
+        def hook(module, args) -> None:
+            handed[name] = args[1]
+
+        return hook
+
+    for name, block in model.blocks.items():
+        block.register_forward_pre_hook(keep(name))
+    with torch.no_grad():
+        model(tokens_for(1, 7))
+    for name, table in (("0", glob), ("1", local), ("2", glob)):
+        cos, sin = handed[name]
+        angles = positions[:7] * table
+        torch.testing.assert_close(cos[0, :, 0].double(), angles.cos(), atol=2e-6, rtol=0)
+        torch.testing.assert_close(sin[0, :, 0].double(), angles.sin(), atol=2e-6, rtol=0)
+    # not persistent: computed from the options, not kept in a checkpoint
+    assert not {"local_rope_cos", "local_rope_sin"} & set(model.state_dict())
+
+
+def test_without_a_local_base_every_block_rotates_with_the_scaled_table():
+    cfg = config(**LLAMA, attention=AttentionOptions(window=3, pattern=("local", "global")),
+                 n_layers=2, rope_scaling=RopeScaling(kind="linear", factor=4.0))  # fmt: skip
+    model = Transformer(cfg)
+    assert not hasattr(model, "local_rope_cos") and not model.local_rope(0)
+    scaled = rope_frequencies(cfg)
+    torch.testing.assert_close(rope_frequencies(cfg, local=True) / 4, scaled, atol=0, rtol=1e-6)
+
+
+def test_linear_rope_scaling_divides_the_frequencies_by_the_factor():
+    cfg = config(**LLAMA, d_model=64, rope_scaling=RopeScaling(kind="linear", factor=4.0))
+    torch.testing.assert_close(rope_frequencies(cfg).double(), PLAIN / 4, rtol=1e-6, atol=0)
+    # i.e. position p turns as p / 4 did: the table at 4p is the unscaled one at p
+    model = Transformer(cfg)
+    unscaled = Transformer(config(**LLAMA, d_model=64))
+    torch.testing.assert_close(model.rope_cos[::4], unscaled.rope_cos[:8], atol=2e-6, rtol=0)
+    torch.testing.assert_close(model.rope_sin[::4], unscaled.rope_sin[:8], atol=2e-6, rtol=0)
 
 
 # -- rope_scaling ---------------------------------------------------------------------------------
