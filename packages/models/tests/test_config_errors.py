@@ -6,7 +6,14 @@ import attrs
 import pytest
 import torch
 
-from llmtrain.core_mesh.config import Choice, ConfigError, ConfigValueError, structure
+from llmtrain.core_mesh.config import (
+    Choice,
+    ConfigError,
+    ConfigValueError,
+    format_path,
+    load_config,
+    structure,
+)
 from llmtrain.core_mesh.conformance import protocol_mismatches
 from llmtrain.core_mesh.interfaces import ModelOptions
 from llmtrain.core_mesh.plugins import PluginManager
@@ -225,3 +232,80 @@ def test_numbers_that_cannot_train_are_refused_at_their_path(plugins, key, value
         structure({"model": {"kind": "tiny", key: value}}, Schema, plugins=plugins)
     assert [p.path for p in info.value.problems] == [("model", key)]
     assert says in str(info.value)
+
+
+# -- attention options and Gemma's: refused in one line that names the field ---------------------
+
+WINDOWED = {"window": 16}
+# name: (the model's options over `kind: tiny` (2 layers, max_seq_len 256), the field, words)
+ATTENTION_ERRORS = {
+    "pattern-entry": ({"attention": {**WINDOWED, "pattern": ["local", "sliding"]}}, "attention.pattern", "list of local and global"),
+    "pattern-empty": ({"attention": {**WINDOWED, "pattern": []}}, "attention.pattern", "list of local and global"),
+    "pattern-longer-than-n_layers": ({"attention": {**WINDOWED, "pattern": ["local", "global", "local"]}}, "attention.pattern", "3 entries for 2 layers"),
+    "window-is-max_seq_len": ({"attention": {"window": 256}}, "attention.window", "covers the whole context"),
+    "window-past-max_seq_len": ({"attention": {"window": 1000}}, "attention.window", "covers the whole context"),
+    "window-0": ({"attention": {"window": 0}}, "attention.window", "at least 1"),
+    "local_rope_base-without-window": ({"attention": {"local_rope_base": 10000.0}}, "attention.local_rope_base", "needs positions: rope and attention.window"),
+    "local_rope_base-without-rope": ({"positions": "learned", "attention": {**WINDOWED, "local_rope_base": 10000.0}}, "attention.local_rope_base", "needs positions: rope and attention.window"),
+    "local_rope_base-1": ({"attention": {**WINDOWED, "local_rope_base": 1.0}}, "attention.local_rope_base", "above 1"),
+    "scale-with-mup": ({"parametrization": "mup", "attention": {"scale": 0.125}}, "attention.scale", "µP sets the attention scale"),
+    "scale-0": ({"attention": {"scale": 0.0}}, "attention.scale", "positive number"),
+    "softcap-0": ({"attention": {"softcap": 0.0}}, "attention.softcap", "positive number"),
+    "softcap-negative": ({"attention": {"softcap": -50.0}}, "attention.softcap", "positive number"),
+    "logit_softcap-0": ({"logit_softcap": 0.0}, "logit_softcap", "positive number"),
+    "logit_softcap-negative": ({"logit_softcap": -30.0}, "logit_softcap", "positive number"),
+    "llama3-without-original": ({"rope_scaling": {"factor": 8.0}}, "rope_scaling.original_max_seq_len", "kind llama3 needs the context"),
+    "rope_scaling-kind": ({"rope_scaling": {"kind": "yarn", "factor": 8.0}}, "rope_scaling.kind", "llama3"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("options", "field", "words"), ATTENTION_ERRORS.values(), ids=ATTENTION_ERRORS.keys()
+)
+def test_attention_options_that_cannot_run_are_one_line_naming_the_field(
+    plugins, options, field, words
+):
+    with pytest.raises(ConfigError) as info:
+        structure({"model": {"kind": "tiny", **options}}, Schema, plugins=plugins)
+    assert [format_path(p.path) for p in info.value.problems] == [f"model.{field}"]
+    message = str(info.value)
+    assert message.startswith(f"model.{field}: ") and "\n" not in message
+    assert words in message
+
+
+def test_the_attention_options_that_run(plugins):
+    """What the refusals leave: a window below max_seq_len, a pattern as long as the model,
+    the local base with a window and RoPE, linear scaling without an original length."""
+    raw = {
+        "kind": "tiny",
+        "attention": {"window": 255, "pattern": ["global", "local"], "local_rope_base": 1e4},
+        "rope_scaling": {"kind": "linear", "factor": 8.0},
+        "logit_softcap": 30.0,
+    }
+    options = structure({"model": raw}, Schema, plugins=plugins).model.options
+    assert options.attention.window_of(0) is None and options.attention.window_of(1) == 255
+    assert options.rope_scaling.kind == "linear" and options.rope_scaling.factor == 8.0
+    assert options.rope_scaling.original_max_seq_len is None
+
+
+# the options whose check spans fields (TransformerConfig's own): where they sit in a file
+LOCATED = {
+    "pattern-longer-than-n_layers": ("  attention:\n    window: 16\n    pattern: [local, global, local]\n", ("attention", "pattern"), 6),
+    "window-is-max_seq_len": ("  attention:\n    window: 256\n", ("attention", "window"), 5),
+    "local_rope_base-without-window": ("  attention:\n    local_rope_base: 10000.0\n", ("attention", "local_rope_base"), 5),
+    "scale-with-mup": ("  parametrization: mup\n  attention:\n    scale: 0.125\n", ("attention", "scale"), 6),
+    "softcap-0": ("  attention:\n    softcap: 0.0\n", ("attention", "softcap"), 5),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("yaml", "path", "line"), LOCATED.values(), ids=LOCATED.keys())
+def test_an_attention_refusal_points_at_its_line(plugins, tmp_path, yaml, path, line):
+    """Through the YAML loader, the problem's path is the key's (model, attention, <field>)
+    and its `file:line` the line of that key, as for every other option."""
+    config = tmp_path / "run.yaml"
+    config.write_text("model:\n  kind: tiny\n  n_layers: 2\n" + yaml)
+    with pytest.raises(ConfigError) as info:
+        load_config(config, Schema, plugins=plugins)
+    [problem] = info.value.problems
+    assert (problem.where, problem.path) == (f"{config}:{line}", ("model", *path))
+    assert str(info.value).startswith(f"{config}:{line}: model.{'.'.join(path)}: ")
