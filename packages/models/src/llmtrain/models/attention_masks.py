@@ -222,12 +222,6 @@ class AttentionMask:
             allowed = allowed & fn(self.rows, b, q, k)
         return allowed
 
-    def mask_mod(
-        self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-    ) -> torch.Tensor:
-        """FlexAttention's form (indices are positions where `rows.identity`)."""
-        return self.allows(b, q_idx, kv_idx)
-
     def dense(self) -> torch.Tensor:
         """The (B or 1, 1, Tq, Tk) boolean mask (True = may attend) for SDPA."""
         if self._dense is not None:
@@ -273,7 +267,13 @@ def block_mask(mask: AttentionMask, block_size: int) -> BlockMask:
     if any(t is None for t in tiled):
         build = _compiled_create_block_mask() if rows.q_pos.is_cuda else create_block_mask
         return build(
-            mask.mask_mod, rows.batch, None, T, T, device=rows.q_pos.device, BLOCK_SIZE=block_size
+            _padding_safe(mask, T),
+            rows.batch,
+            None,
+            T,
+            T,
+            device=rows.q_pos.device,
+            BLOCK_SIZE=block_size,
         )
     n = -(-T // block_size)
     device = rows.q_pos.device

@@ -215,12 +215,12 @@ class TransformerConfig:
         pattern = self.attention.pattern
         if len(pattern) > self.n_layers:
             raise ConfigValueError(
-                "attention.pattern",
+                ("attention", "pattern"),
                 f"has {len(pattern)} entries for {self.n_layers} layers; give at most one a layer",
             )
         if self.attention.window is not None and self.attention.window >= self.max_seq_len:
             raise ConfigValueError(
-                "attention.window",
+                ("attention", "window"),
                 f"{self.attention.window} covers the whole context (max_seq_len "
                 f"{self.max_seq_len}); set it below max_seq_len, or null for global attention",
             )
@@ -228,13 +228,13 @@ class TransformerConfig:
             self.positions != "rope" or self.attention.window is None
         ):
             raise ConfigValueError(
-                "attention.local_rope_base",
+                ("attention", "local_rope_base"),
                 "is the RoPE base of windowed blocks: it needs positions: rope and "
                 "attention.window",
             )
         if self.attention.scale is not None and self.parametrization == "mup":
             raise ConfigValueError(
-                "attention.scale", "µP sets the attention scale itself; remove one of them"
+                ("attention", "scale"), "µP sets the attention scale itself; remove one of them"
             )
         if self.mup_base_width < 1:
             raise ConfigValueError(
