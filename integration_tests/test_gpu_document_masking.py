@@ -17,13 +17,13 @@ pytestmark = [
 VOCAB, T, B = 512, 1024, 2
 
 
-def _model(compile_blocks: bool = False, max_seq_len: int = T):
+def _model(compile_blocks: bool = False, max_seq_len: int = T, **options):
     from llmtrain.models.presets import preset_config
     from llmtrain.models.transformer import build_model
 
     cfg = preset_config(
         "tiny", vocab_size=VOCAB, d_model=256, n_heads=4, n_kv_heads=2, n_layers=2,
-        max_seq_len=max_seq_len, doc_masking=True, init_std=0.05,
+        max_seq_len=max_seq_len, doc_masking=True, init_std=0.05, **options,
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -100,29 +100,6 @@ def test_document_mask_memory_is_flat_in_t():
     assert peaks["documents"] - peaks["causal"] < dense_mask_bytes / 8, peaks
 
 
-def _windowed_model(compile_blocks: bool, softcap: float | None):
-    from llmtrain.core_mesh.config import structure
-    from llmtrain.models.config import TransformerConfig
-    from llmtrain.models.transformer import build_model
-
-    cfg = structure(
-        dict(
-            vocab_size=VOCAB, max_seq_len=T, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2,
-            positions="rope", norm="rmsnorm", mlp="swiglu", bias=False, doc_masking=True,
-            init_std=0.05, attention=dict(window=200, pattern=["local", "global"], softcap=softcap),
-        ),
-        TransformerConfig,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = build_model(cfg)
-    model.init_weights(torch.Generator(device="cuda").manual_seed(0))
-    if compile_blocks:
-        for block in model.blocks.values():
-            block.compile()
-    return model
-
-
 @pytest.mark.parametrize("softcap", [None, 20.0], ids=["window", "window_softcap"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled_blocks_bf16"])
 def test_flex_windows_equal_the_dense_mask_on_cuda(compiled, softcap, monkeypatch):
@@ -131,7 +108,8 @@ def test_flex_windows_equal_the_dense_mask_on_cuda(compiled, softcap, monkeypatc
     same functions give, logits and gradients."""
     from llmtrain.models import attention_masks
 
-    model = _windowed_model(compiled, softcap)
+    attention = dict(window=200, pattern=["local", "global"], softcap=softcap)
+    model = _model(compile_blocks=compiled, attention=attention)
     tokens, starts = _batch()
     masks = model._positions_and_masks(tokens, starts, None, 0, None, None, None)[1]
     assert len({id(m) for m in masks}) == 2 and all(m.block_mask is not None for m in masks)

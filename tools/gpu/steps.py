@@ -470,6 +470,22 @@ def dense_olmoe_active(ctx: Context) -> Step:
     )
 
 
+def two_rank_commands(
+    ctx: Context, gpu: Path, cpu_model: dict, name: str, mesh: dict
+) -> list[list[str]]:
+    """`llmtrain run` of the config at `gpu` under torchrun on 2 GPUs; in the dry run, that
+    config validated and `cpu_model` run the same way on CPU (gloo, 2 processes)."""
+    torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    llmtrain = [*torchrun, "-m", "llmtrain"]
+    if not ctx.dry:
+        return [with_env(our_env(ctx), [*llmtrain, "run", str(gpu)])]
+    cpu = run_config(ctx, f"cpu-{name}", cpu_model, CPU_SHAPE, mesh=mesh)
+    cpu["training"]["peak_tflops"] = CPU_PEAK_TFLOPS
+    validate = [ctx.python, "-m", "llmtrain", "config", "validate", str(gpu)]
+    run = [*llmtrain, "run", str(write_config(ctx, cpu))]
+    return [validate, with_env({"OMP_NUM_THREADS": 1}, run)]
+
+
 def moe_ep2(ctx: Context) -> Step:
     """moe-olmoe with expert parallelism over 2 GPUs (mesh dp_shard 2, ep 2: each rank holds 32
     of every layer's 64 experts) under torchrun; skipped on a machine with fewer GPUs. The dry
@@ -477,18 +493,7 @@ def moe_ep2(ctx: Context) -> Step:
     name = "moe-ep2"
     mesh = {"dp_shard": 2, "ep": 2}
     gpu = write_config(ctx, run_config(ctx, name, OLMOE, OLMOE_SHAPE, mesh=mesh, **bf16()))
-    torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    llmtrain = [*torchrun, "-m", "llmtrain"]
-    if ctx.dry:
-        cpu = run_config(ctx, f"cpu-{name}", OLMOE_TINY, CPU_SHAPE, mesh=mesh)
-        cpu["training"]["peak_tflops"] = CPU_PEAK_TFLOPS
-        validate = [ctx.python, "-m", "llmtrain", "config", "validate", str(gpu)]
-        commands = [
-            validate,
-            with_env({"OMP_NUM_THREADS": 1}, [*llmtrain, "run", str(write_config(ctx, cpu))]),
-        ]
-    else:
-        commands = [with_env(our_env(ctx), [*llmtrain, "run", str(gpu)])]
+    commands = two_rank_commands(ctx, gpu, OLMOE_TINY, name, mesh)
     skip = ""
     if not ctx.dry and ctx.gpus < 2:
         skip = f"expert parallelism needs 2 GPUs; this machine has {ctx.gpus}"
@@ -644,18 +649,7 @@ def llama_cp2(ctx: Context, doc_masking: bool = False) -> Step:
         model["doc_masking"] = cpu_model["doc_masking"] = True
     mesh = {"cp": 2}
     gpu = write_config(ctx, run_config(ctx, name, model, LONG_SHAPE, mesh=mesh, **bf16()))
-    torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    llmtrain = [*torchrun, "-m", "llmtrain"]
-    if ctx.dry:
-        cpu = run_config(ctx, f"cpu-{name}", cpu_model, CPU_SHAPE, mesh=mesh)
-        cpu["training"]["peak_tflops"] = CPU_PEAK_TFLOPS
-        validate = [ctx.python, "-m", "llmtrain", "config", "validate", str(gpu)]
-        commands = [
-            validate,
-            with_env({"OMP_NUM_THREADS": 1}, [*llmtrain, "run", str(write_config(ctx, cpu))]),
-        ]
-    else:
-        commands = [with_env(our_env(ctx), [*llmtrain, "run", str(gpu)])]
+    commands = two_rank_commands(ctx, gpu, cpu_model, name, mesh)
     skip = ""
     if not ctx.dry and ctx.gpus < 2:
         skip = f"context parallelism over 2 GPUs; this machine has {ctx.gpus}"

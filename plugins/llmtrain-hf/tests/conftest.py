@@ -90,6 +90,14 @@ ROPE_FAMILY_CASES = {
 }
 
 
+def config_on_the_base(class_name: str, **fields):
+    """A transformers config of class `class_name` on the RoPE family's base shape, `fields`
+    set over it."""
+    import transformers
+
+    return getattr(transformers, class_name)(**{**ROPE_FAMILY_BASE, **fields})
+
+
 def rope_family_config(case: str, **overrides):
     """A small config of one of ROPE_FAMILY_CASES, on the same base shape as `llama_config`."""
     import transformers
@@ -205,6 +213,7 @@ def hf() -> SimpleNamespace:
         llama_config=llama_config,
         gpt2_config=gpt2_config,
         rope_family_config=rope_family_config,
+        config_on_the_base=config_on_the_base,
         rope_family_cases=tuple(ROPE_FAMILY_CASES),
         random_model=random_hf_model,
         save_dir=save_hf_dir,

@@ -47,22 +47,6 @@ NEW_TOKENS = 16
 # how far a Gemma norm weight w may come back from llmtrain's 1 + w (float32): half an ulp of 1
 GEMMA_NORM_ROUNDING = 2.0**-24
 
-# the shape every case shares: hidden 64, 2 layers, 4 heads / 2 kv heads, vocab 300
-BASE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=300,
-    max_position_embeddings=128,
-    rope_theta=50000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=None,
-)
 # case: (config class, what sets it apart, its architecture)
 CASES = {
     "mistral-window": ("MistralConfig", dict(head_dim=24, sliding_window=8), "MistralForCausalLM"),
@@ -195,18 +179,16 @@ def attention_of(architecture: str) -> str | None:
     return "eager" if architecture == "Gemma2ForCausalLM" else None
 
 
-def hf_config_of(case: str, **overrides):
-    import transformers
-
+def hf_config_of(hf, case: str, **overrides):
     class_name, specific, _ = CASES[case]
-    return getattr(transformers, class_name)(**{**BASE, **specific, **overrides})
+    return hf.config_on_the_base(class_name, **{**specific, **overrides})
 
 
 def random_model(hf, case: str, seed: int = 0):
     """A random transformers model of `case`; a Gemma's norm weights centred on 0, as Gemma's
     are (its norms multiply by 1 + weight)."""
     architecture = CASES[case][2]
-    model = hf.random_model(hf_config_of(case), seed, attention_of(architecture))
+    model = hf.random_model(hf_config_of(hf, case), seed, attention_of(architecture))
     if is_gemma(architecture):
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -318,12 +300,12 @@ def test_hf_import_then_hf_export_gives_back_the_same_directory(run_cli, hf, tmp
     assert_same_tensors(back.state_dict(), theirs.state_dict(), architecture)
 
 
-def test_qwen_slides_the_layers_from_max_window_layers_on():
+def test_qwen_slides_the_layers_from_max_window_layers_on(hf):
     """Qwen's layers at and past max_window_layers slide (the config's layer_types); a window
     as long as the context, or use_sliding_window false, is global attention."""
 
     def attention(**overrides):
-        config = hf_config_of("qwen2-window-from-layer-1", sliding_window=16, **overrides)
+        config = hf_config_of(hf, "qwen2-window-from-layer-1", sliding_window=16, **overrides)
         return options_from_hf(config).attention
 
     assert attention(max_window_layers=3) == AttentionOptions()
@@ -333,7 +315,7 @@ def test_qwen_slides_the_layers_from_max_window_layers_on():
     assert attention(max_window_layers=0) == AttentionOptions(window=16)
     assert attention(max_window_layers=0, use_sliding_window=False) == AttentionOptions()
     assert (
-        options_from_hf(hf_config_of("mistral-window", sliding_window=128)).attention
+        options_from_hf(hf_config_of(hf, "mistral-window", sliding_window=128)).attention
         == AttentionOptions()
     )
 
@@ -610,7 +592,7 @@ def test_llmtrain_options_without_equivalent_are_refused(cfg, architecture, mess
 def _scaled_local_layers(hf):
     """A Gemma 3 whose local layers' RoPE is scaled: transformers 5 can say it (rope_parameters
     by layer type), 4.x cannot; set on the config object as 5.x keeps it."""
-    config = hf_config_of("gemma3-linear-rope")
+    config = hf_config_of(hf, "gemma3-linear-rope")
     config.rope_parameters = {
         F: {"rope_type": "default", "rope_theta": 1e6},
         S: {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
@@ -622,16 +604,16 @@ def _scaled_local_layers(hf):
     ("make", "message"),
     [
         (
-            lambda hf: hf_config_of("gemma2", hidden_activation="gelu"),
+            lambda hf: hf_config_of(hf, "gemma2", hidden_activation="gelu"),
             r"hidden_activation 'gelu': llmtrain's GeGLU is the tanh approximation of GELU",
         ),
         (
-            lambda hf: hf_config_of("gemma3-bias-untied", use_bidirectional_attention=True),
+            lambda hf: hf_config_of(hf, "gemma3-bias-untied", use_bidirectional_attention=True),
             r"use_bidirectional_attention: true \(an encoder's attention\); llmtrain's is causal",
         ),
         (
             lambda hf: hf_config_of(
-                "gemma3-linear-rope",
+                hf, "gemma3-linear-rope",
                 rope_scaling={
                     "rope_type": "llama3",
                     "factor": 8.0,
@@ -644,7 +626,7 @@ def _scaled_local_layers(hf):
         ),
         (
             lambda hf: hf_config_of(
-                "gemma3-linear-rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+                hf, "gemma3-linear-rope", rope_scaling={"rope_type": "dynamic", "factor": 2.0}
             ),
             r"rope_type 'dynamic' \(RoPE frequency scaling\) has no llmtrain equivalent",
         ),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
@@ -133,6 +133,11 @@ class AttentionOptions:
         return self.window
 
 
+def _as_attention(value: AttentionOptions | Mapping[str, Any]) -> AttentionOptions:
+    """`attention=` as options or as their fields (Python callers write a dict, as YAML does)."""
+    return value if isinstance(value, AttentionOptions) else AttentionOptions(**value)
+
+
 @attrs.frozen(kw_only=True)
 class TransformerConfig:
     # options that shape training, not the function the weights compute: a warm start from
@@ -182,7 +187,7 @@ class TransformerConfig:
     init_std: float = attrs.field(default=0.02, validator=_positive_float)
     scale_residual_init: bool = True
     doc_masking: bool = False
-    attention: AttentionOptions = attrs.field(factory=AttentionOptions)
+    attention: AttentionOptions = attrs.field(factory=AttentionOptions, converter=_as_attention)
     # Gemma: token embeddings are multiplied by sqrt(d_model) before the first block
     scale_embeddings: bool = False
     # Gemma 2: logits pass through `logit_softcap * tanh(logits / logit_softcap)`
