@@ -38,10 +38,13 @@ def programs_run(source: str) -> set[str]:
 
 def session_of(test_file: Path) -> str:
     """The nox session that runs a test file: the package's, `plugin-NAME`, `slurm` (the job
-    script's tests in packages/train-loop/tests_slurm) or integration."""
+    script's tests in packages/train-loop/tests_slurm), `gpu-kit` (tools/gpu/tests) or
+    integration."""
     parts = test_file.relative_to(ROOT).parts
     if parts[0] == "packages" and parts[2] == "tests_slurm":
         return "slurm"
+    if parts[:3] == ("tools", "gpu", "tests"):
+        return "gpu-kit"
     if parts[0] == "packages":
         return parts[1]
     if parts[0] == "plugins":
@@ -55,6 +58,7 @@ def sources_of_tests() -> list[Path]:
         *ROOT.glob("packages/*/tests_slurm"),
         *ROOT.glob("plugins/*/tests"),
         ROOT / "integration_tests",
+        ROOT / "tools" / "gpu" / "tests",
     ]
     return sorted(path for root in roots for path in root.rglob("*.py"))
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-KIT = Path(__file__).resolve().parents[1] / "tools" / "gpu"
+KIT = Path(__file__).resolve().parents[1]
 RUNNER = KIT / "runner.py"
 STEPS = [
     "install", "data", "gpu-tests", "bench-model", "bench-parallel", "gpt2-run", "gpt2-syncs",
