@@ -77,7 +77,8 @@ def test_dry_run_passes_every_step(tmp_path):
         runs["moe-ep2"]["mfu"] > 0 and runs["moe-ep2"]["flops_per_token"] == moe["flops_per_token"]
     )
     versus = report["side_by_side"]["moe_vs_dense"]
-    assert versus["ratio"] == pytest.approx(moe["mfu"] / dense["mfu"], rel=1e-3)
+    # the report rounds ratios to 4 decimals (CPU contention can make this one small)
+    assert versus["ratio"] == pytest.approx(moe["mfu"] / dense["mfu"], abs=5e-5)
     assert versus["goal"] == 0.6 and versus["met"] == (versus["ratio"] >= 0.6)
     assert (
         "MoE MFU / dense MFU (moe-olmoe / dense-olmoe-active)"
@@ -114,7 +115,7 @@ def test_dry_run_passes_every_step(tmp_path):
     assert causal["flops_per_token"] - window["flops_per_token"] == 12 * 2 * 64 * (32 - 8)
     pairs = {p["step"]: p for p in report["side_by_side"]["long_context"]}
     assert pairs["llama-window-8k"]["ratio"] == pytest.approx(
-        window["tokens_per_s"] / causal["tokens_per_s"], rel=1e-3
+        window["tokens_per_s"] / causal["tokens_per_s"], abs=5e-5
     )
     assert pairs["llama-cp2-docmask"]["reference"] == "llama-cp2-8k"
     assert pairs["llama-cp2-docmask"]["ratio"] > 0

@@ -22,6 +22,7 @@ import base64
 import binascii
 import functools
 import json
+import os
 import random
 import re
 import time
@@ -34,6 +35,7 @@ import structlog
 import torch
 import torch.distributed as dist
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -553,9 +555,17 @@ class Checkpointer:
             self.prune()
 
     def _write(self, path: str, data: bytes) -> None:
+        """The file appears whole or not at all. An object store puts whole objects; a local
+        disk gets it under a temporary name, renamed into place, since a SIGKILL between
+        creating and writing it would leave it empty (an empty COMMITTED is a damaged commit
+        the next resume stops at)."""
         self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)  # a no-op on object storage
-        with naming_file(path), self.fs.open(path, "wb") as f:
+        local = isinstance(self.fs, LocalFileSystem)
+        written = f"{path}.partial" if local else path
+        with naming_file(path), self.fs.open(written, "wb") as f:
             f.write(data)
+        if local:
+            os.replace(written, path)
 
     def _written_from_storage(self, step: int) -> dict[str, FileEntry]:
         """The manifest entries of the metadata and data files as stored, for a save whose
