@@ -1,5 +1,5 @@
 """Document masking without a dense mask: the BlockMask's tiles, FlexAttention against the dense
-SDPA reference (eager and compiled), the mask's memory, and the paths that keep SDPA.
+SDPA reference (eager; compiled in test_attention_masks.py), the mask's memory, and the paths that keep SDPA.
 
 FlexAttention runs on CUDA only (CPU FlexAttention has no backward), so these tests switch it on
 for CPU (`flex_on`) and compare forward logits under no_grad; gradients through the CUDA kernel
@@ -224,27 +224,7 @@ def test_doc_masking_equals_explicit_positions_and_mask_with_gradients(heads):
         torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-@pytest.mark.slow
-def test_compiled_flex_equals_the_dense_mask_without_recompiling(monkeypatch):
-    """Compiled per block as `parallel.compile` does: inductor's FlexAttention kernel (which skips
-    empty tiles and applies no mask inside full ones) gives the dense logits, and a batch with
-    other documents reuses the compiled graph."""
-    model = seeded_model(GQA, doc_masking=True, n_layers=1)
-    tokens = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(3))
-    names = ("many", "length_1", "block_edges")
-    with torch.no_grad():
-        dense = [model(tokens, layout(name)) for name in names]
-        monkeypatch.setattr(attention_masks, "flex_runs_here", lambda x: True)
-        monkeypatch.setattr(attention_masks, "BLOCK_SIZE", 8)
-        torch._dynamo.reset()
-        for block in model.blocks.values():
-            block.compile(fullgraph=True)
-        compiled = [model(tokens, layout(names[0]))]
-        # the mask's tensors are graph inputs, not constants: other documents, same graph
-        with torch.compiler.set_stance("fail_on_recompile"):
-            compiled += [model(tokens, layout(name)) for name in names[1:]]
-    for got, want in zip(compiled, dense, strict=True):
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+# compiled per block: test_attention_masks.py's compiled test runs documents with a window
 
 
 # -- where SDPA stays ----------------------------------------------------------------------------
