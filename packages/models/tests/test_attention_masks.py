@@ -432,24 +432,41 @@ def test_softcap_and_windows_change_the_logits():
             assert (seeded_model(attention=options)(tokens) - plain).abs().max() > 1e-3, options
 
 
+# name: the model's options and whether forward gets prefix flags (the compositions compiled)
+COMPILED = {
+    "documents": (dict(doc_masking=True), False),
+    "window": (dict(attention=window(6)), False),
+    "documents+window+softcap": (dict(attention=window(6, softcap=0.5), doc_masking=True), False),
+    "prefix+documents+window": (dict(attention=window(6), doc_masking=True), True),
+}
+
+
 @pytest.mark.slow
-def test_compiled_flex_with_windows_equals_the_dense_path_without_recompiling(monkeypatch):
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_flex_equals_the_dense_path_without_recompiling(name, monkeypatch):
     """Compiled per block as `parallel.compile` does (inductor's FlexAttention kernel, which
-    skips empty tiles and applies no mask inside full ones): a windowed, soft-capped block
-    with documents gives the dense logits, and other documents reuse the compiled graph."""
-    model = seeded_model(n_layers=1, attention=window(6, softcap=0.5), doc_masking=True)
+    skips empty tiles and applies no mask inside full ones), each composition gives the dense
+    logits, and rows with other documents and prefixes reuse the compiled graph (the mask's
+    tensors are graph inputs, not constants)."""
+    options, with_prefix = COMPILED[name]
+    model = seeded_model(n_layers=1, **options)
     tokens = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(3))
-    layouts = [STARTS, doc_layout([37], [1] * 37), doc_layout([8, 8, 16, 5], [7, 9, 15, 6])]
+    rows = [([37], [1] * 37), ([8, 8, 16, 5], [7, 9, 15, 6])]
+    inputs = [dict(doc_starts=STARTS)] + [dict(doc_starts=doc_layout(*r)) for r in rows]
+    if with_prefix:  # islands of prefix, other ones in each batch
+        for seed, given in enumerate(inputs):
+            gen = torch.Generator().manual_seed(seed)
+            given["prefix"] = torch.rand(2, 37, generator=gen) < 0.3
     with torch.no_grad():
-        dense = [model(tokens, starts) for starts in layouts]
+        dense = [model(tokens, **given) for given in inputs]
         monkeypatch.setattr(attention_masks, "flex_runs_here", lambda x: True)
         monkeypatch.setattr(attention_masks, "BLOCK_SIZE", 8)
         torch._dynamo.reset()
         for block in model.blocks.values():
             block.compile(fullgraph=True)
-        compiled = [model(tokens, layouts[0])]
+        compiled = [model(tokens, **inputs[0])]
         with torch.compiler.set_stance("fail_on_recompile"):
-            compiled += [model(tokens, starts) for starts in layouts[1:]]
+            compiled += [model(tokens, **given) for given in inputs[1:]]
     for got, want in zip(compiled, dense, strict=True):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
