@@ -206,21 +206,30 @@ def ensure_programs(session: nox.Session, tests_of: str | None = None) -> None:
     session.run(*lock, *apt, external=True)
 
 
-# the GPU kit's own tests (tools/gpu): its CPU dry run of every step, and its reports; they
-# need every package, so the integration session runs them
-GPU_KIT_TESTS = ROOT / "tools" / "gpu" / "tests"
-
-
 @nox.session
 def integration(session: nox.Session) -> None:
     """All packages and plugins together: multi-process gloo, object storage, CLI end to end,
-    the HTML report in a headless browser; and the GPU kit's CPU dry run (tools/gpu/tests)."""
+    the HTML report in a headless browser."""
     install_everything(session)
     # the test model plugin that is not a Transformer (test_model_contract.py); its
     # dependencies are installed above
     session.install("--no-deps", str(TOY_LM))
     ensure_programs(session)
-    pytest(session, str(ROOT / "integration_tests"), str(GPU_KIT_TESTS), "-m", "not gpu")
+    pytest(session, str(ROOT / "integration_tests"), "-m", "not gpu")
+
+
+# the GPU kit's own tests (tools/gpu): its CPU dry run of every step, and its reports
+GPU_KIT_TESTS = ROOT / "tools" / "gpu" / "tests"
+
+
+@nox.session(name="gpu-kit")
+def gpu_kit(session: nox.Session) -> None:
+    """The GPU kit on CPU: `tools/gpu/runner.py --dry-run` builds the repo's wheels, installs
+    them and starts every step's CPU form (so the first GPU session does not die on a typo);
+    the steps' GPU configs and the merged report are checked from made-up figures."""
+    install_everything(session)
+    ensure_programs(session)
+    pytest(session, str(GPU_KIT_TESTS))
 
 
 # the SLURM job script's tests: a one-node cluster of its own (their conftest.py)
@@ -302,10 +311,10 @@ def units(session: nox.Session) -> None:
     session.log("lint, typecheck and every package and plugin session passed")
 
 
-@nox.session(python=False, requires=["units", "slurm", "integration"])
+@nox.session(python=False, requires=["units", "gpu-kit", "slurm", "integration"])
 def tests(session: nox.Session) -> None:
-    """The whole suite, one session after another: `units`, `slurm`, then integration. CI runs
-    the three side by side (.ci/run)."""
+    """The whole suite, one session after another: `units`, `gpu-kit`, `slurm`, then
+    integration. CI runs them in three lanes side by side (.ci/run)."""
     session.log("lint, every package and plugin session and integration passed")
 
 

@@ -38,11 +38,13 @@ def programs_run(source: str) -> set[str]:
 
 def session_of(test_file: Path) -> str:
     """The nox session that runs a test file: the package's, `plugin-NAME`, `slurm` (the job
-    script's tests in packages/train-loop/tests_slurm) or integration (with the GPU kit's
-    tools/gpu/tests)."""
+    script's tests in packages/train-loop/tests_slurm), `gpu-kit` (tools/gpu/tests) or
+    integration."""
     parts = test_file.relative_to(ROOT).parts
     if parts[0] == "packages" and parts[2] == "tests_slurm":
         return "slurm"
+    if parts[:3] == ("tools", "gpu", "tests"):
+        return "gpu-kit"
     if parts[0] == "packages":
         return parts[1]
     if parts[0] == "plugins":
